@@ -1,0 +1,25 @@
+# Set-up and the two jobs. Each target builds the virtual environment first, so one command does
+# everything on a fresh machine. Pins: torch 2.13.0 is the CPU build on disk; triton 3.6.0 is the
+# GPU machine's; numpy<2.3 because the Triton interpreter breaks on newer numpy.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0 triton==3.6.0 'numpy<2.3'
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m s2attn demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check s2attn tests benchmarks

@@ -1,0 +1,49 @@
+"""What every test module shares: the device, the dtypes to test on it, and one comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+# Under the Triton interpreter tl.dot on bf16 operands returns garbage, so bf16 runs on the GPU only.
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
+
+# Relative error (norm of the difference over the norm of the float32 reference) allowed per dtype.
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+gpu_only = pytest.mark.gpu
+skip_without_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    finite = torch.isfinite(expected)
+    if not torch.equal(torch.isfinite(actual), finite):
+        return float("inf")
+    diff = (actual - expected).masked_fill(~finite, 0)
+    ref = expected.masked_fill(~finite, 0)
+    denom = ref.norm().item()
+    num = diff.norm().item()
+    if denom == 0:
+        return num
+    return num / denom
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
+    """Fail unless ``actual`` is within REL_TOL[dtype] of ``expected``; print the error either way.
+
+    Non-finite entries (LSE -inf of rows that attend nothing) must match exactly in place and sign.
+    """
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert not torch.isnan(actual).any(), f"{what}: NaN in result (unwritten or invalid element)"
+    if not torch.equal(actual.isinf(), expected.isinf()) or not torch.equal(
+        actual[actual.isinf()], expected[expected.isinf()]
+    ):
+        raise AssertionError(f"{what}: infinities differ from the reference")
+    err = relative_error(actual, expected)
+    tol = REL_TOL[dtype]
+    print(f"{what}: relative error {err:.2e} (tolerance {tol:.0e}, {dtype})")
+    assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e} for {dtype}"
