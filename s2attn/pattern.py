@@ -114,7 +114,7 @@ class BlockPattern:
         return (
             f"BlockPattern(heads={self.num_heads}, q_blocks={self.num_q_blocks}, "
             f"kv_blocks={self.num_kv_blocks}, block_size={self.block_size}, causal={self.causal}, "
-            f"block_density={self.effective_block_mask().float().mean().item():.3f})"
+            f"density={self.density():.3f})"
         )
 
     def draw(self, head: int = 0, max_blocks: int = 64) -> str:
