@@ -46,6 +46,7 @@ class TileLayout:
 
     block_m: int
     block_n: int
+    causal: bool
     num_heads: int
     num_groups: int  # query tiles (forward) or KV tiles (backward) per head
     row_group: int  # query rows covered by one bit
@@ -157,6 +158,7 @@ def _build(
     return TileLayout(
         block_m=block_m,
         block_n=block_n,
+        causal=pattern.causal,
         num_heads=pattern.num_heads,
         num_groups=num_groups,
         full_offsets=_csr(key[full], total),

@@ -1,0 +1,22 @@
+"""s2attn: S2 (sparsely-sharded) attention, block-sparse per head and per context range, in Triton.
+
+On a CPU without a GPU, set ``TRITON_INTERPRET=1`` before importing s2attn to run the kernels under
+the Triton interpreter; without it, CPU calls use the exact dense-mask reference.
+"""
+
+from .attention import merge_partials, sparse_attention
+from .modules import SparseAttention
+from .pattern import BlockPattern, dense_pattern, local_stride_pattern
+from .reference import attention_reference
+
+__all__ = [
+    "BlockPattern",
+    "SparseAttention",
+    "attention_reference",
+    "dense_pattern",
+    "local_stride_pattern",
+    "merge_partials",
+    "sparse_attention",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,272 @@
+"""The functional entry point: validation, layout lookup, the autograd Function, exact merging.
+
+Everything a user calls goes through here; nothing above this module touches Triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import forward_layout
+from .ops import forward as _fwd
+from .pattern import BlockPattern
+from .reference import attention_reference
+
+__all__ = ["sparse_attention", "merge_partials"]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_cu_seqlens(
+    name: str, cu: torch.Tensor | None, total: int, device: torch.device
+) -> list[int]:
+    if cu is None:
+        raise ValueError(f"{name} is required for packed (3-D) inputs")
+    _check_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, but q is on {device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(
+            f"{name}[-1] = {values[-1]} disagrees with the packed tensor's {total} tokens"
+        )
+    return values
+
+
+def _validate(q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Check every user input; return (varlen, seq_q lengths, seq_k lengths, scale, head div)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if not isinstance(pattern, BlockPattern):
+        raise TypeError(f"pattern must be an s2attn.BlockPattern, got {type(pattern).__name__}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
+
+    varlen = q.dim() == 3
+    if varlen:
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 3:
+                raise ValueError(
+                    f"q is packed (total, heads, dim) but {name} has {t.dim()} dims, expected 3"
+                )
+    else:
+        if q.dim() != 4:
+            raise ValueError(
+                f"q must be (batch, seq, heads, dim) or packed (total, heads, dim), "
+                f"got shape {tuple(q.shape)}"
+            )
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise ValueError(
+                    f"q is (batch, seq, heads, dim) but {name} has shape {tuple(t.shape)}"
+                )
+            if t.shape[0] != q.shape[0]:
+                raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}")
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_q/cu_seqlens_k are only for packed (3-D) inputs")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k/v head dim {k.shape[-1]} differs from q's {head_dim}")
+    if not _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}], got {head_dim}")
+    num_heads, num_kv_heads = q.shape[-2], k.shape[-2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads}) for GQA/MQA"
+        )
+    if pattern.num_heads == num_heads:
+        head_div = 1
+    elif pattern.num_heads == num_kv_heads:
+        head_div = num_heads // num_kv_heads
+    else:
+        raise ValueError(
+            f"pattern has {pattern.num_heads} heads; expected the q heads ({num_heads}) "
+            f"or the k/v heads ({num_kv_heads})"
+        )
+
+    if varlen:
+        cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+        ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        if len(cq) != len(ck):
+            raise ValueError(
+                f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}"
+            )
+        lens_q = [b - a for a, b in zip(cq, cq[1:])]
+        lens_k = [b - a for a, b in zip(ck, ck[1:])]
+        for name, given, lens in (
+            ("max_seqlen_q", max_seqlen_q, lens_q),
+            ("max_seqlen_k", max_seqlen_k, lens_k),
+        ):
+            if given is not None and given < max(lens):
+                raise ValueError(f"{name}={given} is below the longest sequence, {max(lens)}")
+    else:
+        lens_q, lens_k = [q.shape[1]], [k.shape[1]]
+    for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq > sk:
+            raise ValueError(
+                f"sequence {i}: seq_q ({sq}) must be <= seq_k ({sk}); queries are aligned "
+                "bottom-right to the keys"
+            )
+    if max(lens_k) > pattern.max_seq_len:
+        raise ValueError(
+            f"sequence length {max(lens_k)} exceeds the pattern's max_seq_len "
+            f"{pattern.max_seq_len} ({pattern.num_q_blocks} x {pattern.num_kv_blocks} blocks of "
+            f"{pattern.block_size})"
+        )
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    return varlen, lens_q, lens_k, float(softmax_scale), head_div
+
+
+def _kernel_available(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and _fwd.INTERPRETED)
+
+
+class _SparseAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, scale, head_div, cu_q, cu_k, max_q, max_k):
+        out, lse = _fwd.forward(
+            q, k, v, layout,
+            softmax_scale=scale, pattern_head_div=head_div,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        )  # fmt: skip
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        raise NotImplementedError(
+            "s2attn: the backward pass of sparse_attention is not implemented yet; "
+            "run the forward under torch.no_grad() or use s2attn.attention_reference for gradients"
+        )
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: BlockPattern,
+    *,
+    softmax_scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention under ``pattern``, computed by a Triton kernel that skips dropped blocks.
+
+    Args:
+        q: (batch, seq_q, heads, dim), or packed (total_q, heads, dim) with ``cu_seqlens_q``.
+            float16, bfloat16 or float32; dim from 16 to 256. Any strides (e.g. slices of a packed
+            qkv tensor) are read in place.
+        k, v: (batch, seq_k, kv_heads, dim), or packed (total_k, kv_heads, dim); ``heads`` must be a
+            multiple of ``kv_heads`` (GQA/MQA). Same dtype and device as q.
+        pattern: a :class:`s2attn.BlockPattern` with ``heads`` or ``kv_heads`` heads, covering
+            ``seq_k`` (its top-left corner serves shorter sequences).
+        softmax_scale: defaults to ``1 / sqrt(dim)``.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths for packed inputs.
+        max_seqlen_q, max_seqlen_k: optional bounds on the packed lengths (checked if given).
+        return_lse: also return the float32 natural-log LSE per row.
+
+    Queries are aligned bottom-right when seq_q < seq_k (the last query sees the last key). A row
+    that attends nothing gets output 0 and LSE -inf.
+
+    Returns:
+        ``out`` shaped like q, in q's dtype; with ``return_lse`` also ``lse`` (batch, heads, seq_q),
+        or (heads, total_q) for packed inputs.
+
+    Example::
+
+        >>> pattern = s2attn.local_stride_pattern(32, 8192, 64, local_blocks=16, vert_stride=16)
+        >>> q, k, v = (torch.randn(1, 8192, 32, 128, device="cuda", dtype=torch.bfloat16)
+        ...            for _ in range(3))
+        >>> out = s2attn.sparse_attention(q, k, v, pattern)
+    """
+    varlen, lens_q, lens_k, scale, head_div = _validate(
+        q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
+    if not _kernel_available(q.device):
+        # No Triton backend here (CPU without the interpreter): the dense-mask reference is exact.
+        return attention_reference(
+            q, k, v, pattern, softmax_scale=scale,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, return_lse=return_lse,
+        )  # fmt: skip
+    block_m, block_n = _fwd.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
+    # A causal tile never lists KV tiles past its queries, so one layout serves every length;
+    # bidirectional tiles list everything, so crop the pattern to the longest sequence.
+    num_blocks = None if pattern.causal else math.ceil(max(lens_k) / pattern.block_size)
+    layout = forward_layout(pattern, block_m, block_n, q.device, num_blocks)
+    out, lse = _SparseAttentionFunction.apply(
+        q, k, v, layout, scale, head_div, cu_seqlens_q, cu_seqlens_k, max(lens_q), max(lens_k)
+    )
+    return (out, lse) if return_lse else out
+
+
+def merge_partials(
+    outs: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    lses: list[torch.Tensor] | tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention results computed over disjoint KV chunks into the result over their union.
+
+    Args:
+        outs: outputs of the chunks, each (batch, seq_q, heads, dim) or packed (total_q, heads, dim).
+        lses: their float32 LSEs, each (batch, heads, seq_q) or (heads, total_q), as returned by
+            ``sparse_attention(..., return_lse=True)``.
+
+    Returns ``(out, lse)``: out in the dtype of ``outs``, lse float32. Rows that attend nothing in
+    every chunk keep output 0 and LSE -inf. Differentiable.
+
+    Example::
+
+        >>> o1, l1 = sparse_attention(q, k[:, :n], v[:, :n], p1, return_lse=True)
+        >>> o2, l2 = sparse_attention(q, k[:, n:], v[:, n:], p2, return_lse=True)
+        >>> out, lse = merge_partials([o1, o2], [l1, l2])
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(
+            f"need one LSE per output and at least one of each, got {len(outs)} outs and "
+            f"{len(lses)} lses"
+        )
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        if o.shape != outs[0].shape:
+            raise ValueError(f"outs[{i}] has shape {tuple(o.shape)}, outs[0] {tuple(outs[0].shape)}")
+        expected = (o.shape[1], o.shape[0]) if o.dim() == 3 else (o.shape[0], o.shape[2], o.shape[1])
+        if o.dim() not in (3, 4) or tuple(lse.shape) != expected:
+            raise ValueError(
+                f"lses[{i}] has shape {tuple(lse.shape)}; for an output of shape "
+                f"{tuple(o.shape)} expected {expected}"
+            )
+    stacked = torch.stack([lse.float() for lse in lses])
+    lse = torch.logsumexp(stacked, dim=0)
+    # Rows empty everywhere: subtract 0 so exp(-inf - 0) = 0 weights instead of NaN.
+    weights = torch.exp(stacked - lse.masked_fill(lse == float("-inf"), 0.0))
+    out = sum(
+        w.transpose(-1, -2).unsqueeze(-1) * o.float() for w, o in zip(weights, outs)
+    )
+    return out.to(outs[0].dtype), lse

@@ -1,0 +1,352 @@
+"""Triton forward kernel for block-sparse attention over a compiled layout, and its launcher.
+
+One program computes one query tile (``BLOCK_M`` rows at absolute positions) of one (batch, head).
+It walks the tile's KV tiles from the forward layout in two loops chosen at compile time: the
+*full* entries with no mask at all, then the *partial* entries with the entry's bit mask, the
+causal rule and the key bounds. Scores live in base 2 (``exp2``), scaled once by
+``softmax_scale * log2(e)``; the LSE is written in natural log.
+
+The kernel knows layouts and strides only, never patterns.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import TileLayout
+
+__all__ = ["forward", "forward_tile_sizes", "INTERPRETED"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Tests set this so that every output element starts as NaN: one the kernel fails to write fails.
+_POISON_OUTPUTS = os.environ.get("S2ATTN_POISON_OUTPUTS") == "1"
+
+
+@triton.jit
+def _attend_entries(
+    acc,
+    l_i,
+    m_i,
+    q,
+    cols_ptr,
+    bits_ptr,
+    start,
+    end,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_kd,
+    stride_vs,
+    stride_vd,
+    rows_abs,
+    bitpos,
+    seq_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    CHECK_K_BOUNDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over the entries ``start..end`` of one tile's list.
+
+    MASKED entries apply their bit mask, causality and key bounds; the unmasked loop applies
+    nothing unless CHECK_K_BOUNDS (bidirectional tiles whose last KV tile may straddle seq_k).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for e in range(start, end):
+        n = tl.load(cols_ptr + e)
+        cols = n * BLOCK_N + offs_n
+        k_ok = cols < seq_k
+        k_ptrs = k_base + cols[None, :] * stride_ks + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        # Only the loads that can run past seq_k or the padded head dim carry a mask.
+        if MASKED or CHECK_K_BOUNDS:
+            if BLOCK_D == HEAD_DIM:
+                kt = tl.load(k_ptrs, mask=k_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+            else:
+                kt = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            if BLOCK_D == HEAD_DIM:
+                kt = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            bits = tl.load(bits_ptr + e)
+            keep = ((bits >> bitpos) & 1) != 0
+            keep = keep & k_ok[None, :]
+            if CAUSAL:
+                keep = keep & (rows_abs[:, None] >= cols[None, :])
+            s = tl.where(keep, s, float("-inf"))
+        elif CHECK_K_BOUNDS:
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED or CHECK_K_BOUNDS:
+            # A row with nothing visible so far keeps m = -inf; subtract 0 instead to avoid NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _forward_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    full_offsets,
+    full_cols,
+    partial_offsets,
+    partial_cols,
+    partial_bits,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    seqlen_q,
+    seqlen_k,
+    layout_tiles,
+    qk_scale,
+    NUM_HEADS: tl.constexpr,
+    GQA_GROUP: tl.constexpr,
+    PATTERN_HEAD_DIV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
+    COL_GROUP: tl.constexpr,
+    BITS_PER_ROW: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr,
+    CHECK_K_BOUNDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // NUM_HEADS
+    h = bh % NUM_HEADS
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q + b).to(tl.int64)
+        q_len = (tl.load(cu_seqlens_q + b + 1) - q_start).to(tl.int32)
+        k_start = tl.load(cu_seqlens_k + b).to(tl.int64)
+        k_len = (tl.load(cu_seqlens_k + b + 1) - k_start).to(tl.int32)
+    else:
+        q_start = 0
+        q_len = seqlen_q
+        k_start = 0
+        k_len = seqlen_k
+    # Queries are aligned bottom-right: query row r sits at absolute position r + q_offset.
+    q_offset = k_len - q_len
+    # Heaviest tiles first: program 0 takes the last tile, whose causal list is the longest.
+    tile = (k_len - 1) // BLOCK_M - tl.program_id(1)
+    if (q_len <= 0) | (tile < q_offset // BLOCK_M):
+        return
+
+    rows_abs = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = rows_abs - q_offset
+    row_ok = (rows >= 0) & (rows < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    kv_head = h // GQA_GROUP
+    q_base = Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + k_start * stride_vs + kv_head.to(tl.int64) * stride_vh
+    q = tl.load(
+        q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
+    # Bit of each (row, col) of a tile pair inside an entry's packed bit matrix.
+    bitpos = (
+        (tl.arange(0, BLOCK_M) // ROW_GROUP)[:, None] * BITS_PER_ROW
+        + (tl.arange(0, BLOCK_N) // COL_GROUP)[None, :]
+    ).to(tl.int64)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _attend_entries(
+        acc, l_i, m_i, q, full_cols, partial_bits,
+        tl.load(full_offsets + group), tl.load(full_offsets + group + 1),
+        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+        rows_abs, bitpos, k_len, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, CHECK_K_BOUNDS, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_entries(
+        acc, l_i, m_i, q, partial_cols, partial_bits,
+        tl.load(partial_offsets + group), tl.load(partial_offsets + group + 1),
+        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+        rows_abs, bitpos, k_len, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, CHECK_K_BOUNDS, DOT_PRECISION,
+    )  # fmt: skip
+
+    # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
+    lse = tl.where(empty, float("-inf"), lse)
+    o_base = Out + b.to(tl.int64) * stride_ob + q_start * stride_os + h.to(tl.int64) * stride_oh
+    tl.store(
+        o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od,
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+    l_base = Lse + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start * stride_ls
+    tl.store(l_base + rows * stride_ls, lse, mask=row_ok)
+
+
+def forward_tile_sizes(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(block_m, block_n) for the forward kernel.
+
+    128-row tiles give the tensor cores full-height MMAs and, with 64-token blocks, merge two query
+    blocks per tile (Merge-Q halves the KV traffic). 256-wide heads and fp32 halve the tile to stay
+    inside shared memory. Under the interpreter, large tiles mean fewer (slow) programs.
+    """
+    if device.type != "cuda":
+        return 64, 32
+    if dtype == torch.float32 or head_dim > 128:
+        return 64, 64 if head_dim <= 128 else 32
+    return 128, 64
+
+
+def _launch_options(head_dim: int, block_m: int, dtype: torch.dtype) -> dict[str, int]:
+    if head_dim > 128 or dtype == torch.float32:
+        return {"num_warps": 8, "num_stages": 2}
+    return {"num_warps": 8 if block_m >= 128 and head_dim > 64 else 4, "num_stages": 3}
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: TileLayout,
+    *,
+    softmax_scale: float,
+    pattern_head_div: int,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs.
+
+    Batched: q (batch, seq_q, heads, dim), k/v (batch, seq_k, kv_heads, dim); returns out like q and
+    lse float32 (batch, heads, seq_q). Varlen: q (total_q, heads, dim), k/v (total_k, kv_heads, dim)
+    with int32 cu_seqlens and the max lengths; lse is (heads, total_q). ``pattern_head_div`` maps a
+    query head to its layout head (1 for per-query-head layouts, the GQA group for per-KV-head ones).
+    """
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+    else:
+        q4, k4, v4 = q, k, v
+        batch = q.shape[0]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    num_heads, head_dim = q4.shape[2], q4.shape[3]
+    gqa_group = num_heads // k4.shape[2]
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if varlen:
+        lse = torch.empty((num_heads, q.shape[0]), dtype=torch.float32, device=q.device)
+        lse_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+        lse_strides = lse.stride()
+    if _POISON_OUTPUTS:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    if out.numel() == 0:
+        return out, lse
+    out4 = out.unsqueeze(0) if varlen else out
+
+    block_m, block_n = layout.block_m, layout.block_n
+    if varlen:
+        # The longest query run may start mid-tile (bottom-right alignment): one tile spare.
+        num_tiles = math.ceil(seqlen_q / block_m) + 1
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+        batch_strides = [0, 0, 0, 0]  # sequences are found through cu_seqlens
+    else:
+        num_tiles = (seqlen_k - 1) // block_m - (seqlen_k - seqlen_q) // block_m + 1
+        cu_q = cu_k = lse  # not read when not varlen
+        batch_strides = [q4.stride(0), k4.stride(0), v4.stride(0), out4.stride(0)]
+    check_k_bounds = not layout.causal and (varlen or seqlen_k % block_n != 0)
+    grid = (batch * num_heads, num_tiles)
+    _forward_kernel[grid](
+        q4, k4, v4, out4, lse,
+        layout.full_offsets, layout.full_cols,
+        layout.partial_offsets, layout.partial_cols, layout.partial_bits,
+        cu_q, cu_k,
+        batch_strides[0], *q4.stride()[1:], batch_strides[1], *k4.stride()[1:],
+        batch_strides[2], *v4.stride()[1:], batch_strides[3], *out4.stride()[1:], *lse_strides,
+        seqlen_q, seqlen_k, layout.num_groups, softmax_scale * LOG2E,
+        NUM_HEADS=num_heads,
+        GQA_GROUP=gqa_group,
+        PATTERN_HEAD_DIV=pattern_head_div,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ROW_GROUP=layout.row_group,
+        COL_GROUP=layout.col_group,
+        BITS_PER_ROW=layout.bits_per_row,
+        CAUSAL=layout.causal,
+        VARLEN=varlen,
+        CHECK_K_BOUNDS=check_k_bounds,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **_launch_options(head_dim, block_m, q.dtype),
+    )  # fmt: skip
+    return out, lse
+
+
+def _is_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_forward_kernel, InterpretedFunction)
+
+
+INTERPRETED = _is_interpreted()
