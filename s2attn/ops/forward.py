@@ -12,21 +12,25 @@ The kernel knows layouts and strides only, never patterns.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..layout import TileLayout
+from .common import (
+    LOG2E,
+    POISON_OUTPUTS,
+    as_batched,
+    dot_precision,
+    entry_bit_positions,
+    entry_keep,
+    lse_strides,
+    padded_head_dim,
+    sequence_bounds,
+)
 
 __all__ = ["forward", "forward_tile_sizes", "INTERPRETED"]
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-# Tests set this so that every output element starts as NaN: one the kernel fails to write fails.
-_POISON_OUTPUTS = os.environ.get("S2ATTN_POISON_OUTPUTS") == "1"
 
 
 @triton.jit
@@ -88,11 +92,7 @@ def _attend_entries(
                 v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
-            bits = tl.load(bits_ptr + e)
-            keep = ((bits >> bitpos) & 1) != 0
-            keep = keep & k_ok[None, :]
-            if CAUSAL:
-                keep = keep & (rows_abs[:, None] >= cols[None, :])
+            keep = entry_keep(tl.load(bits_ptr + e), bitpos, rows_abs, cols, k_ok, CAUSAL)
             s = tl.where(keep, s, float("-inf"))
         elif CHECK_K_BOUNDS:
             s = tl.where(k_ok[None, :], s, float("-inf"))
@@ -165,16 +165,9 @@ def _forward_kernel(
     bh = tl.program_id(0)
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + b).to(tl.int64)
-        q_len = (tl.load(cu_seqlens_q + b + 1) - q_start).to(tl.int32)
-        k_start = tl.load(cu_seqlens_k + b).to(tl.int64)
-        k_len = (tl.load(cu_seqlens_k + b + 1) - k_start).to(tl.int32)
-    else:
-        q_start = 0
-        q_len = seqlen_q
-        k_start = 0
-        k_len = seqlen_k
+    q_start, q_len, k_start, k_len = sequence_bounds(
+        b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN
+    )
     # Queries are aligned bottom-right: query row r sits at absolute position r + q_offset.
     q_offset = k_len - q_len
     # Heaviest tiles first: program 0 takes the last tile, whose causal list is the longest.
@@ -199,11 +192,7 @@ def _forward_kernel(
     )
 
     group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
-    # Bit of each (row, col) of a tile pair inside an entry's packed bit matrix.
-    bitpos = (
-        (tl.arange(0, BLOCK_M) // ROW_GROUP)[:, None] * BITS_PER_ROW
-        + (tl.arange(0, BLOCK_N) // COL_GROUP)[None, :]
-    ).to(tl.int64)
+    bitpos = entry_bit_positions(BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -280,55 +269,44 @@ def forward(
     """
     varlen = cu_seqlens_q is not None
     if varlen:
-        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
     else:
-        q4, k4, v4 = q, k, v
-        batch = q.shape[0]
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    num_heads, head_dim = q4.shape[2], q4.shape[3]
-    gqa_group = num_heads // k4.shape[2]
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if varlen:
-        lse = torch.empty((num_heads, q.shape[0]), dtype=torch.float32, device=q.device)
-        lse_strides = (0, lse.stride(0), lse.stride(1))
-    else:
-        lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
-        lse_strides = lse.stride()
-    if _POISON_OUTPUTS:
+    lse_shape = (num_heads, q.shape[0]) if varlen else (batch, num_heads, seqlen_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if POISON_OUTPUTS:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
     if out.numel() == 0:
         return out, lse
-    out4 = out.unsqueeze(0) if varlen else out
 
     block_m, block_n = layout.block_m, layout.block_n
     if varlen:
         # The longest query run may start mid-tile (bottom-right alignment): one tile spare.
         num_tiles = math.ceil(seqlen_q / block_m) + 1
         cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
-        batch_strides = [0, 0, 0, 0]  # sequences are found through cu_seqlens
     else:
         num_tiles = (seqlen_k - 1) // block_m - (seqlen_k - seqlen_q) // block_m + 1
         cu_q = cu_k = lse  # not read when not varlen
-        batch_strides = [q4.stride(0), k4.stride(0), v4.stride(0), out4.stride(0)]
-    check_k_bounds = not layout.causal and (varlen or seqlen_k % block_n != 0)
+    (q4, q_strides), (k4, k_strides) = as_batched(q, varlen), as_batched(k, varlen)
+    (v4, v_strides), (o4, o_strides) = as_batched(v, varlen), as_batched(out, varlen)
     grid = (batch * num_heads, num_tiles)
     _forward_kernel[grid](
-        q4, k4, v4, out4, lse,
+        q4, k4, v4, o4, lse,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         cu_q, cu_k,
-        batch_strides[0], *q4.stride()[1:], batch_strides[1], *k4.stride()[1:],
-        batch_strides[2], *v4.stride()[1:], batch_strides[3], *out4.stride()[1:], *lse_strides,
+        *q_strides, *k_strides, *v_strides, *o_strides, *lse_strides(lse, varlen),
         seqlen_q, seqlen_k, layout.num_groups, softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
-        GQA_GROUP=gqa_group,
+        GQA_GROUP=num_heads // k.shape[-2],
         PATTERN_HEAD_DIV=pattern_head_div,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         ROW_GROUP=layout.row_group,
@@ -336,8 +314,8 @@ def forward(
         BITS_PER_ROW=layout.bits_per_row,
         CAUSAL=layout.causal,
         VARLEN=varlen,
-        CHECK_K_BOUNDS=check_k_bounds,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CHECK_K_BOUNDS=not layout.causal and (varlen or seqlen_k % block_n != 0),
+        DOT_PRECISION=dot_precision(q.dtype),
         **_launch_options(head_dim, block_m, q.dtype),
     )  # fmt: skip
     return out, lse
