@@ -4,7 +4,7 @@ On a CPU without a GPU, set ``TRITON_INTERPRET=1`` before importing s2attn to ru
 the Triton interpreter; without it, CPU calls use the exact dense-mask reference.
 """
 
-from .attention import merge_partials, sparse_attention
+from .attention import merge_partials, sparse_attention, sparse_attention_qkvpacked
 from .modules import SparseAttention
 from .pattern import BlockPattern, dense_pattern, local_stride_pattern
 from .reference import attention_reference
@@ -17,6 +17,7 @@ __all__ = [
     "local_stride_pattern",
     "merge_partials",
     "sparse_attention",
+    "sparse_attention_qkvpacked",
 ]
 
 __version__ = "0.1.0"

@@ -6,15 +6,17 @@ Everything a user calls goes through here; nothing above this module touches Tri
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .layout import forward_layout
+from .layout import backward_layout, forward_layout
+from .ops import backward as _bwd
 from .ops import forward as _fwd
 from .pattern import BlockPattern
 from .reference import attention_reference
 
-__all__ = ["sparse_attention", "merge_partials"]
+__all__ = ["sparse_attention", "sparse_attention_qkvpacked", "merge_partials"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
@@ -148,22 +150,91 @@ def _kernel_available(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and _fwd.INTERPRETED)
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Everything about one call that is not a tensor the autograd graph tracks."""
+
+    pattern: BlockPattern
+    scale: float
+    head_div: int
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def lengths(self) -> dict:
+        return dict(
+            cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+        )  # fmt: skip
+
+    def forward(self, q, k, v):
+        block_m, block_n = _fwd.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        # A causal tile never lists KV tiles past its queries, so one layout serves every length;
+        # bidirectional tiles list everything, so crop the pattern to the longest sequence.
+        num_blocks = None if self.pattern.causal else self._num_blocks
+        layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks)
+        return _fwd.forward(
+            q, k, v, layout, softmax_scale=self.scale, pattern_head_div=self.head_div,
+            **self.lengths,
+        )  # fmt: skip
+
+    def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
+        (dkdv_m, dkdv_n), (dq_m, dq_n) = _bwd.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        # The per-KV-tile lists run to the end of the pattern even when causal: crop them.
+        dkdv_layout = backward_layout(self.pattern, dkdv_m, dkdv_n, q.device, self._num_blocks)
+        num_blocks = None if self.pattern.causal else self._num_blocks
+        dq_layout = forward_layout(self.pattern, dq_m, dq_n, q.device, num_blocks)
+        if grad_out is None:  # only the LSE was used
+            grad_out = torch.zeros_like(out)
+        return _bwd.backward(
+            grad_out, q, k, v, out, lse, grad_lse, dkdv_layout, dq_layout,
+            softmax_scale=self.scale, pattern_head_div=self.head_div, **self.lengths,
+            dq=dq, dk=dk, dv=dv,
+        )  # fmt: skip
+
+    @property
+    def _num_blocks(self) -> int:
+        return math.ceil(self.max_seqlen_k / self.pattern.block_size)
+
+
 class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale, head_div, cu_q, cu_k, max_q, max_k):
-        out, lse = _fwd.forward(
-            q, k, v, layout,
-            softmax_scale=scale, pattern_head_div=head_div,
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        )  # fmt: skip
+    def forward(ctx, q, k, v, call: _Call):
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError(
-            "s2attn: the backward pass of sparse_attention is not implemented yet; "
-            "run the forward under torch.no_grad() or use s2attn.attention_reference for gradients"
-        )
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.call.backward(grad_out, grad_lse, q, k, v, out, lse)
+        return dq, dk, dv, None
+
+
+class _PackedQKVFunction(torch.autograd.Function):
+    """q, k, v as slices of one (..., 3, heads, dim) tensor; the gradient comes back as one tensor
+    of that shape, written slice by slice by the kernels (no concatenation copy)."""
+
+    @staticmethod
+    def forward(ctx, qkv, call: _Call):
+        q, k, v = qkv.unbind(-3)
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        qkv, out, lse = ctx.saved_tensors
+        dqkv = torch.empty_like(qkv)
+        dq, dk, dv = dqkv.unbind(-3)
+        ctx.call.backward(grad_out, grad_lse, *qkv.unbind(-3), out, lse, dq=dq, dk=dk, dv=dv)
+        return dqkv, None
 
 
 def sparse_attention(
@@ -217,14 +288,56 @@ def sparse_attention(
             q, k, v, pattern, softmax_scale=scale,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, return_lse=return_lse,
         )  # fmt: skip
-    block_m, block_n = _fwd.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
-    # A causal tile never lists KV tiles past its queries, so one layout serves every length;
-    # bidirectional tiles list everything, so crop the pattern to the longest sequence.
-    num_blocks = None if pattern.causal else math.ceil(max(lens_k) / pattern.block_size)
-    layout = forward_layout(pattern, block_m, block_n, q.device, num_blocks)
-    out, lse = _SparseAttentionFunction.apply(
-        q, k, v, layout, scale, head_div, cu_seqlens_q, cu_seqlens_k, max(lens_q), max(lens_k)
+    call = _Call(pattern, scale, head_div, cu_seqlens_q, cu_seqlens_k, max(lens_q), max(lens_k))
+    out, lse = _SparseAttentionFunction.apply(q, k, v, call)
+    return (out, lse) if return_lse else out
+
+
+def sparse_attention_qkvpacked(
+    qkv: torch.Tensor,
+    pattern: BlockPattern,
+    *,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_attention` on a packed qkv tensor, whose gradient comes back packed.
+
+    Args:
+        qkv: (batch, seq, 3, heads, dim), or (total, 3, heads, dim) with ``cu_seqlens``; q, k, v
+            are read in place from its three slices.
+        pattern, softmax_scale, return_lse: as for :func:`sparse_attention`.
+        cu_seqlens, max_seqlen: int32 (batch + 1,) cumulative lengths for packed sequences, and an
+            optional bound on the longest.
+
+    Returns ``out`` (batch, seq, heads, dim) or (total, heads, dim), and with ``return_lse`` the
+    LSE. ``qkv.grad`` is written by the backward kernels slice by slice, with no concatenation.
+
+    Example::
+
+        >>> qkv = torch.randn(2, 4096, 3, 16, 128, device="cuda", dtype=torch.bfloat16,
+        ...                   requires_grad=True)
+        >>> out = s2attn.sparse_attention_qkvpacked(qkv, pattern)
+        >>> out.sum().backward()
+    """
+    _check_tensor("qkv", qkv)
+    if qkv.dim() not in (4, 5) or qkv.shape[-3] != 3:
+        raise ValueError(
+            "qkv must be (batch, seq, 3, heads, dim) or packed (total, 3, heads, dim), "
+            f"got shape {tuple(qkv.shape)}"
+        )
+    q, k, v = qkv.unbind(-3)
+    varlen, lens_q, lens_k, scale, head_div = _validate(
+        q, k, v, pattern, softmax_scale, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
     )
+    if not _kernel_available(qkv.device):
+        return attention_reference(
+            q, k, v, pattern, softmax_scale=scale,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, return_lse=return_lse,
+        )  # fmt: skip
+    call = _Call(pattern, scale, head_div, cu_seqlens, cu_seqlens, max(lens_q), max(lens_k))
+    out, lse = _PackedQKVFunction.apply(qkv, call)
     return (out, lse) if return_lse else out
 
 
