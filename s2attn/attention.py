@@ -18,7 +18,7 @@ from .reference import attention_reference
 
 __all__ = ["sparse_attention", "sparse_attention_qkvpacked", "merge_partials"]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
 
 

@@ -56,12 +56,12 @@ def _row_delta_kernel(
         Out + b.to(tl.int64) * stride_ob + h * stride_oh
         + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od,
         mask=mask, other=0.0,
-    ).to(tl.float32)  # fmt: skip
+    ).to(Delta.dtype.element_ty)  # fmt: skip
     do = tl.load(
         dOut + b.to(tl.int64) * stride_gb + h * stride_gh
         + rows[:, None].to(tl.int64) * stride_gs + offs_d[None, :] * stride_gd,
         mask=mask, other=0.0,
-    ).to(tl.float32)  # fmt: skip
+    ).to(Delta.dtype.element_ty)  # fmt: skip
     delta = tl.sum(o * do, axis=1)
     l_off = b.to(tl.int64) * stride_lb + h * stride_lh + rows.to(tl.int64) * stride_ls
     if HAS_DLSE:
@@ -83,6 +83,7 @@ def _dkdv_entries(
 
     Works on transposed scores (KV rows x query columns) so dK and dV come out row-major.
     """
+    ACC = dk.dtype
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -103,7 +104,7 @@ def _dkdv_entries(
         )  # fmt: skip
         lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
             # entry_keep's test, built transposed to skip a register shuffle.
@@ -112,10 +113,10 @@ def _dkdv_entries(
                 keep_t = keep_t & (q_abs[None, :] >= kv_abs[:, None])
             # Rows that attend nothing have LSE -inf, so p_t may be inf where keep_t is False.
             p_t = tl.where(keep_t, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dk, dv
 
 
@@ -165,8 +166,8 @@ def _dkdv_kernel(
     )  # fmt: skip
     # Bit positions transposed to (KV rows, query columns).
     bitpos_t = tl.trans(entry_bit_positions(BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW))
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
     for g in range(GQA_GROUP):
         h = kv_head * GQA_GROUP + g
         h64 = h.to(tl.int64)
@@ -214,6 +215,7 @@ def _dq_entries(
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dQ of one query tile over KV tiles ``start..end`` of its list."""
+    ACC = dq.dtype
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -233,16 +235,16 @@ def _dq_entries(
             v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd,
             mask=kv_mask, other=0.0,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             keep = entry_keep(tl.load(bits_ptr + e), bitpos, rows_abs, cols, k_ok, CAUSAL)
             p = tl.where(keep, p, 0.0)
         elif CHECK_K_BOUNDS:
             p = tl.where(k_ok[None, :], p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dq
 
 
@@ -299,7 +301,7 @@ def _dq_kernel(
     v_base = V + b64 * stride_vb + k_start * stride_vs + kh64 * stride_vh
     bitpos = entry_bit_positions(BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW)
     group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=Lse.dtype.element_ty)
     dq = _dq_entries(
         dq, q, do, lse, delta, cols_full, bits_partial,
         tl.load(offsets_full + group), tl.load(offsets_full + group + 1),
@@ -332,13 +334,13 @@ def backward_tile_sizes(
     """
     if device.type != "cuda":
         return (32, 64), (64, 32)
-    if dtype == torch.float32 or head_dim > 128:
+    if dtype.itemsize > 2 or head_dim > 128:
         return (32, 64), (64, 32)
     return (64, 64), (64, 64)
 
 
 def _launch_options(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    if head_dim > 128 or dtype == torch.float32:
+    if head_dim > 128 or dtype.itemsize > 2:
         return {"num_warps": 8, "num_stages": 1}
     return {"num_warps": 4 if head_dim <= 64 else 8, "num_stages": 2}
 

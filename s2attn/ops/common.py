@@ -66,7 +66,12 @@ def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 products; tf32 would cost them three decimal digits.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype.itemsize > 2 else "tf32"
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 LSE (and accumulators); float64 only for float64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -25,6 +25,7 @@ from .common import (
     dot_precision,
     entry_bit_positions,
     entry_keep,
+    lse_dtype,
     lse_strides,
     padded_head_dim,
     sequence_bounds,
@@ -66,6 +67,7 @@ def _attend_entries(
     MASKED entries apply their bit mask, causality and key bounds; the unmasked loop applies
     nothing unless CHECK_K_BOUNDS (bidirectional tiles whose last KV tile may straddle seq_k).
     """
+    ACC = acc.dtype
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -90,7 +92,7 @@ def _attend_entries(
             else:
                 kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
                 v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         if MASKED:
             keep = entry_keep(tl.load(bits_ptr + e), bitpos, rows_abs, cols, k_ok, CAUSAL)
             s = tl.where(keep, s, float("-inf"))
@@ -105,7 +107,7 @@ def _attend_entries(
         alpha = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -194,9 +196,10 @@ def _forward_kernel(
     group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
     bitpos = entry_bit_positions(BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Accumulate in the LSE's dtype: float32, or float64 for float64 inputs.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=Lse.dtype.element_ty)
+    l_i = tl.zeros([BLOCK_M], dtype=Lse.dtype.element_ty)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=Lse.dtype.element_ty)
     acc, l_i, m_i = _attend_entries(
         acc, l_i, m_i, q, full_cols, partial_bits,
         tl.load(full_offsets + group), tl.load(full_offsets + group + 1),
@@ -236,13 +239,13 @@ def forward_tile_sizes(head_dim: int, dtype: torch.dtype, device: torch.device) 
     """
     if device.type != "cuda":
         return 64, 32
-    if dtype == torch.float32 or head_dim > 128:
+    if dtype.itemsize > 2 or head_dim > 128:
         return 64, 64 if head_dim <= 128 else 32
     return 128, 64
 
 
 def _launch_options(head_dim: int, block_m: int, dtype: torch.dtype) -> dict[str, int]:
-    if head_dim > 128 or dtype == torch.float32:
+    if head_dim > 128 or dtype.itemsize > 2:
         return {"num_warps": 8, "num_stages": 2}
     return {"num_warps": 8 if block_m >= 128 and head_dim > 64 else 4, "num_stages": 3}
 
@@ -277,7 +280,7 @@ def forward(
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse_shape = (num_heads, q.shape[0]) if varlen else (batch, num_heads, seqlen_q)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(lse_shape, dtype=lse_dtype(q.dtype), device=q.device)
     if POISON_OUTPUTS:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
