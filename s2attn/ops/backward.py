@@ -365,11 +365,13 @@ def backward(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    launch_options: tuple[dict[str, int], dict[str, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v (shapes as the inputs to :func:`s2attn.ops.forward.forward`).
 
     ``dkdv_layout`` is a backward (per-KV-tile) layout, ``dq_layout`` a forward one. ``dq``, ``dk``,
     ``dv`` may be given as views to write into (e.g. slices of one packed dqkv tensor).
+    ``launch_options`` overrides (num_warps, num_stages) of the dK/dV and dQ kernels, for sweeps.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -395,7 +397,7 @@ def backward(
     cu_q = cu_seqlens_q if varlen else lse  # not read when not varlen
     cu_k = cu_seqlens_k if varlen else lse
     block_d = padded_head_dim(head_dim)
-    options = _launch_options(head_dim, q.dtype)
+    dkdv_options, dq_options = launch_options or (_launch_options(head_dim, q.dtype),) * 2
     dot = dot_precision(q.dtype)
 
     delta = torch.empty_like(lse)
@@ -418,7 +420,7 @@ def backward(
         seqlen_q, seqlen_k, lay.num_groups, softmax_scale * LOG2E, softmax_scale,
         NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **options,
+        VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **dkdv_options,
     )  # fmt: skip
     lay = dq_layout
     if varlen:
@@ -433,6 +435,6 @@ def backward(
         NUM_HEADS=num_heads, GQA_GROUP=num_heads // num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
         VARLEN=varlen, CHECK_K_BOUNDS=not lay.causal and (varlen or seqlen_k % lay.block_n != 0),
-        DOT_PRECISION=dot, **geometry(lay), **options,
+        DOT_PRECISION=dot, **geometry(lay), **dq_options,
     )  # fmt: skip
     return dq, dk, dv

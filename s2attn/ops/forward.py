@@ -262,6 +262,7 @@ def forward(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    launch_options: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs.
 
@@ -269,6 +270,7 @@ def forward(
     lse float32 (batch, heads, seq_q). Varlen: q (total_q, heads, dim), k/v (total_k, kv_heads, dim)
     with int32 cu_seqlens and the max lengths; lse is (heads, total_q). ``pattern_head_div`` maps a
     query head to its layout head (1 for per-query-head layouts, the GQA group for per-KV-head ones).
+    ``launch_options`` (num_warps, num_stages) overrides the defaults, for tuning sweeps.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -319,7 +321,7 @@ def forward(
         VARLEN=varlen,
         CHECK_K_BOUNDS=not layout.causal and (varlen or seqlen_k % block_n != 0),
         DOT_PRECISION=dot_precision(q.dtype),
-        **_launch_options(head_dim, block_m, q.dtype),
+        **(launch_options or _launch_options(head_dim, block_m, q.dtype)),
     )  # fmt: skip
     return out, lse
 
