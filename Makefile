@@ -19,7 +19,7 @@ demo: setup
 	$(PY) -m s2attn demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check s2attn tests benchmarks

@@ -1,0 +1,345 @@
+"""Attention time and effective TFLOP/s: s2attn against SDPA flash (FlashAttention-2), cuDNN SDPA
+and FlexAttention on the same inputs and the same pattern.
+
+Effective FLOPs count only what the pattern keeps (4 * dim per kept token pair and head forward,
+2.5x that backward); the dense kernels are credited with the FLOPs of causal dense attention, so
+their TFLOP/s is their true rate and the ratio columns compare wall-clock time.
+
+    python benchmarks/bench_attention.py                 # the DESIGN.md table, fwd and fwd+bwd
+    python benchmarks/bench_attention.py --suite extras  # head dim 64, blocks 16/32, GQA, dense
+    python benchmarks/bench_attention.py --seqs 8192 --passes fwd --providers s2attn,flex
+
+Prints a table and writes markdown, JSON and a PNG plot (time against sequence length per
+provider) with the device, versions and date to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+import s2attn
+from s2attn.layout import forward_layout
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROVIDERS = ("s2attn", "flash", "cudnn", "flex")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    seq: int
+    heads: int = 32
+    kv_heads: int = 32
+    dim: int = 128
+    block: int = 64
+    local_blocks: int = 16
+    vert_stride: int | None = 16  # None: the all-dense pattern
+
+    def pattern(self) -> s2attn.BlockPattern:
+        if self.vert_stride is None:
+            return s2attn.dense_pattern(self.heads, self.seq, self.block)
+        return s2attn.local_stride_pattern(
+            self.heads, self.seq, self.block, self.local_blocks, self.vert_stride,
+            num_kv_heads=self.kv_heads if self.kv_heads != self.heads else None,
+        )  # fmt: skip
+
+
+def cases(suite: str, seqs: list[int]) -> list[Case]:
+    main = [Case(f"V{v}", s, vert_stride=v) for v in (16, 64) for s in seqs]
+    extras = [
+        Case("V16 dim64", s, dim=64) for s in seqs if s <= 32768
+    ] + [
+        # Small blocks keep the local window at 1024 tokens.
+        Case("V16 block16", s, block=16, local_blocks=64) for s in seqs if s <= 32768
+    ] + [
+        Case("V16 block32", s, block=32, local_blocks=32) for s in seqs if s <= 32768
+    ] + [
+        Case("V16 GQA32/8", s, kv_heads=8) for s in seqs
+    ] + [
+        Case("dense", s, vert_stride=None) for s in seqs if s <= 32768
+    ]  # fmt: skip
+    return {"main": main, "extras": extras, "all": main + extras}[suite]
+
+
+# ----------------------------------------------------------------------------------- providers
+def _sdpa(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    sdp_backend = backends[backend]
+
+    def make(case: Case, q, k, v, pattern):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = case.kv_heads != case.heads
+
+        def run():
+            with sdpa_kernel(sdp_backend):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=True, enable_gqa=gqa
+                )
+            return out.transpose(1, 2)
+
+        return run
+
+    return make
+
+
+def _s2attn(case: Case, q, k, v, pattern):
+    return lambda: s2attn.sparse_attention(q, k, v, pattern)
+
+
+def flex_block_mask(
+    pattern: s2attn.BlockPattern, seq: int, block: int, device: str = "cuda"
+):
+    """FlexAttention's BlockMask for the pattern, built from s2attn's own tile layout (full tiles
+    apart from partial ones) rather than by evaluating a mask over seq x seq tokens."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    layout = forward_layout(pattern, block, block, device)
+    tiles = math.ceil(seq / block)
+    heads, groups = layout.num_heads, layout.num_groups
+
+    def dense_lists(offsets, cols):
+        counts = (offsets[1:] - offsets[:-1]).view(heads, groups)[:, :tiles]
+        indices = torch.zeros(heads * groups, tiles, dtype=torch.int32, device=device)
+        row = torch.repeat_interleave(torch.arange(heads * groups, device=device),
+                                      (offsets[1:] - offsets[:-1]).long())  # fmt: skip
+        pos = torch.arange(cols.numel(), device=device) - offsets[:-1].long()[row]
+        keep = cols < tiles
+        indices[row[keep], pos[keep]] = cols[keep]
+        indices = indices.view(heads, groups, tiles)[:, :tiles]
+        return counts[None].int().contiguous(), indices[None].contiguous()
+
+    token_blocks = pattern.mask.to(device)
+    bs = pattern.block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return token_blocks[h, q_idx // bs, kv_idx // bs] & (q_idx >= kv_idx)
+
+    kv_num, kv_idx = dense_lists(layout.partial_offsets, layout.partial_cols)
+    full_num, full_idx = dense_lists(layout.full_offsets, layout.full_cols)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+        seq_lengths=(seq, seq),
+    )  # fmt: skip
+
+
+_FLEX = None
+
+
+def _flex(case: Case, q, k, v, pattern, block: int):
+    global _FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    mask = flex_block_mask(pattern, case.seq, block)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = case.kv_heads != case.heads
+    return lambda: _FLEX(qt, kt, vt, block_mask=mask, enable_gqa=gqa).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------- measuring
+def _bench(make_fn, backward: bool, q, k, v) -> float:
+    fn = make_fn()
+    if not backward:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    grad = torch.randn_like(q)
+
+    def step():
+        fn().backward(grad)
+
+    return triton.testing.do_bench(
+        step, warmup=25, rep=100, return_mode="median", grad_to_none=[q, k, v]
+    )
+
+
+def _variants(provider: str, backward: bool, case: Case, q, k, v, pattern):
+    """(label, maker) pairs of one provider; the best of them is reported."""
+    if provider == "s2attn":
+        return [("", lambda: _s2attn(case, q, k, v, pattern))]
+    if provider in ("flash", "cudnn"):
+        return [("", lambda: _sdpa(provider)(case, q, k, v, pattern))]
+    # FlexAttention's backward needs 128x128 blocks; its forward may do better at 64.
+    return [
+        (f"block {b}", lambda b=b: _flex(case, q, k, v, pattern, b))
+        for b in ((128,) if backward else (128, 64))
+    ]
+
+
+def run_case(case: Case, passes: list[str], providers: list[str]) -> list[dict]:
+    torch.manual_seed(0)
+    pattern = case.pattern()
+    kept = pattern.kept_token_pairs(case.seq)
+    dense = case.heads * case.seq * (case.seq + 1) / 2
+    rows = []
+    for pass_name in passes:
+        backward = pass_name == "fwd+bwd"
+        q = torch.randn(1, case.seq, case.heads, case.dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (
+            torch.randn(1, case.seq, case.kv_heads, case.dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)
+        )
+        for t in (q, k, v):
+            t.requires_grad_(backward)
+        flop_factor = 4 * case.dim * (3.5 if backward else 1.0)
+        for provider in providers:
+            best, note, peak = math.inf, "", None
+            for label, make in _variants(provider, backward, case, q, k, v, pattern):
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    ms = _bench(make, backward, q, k, v)
+                    mem = (torch.cuda.max_memory_allocated() - base) / 2**30
+                except Exception as exc:  # a provider that does not run this case is reported
+                    note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                    torch.cuda.empty_cache()
+                    continue
+                if ms < best:
+                    best, note, peak = ms, label, mem
+            flops = (kept if provider in ("s2attn", "flex") else dense) * flop_factor
+            row = dict(
+                case=case.name, seq=case.seq, pass_=pass_name, provider=provider,
+                ms=best if math.isfinite(best) else None,
+                tflops=flops / best / 1e9 if math.isfinite(best) else None,
+                density=pattern.density(case.seq), peak_extra_gib=peak, note=note,
+                config=asdict(case),
+            )  # fmt: skip
+            rows.append(row)
+            ms_txt = f"{best:9.3f} ms" if math.isfinite(best) else "      n/a   "
+            tf_txt = f"{row['tflops']:6.0f} TF/s" if row["tflops"] else ""
+            print(f"  {case.name:<12} {case.seq:>7} {pass_name:<7} {provider:<7} {ms_txt} "
+                  f"{tf_txt} {note}", flush=True)  # fmt: skip
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------ output
+def environment() -> dict:
+    return dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        s2attn=s2attn.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [
+        f"# Attention benchmark — {env['device']}",
+        "",
+        f"{env['date']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']} · "
+        f"s2attn {env['s2attn']}",
+        "",
+        "Batch 1, bf16, causal. Medians of `triton.testing.do_bench`. TFLOP/s: effective (the "
+        "pattern's kept FLOPs) for s2attn and FlexAttention, dense causal FLOPs for SDPA. "
+        "`x peer` = peer time / s2attn time.",
+        "",
+        "| case | seq | density | pass | s2attn ms | TFLOP/s | FA2 ms | cuDNN ms | Flex ms "
+        "| x FA2 | x cuDNN | x Flex | s2attn peak extra GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["case"], r["seq"], r["pass_"]), {})[r["provider"]] = r
+    fmt = lambda x, f="{:.3f}": "n/a" if x is None else f.format(x)  # noqa: E731
+    for (case, seq, pass_name), by in keyed.items():
+        s2 = by.get("s2attn", {})
+        ms = s2.get("ms")
+        ratio = lambda p, by=by, ms=ms: fmt(  # noqa: E731
+            by[p]["ms"] / ms if p in by and by[p]["ms"] and ms else None, "{:.2f}"
+        )
+        density = next(iter(by.values()))["density"]
+        lines.append(
+            f"| {case} | {seq} | {density:.4f} | {pass_name} | {fmt(ms)} | "
+            f"{fmt(s2.get('tflops'), '{:.0f}')} | {fmt(by.get('flash', {}).get('ms'))} | "
+            f"{fmt(by.get('cudnn', {}).get('ms'))} | {fmt(by.get('flex', {}).get('ms'))} | "
+            f"{ratio('flash')} | {ratio('cudnn')} | {ratio('flex')} | "
+            f"{fmt(s2.get('peak_extra_gib'), '{:.2f}')} |"
+        )
+    notes = [f"- {r['case']} {r['seq']} {r['pass_']} {r['provider']}: {r['note']}"
+             for r in rows if r["note"]]  # fmt: skip
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, env: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["case"], r["pass_"]) for r in rows})
+    cols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, (case, pass_name) in zip(axes.flat, panels):
+        for provider in PROVIDERS:
+            pts = sorted((r["seq"], r["ms"]) for r in rows
+                         if (r["case"], r["pass_"], r["provider"]) == (case, pass_name, provider)
+                         and r["ms"])  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=provider)
+        ax.set(xscale="log", yscale="log", title=f"{case} {pass_name}", xlabel="seq", ylabel="ms")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"{env['device']} · bf16 · batch 1 · {env['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", choices=("main", "extras", "all"), default="main")
+    ap.add_argument("--seqs", default="8192,32768,131072")
+    ap.add_argument("--passes", default="fwd,fwd+bwd")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--cases", default="", help="comma-separated case names to keep (default all)")
+    ap.add_argument("--tag", default="", help="suffix for the result files")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention.py times GPU kernels; no CUDA device here.", file=sys.stderr)
+        return 2
+    seqs = [int(s) for s in args.seqs.split(",")]
+    passes = args.passes.split(",")
+    providers = args.providers.split(",")
+    selected = [c for c in cases(args.suite, seqs)
+                if not args.cases or c.name in args.cases.split(",")]  # fmt: skip
+    env = environment()
+    print(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']}")
+    rows = []
+    for i, case in enumerate(selected, 1):
+        print(f"[{i}/{len(selected)}] {case}", flush=True)
+        rows += run_case(case, passes, providers)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    device_tag = env["device"].split()[1].lower() if " " in env["device"] else env["device"]
+    stem = f"{env['date'][:10]}_{device_tag}_attention_{args.suite}{args.tag}"
+    md = markdown(rows, env)
+    (args.out_dir / f"{stem}.md").write_text(md)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    plot(rows, args.out_dir / f"{stem}.png", env)
+    print()
+    print(md)
+    print(f"wrote {args.out_dir / stem}.{{md,json,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
