@@ -145,7 +145,11 @@ def _flex(case: Case, q, k, v, pattern, block: int):
     mask = flex_block_mask(pattern, case.seq, block)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     gqa = case.kv_heads != case.heads
-    return lambda: _FLEX(qt, kt, vt, block_mask=mask, enable_gqa=gqa).transpose(1, 2)
+    # Its default forward tile is 128x128; a 64-token block mask needs tiles that divide it.
+    options = None if block == 128 else {"BLOCK_M": block, "BLOCK_N": block}
+    return lambda: _FLEX(
+        qt, kt, vt, block_mask=mask, enable_gqa=gqa, kernel_options=options
+    ).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------- measuring

@@ -59,7 +59,10 @@ def _validate(q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_s
     if not isinstance(pattern, BlockPattern):
         raise TypeError(f"pattern must be an s2attn.BlockPattern, got {type(pattern).__name__}")
     if q.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+        raise TypeError(
+            f"q has dtype {q.dtype}; supported: float16, bfloat16, float32 "
+            "(and float64, for gradcheck)"
+        )
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
@@ -357,9 +360,13 @@ def merge_partials(
 
     Example::
 
-        >>> o1, l1 = sparse_attention(q, k[:, :n], v[:, :n], p1, return_lse=True)
-        >>> o2, l2 = sparse_attention(q, k[:, n:], v[:, n:], p2, return_lse=True)
-        >>> out, lse = merge_partials([o1, o2], [l1, l2])
+        >>> # Split the pattern's KV blocks into two disjoint patterns over the same keys:
+        >>> first = torch.arange(pattern.num_kv_blocks) < pattern.num_kv_blocks // 2
+        >>> p1 = s2attn.BlockPattern(pattern.mask & first, pattern.block_size)
+        >>> p2 = s2attn.BlockPattern(pattern.mask & ~first, pattern.block_size)
+        >>> o1, l1 = sparse_attention(q, k, v, p1, return_lse=True)
+        >>> o2, l2 = sparse_attention(q, k, v, p2, return_lse=True)
+        >>> out, lse = merge_partials([o1, o2], [l1, l2])  # == sparse_attention(q, k, v, pattern)
     """
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(
@@ -376,9 +383,11 @@ def merge_partials(
                 f"{tuple(o.shape)} expected {expected}"
             )
     stacked = torch.stack([lse.float() for lse in lses])
-    lse = torch.logsumexp(stacked, dim=0)
-    # Rows empty everywhere: subtract 0 so exp(-inf - 0) = 0 weights instead of NaN.
-    weights = torch.exp(stacked - lse.masked_fill(lse == float("-inf"), 0.0))
+    # Rows empty everywhere: logsumexp's gradient there is exp(-inf - -inf) = NaN even when unused,
+    # so take it over zeros and put -inf back; subtract 0 so exp(-inf - 0) = 0 weights, not NaN.
+    empty = (stacked == float("-inf")).all(dim=0)
+    lse = torch.logsumexp(stacked.masked_fill(empty, 0.0), dim=0).masked_fill(empty, float("-inf"))
+    weights = torch.exp(stacked - lse.masked_fill(empty, 0.0))
     out = sum(
         w.transpose(-1, -2).unsqueeze(-1) * o.float() for w, o in zip(weights, outs)
     )

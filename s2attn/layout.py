@@ -46,6 +46,7 @@ class TileLayout:
 
     block_m: int
     block_n: int
+    block_size: int  # the pattern's; full entries may run to the end of a block, past seq_k
     causal: bool
     num_heads: int
     num_groups: int  # query tiles (forward) or KV tiles (backward) per head
@@ -158,6 +159,7 @@ def _build(
     return TileLayout(
         block_m=block_m,
         block_n=block_n,
+        block_size=pattern.block_size,
         causal=pattern.causal,
         num_heads=pattern.num_heads,
         num_groups=num_groups,
@@ -223,3 +225,181 @@ def backward_layout(
 ) -> TileLayout:
     """Per (head, KV tile): the query tiles that use it, for the dK/dV pass."""
     return _cached(pattern, block_m, block_n, device, True, num_blocks)
+
+
+# ---------------------------------------------------------------------------------------- decode
+# A decode step has a few new query tokens per sequence (speculative decoding: up to a block's
+# worth), read against a paged KV cache. One decode program serves one (sequence, KV head): its
+# rows are the query heads of the GQA group times the new tokens, so each KV page is read once for
+# the whole group. The new tokens span at most two query blocks, i and i + 1 (block_size >= 16 >=
+# new tokens), so the list of (KV head, query block i) is the union over the group's pattern heads
+# and over query blocks i and i + 1, with one bit per (pattern head, i or i + 1) on partial entries.
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Per (KV head, query block i): the KV blocks a decode step walks, full apart from partial.
+
+    An entry is *full* when every pattern head of the KV head's group keeps the block for query
+    blocks i and i + 1 and the block lies wholly before query block i (no mask at all). The
+    others are *partial* and carry ``partial_bits``: bit ``2 * r + d`` is set when pattern head
+    ``r`` of the group keeps the block for query block ``i + d``. Partial entries of one list come
+    in two runs: first those query block i uses (up to ``partial_mid``), then those only query
+    block i + 1 uses, which a step walks only when its new tokens straddle the two blocks.
+
+    ``dense`` layouts list nothing: every block up to the query's is full, the query's own block
+    (and the next) partial, and the kernel computes the list from the query position.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    num_q_blocks: int
+    heads_per_kv_head: int  # pattern heads per KV head (bit rows); 1 when the group shares one
+    dense: bool
+    full_offsets: torch.Tensor  # int32 (num_kv_heads * num_q_blocks + 1,)
+    full_cols: torch.Tensor  # int32, KV block indices
+    partial_offsets: torch.Tensor  # int32 (num_kv_heads * num_q_blocks + 1,)
+    partial_mid: torch.Tensor  # int32 (num_kv_heads * num_q_blocks,)
+    partial_cols: torch.Tensor  # int32
+    partial_bits: torch.Tensor  # int64
+    list_lengths: torch.Tensor  # int64 on the CPU (num_q_blocks,): longest list over KV heads
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.num_q_blocks * self.block_size
+
+
+def _group_block_mask(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
+    """(num_kv_heads, heads_per_kv_head, q_blocks, kv_blocks): the effective mask per GQA group,
+    with the group axis collapsed to 1 when every head of every group shares one pattern."""
+    if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive integer, got {num_kv_heads!r}")
+    if pattern.num_heads % num_kv_heads:
+        raise ValueError(
+            f"the pattern's {pattern.num_heads} heads are not a multiple of num_kv_heads "
+            f"({num_kv_heads}); give one pattern per query head or per KV head"
+        )
+    if not pattern.causal:
+        raise ValueError("decoding and KV caching need a causal pattern, got causal=False")
+    m = pattern.effective_block_mask()
+    m = m.view(num_kv_heads, pattern.num_heads // num_kv_heads, *m.shape[1:])
+    if m.shape[1] > 1 and bool((m == m[:, :1]).all()):
+        m = m[:, :1]
+    return m
+
+
+def kv_last_use(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
+    """The last query block that reads each KV block: int64 (num_kv_heads, kv_blocks), on the CPU.
+
+    A KV head's block is read by every query head of its GQA group, so this is the maximum over the
+    group; -1 marks a block no query ever reads. Once every query of a sequence lies past a block's
+    last use, no later query reads it (whatever the pattern): a KV cache may drop it. KV-efficient
+    patterns make that drop cost nothing, since the uses of a block form one run.
+
+    Example::
+
+        >>> p = local_stride_pattern(32, 8192, 64, local_blocks=16, vert_stride=16, num_kv_heads=8)
+        >>> kv_last_use(p, 8)[0, :3]  # block 0 is a stripe of KV head 0, read to the end
+        tensor([127,  16,  17])
+    """
+    per_kv = _group_block_mask(pattern, num_kv_heads).any(dim=1)  # (kv_heads, q_blocks, kv_blocks)
+    # The first hit of the reversed query axis is the last reader.
+    last = per_kv.shape[1] - 1 - per_kv.flip(1).to(torch.int8).argmax(dim=1).to(torch.int64)
+    return torch.where(per_kv.any(dim=1), last, -1)
+
+
+def _build_decode(pattern: BlockPattern, num_kv_heads: int, device: torch.device) -> DecodeLayout:
+    m = _group_block_mask(pattern, num_kv_heads).to(device)
+    kv_heads, rows, nq, nk = m.shape
+    if 2 * rows > MAX_ENTRY_BITS:
+        raise ValueError(
+            f"a decode entry holds one bit per (pattern head of a GQA group, query block); "
+            f"{rows} distinct pattern heads per KV head need {2 * rows} > {MAX_ENTRY_BITS}"
+        )
+    nxt = torch.zeros_like(m)
+    nxt[:, :, :-1] = m[:, :, 1:]  # what query block i + 1 keeps, listed under block i
+    lo = m.any(dim=1)
+    g, i, j = (lo | nxt.any(dim=1)).nonzero(as_tuple=True)  # sorted by (g, i, j)
+    bits = torch.zeros(g.shape, dtype=torch.int64, device=device)
+    for r in range(rows):
+        bits |= m[g, r, i, j].to(torch.int64) << (2 * r)
+        bits |= nxt[g, r, i, j].to(torch.int64) << (2 * r + 1)
+    all_bits = -1 if 2 * rows == 64 else (1 << (2 * rows)) - 1
+    # j < i: the block ends before query block i starts, so every new token sees all of it.
+    full = (bits == all_bits) & (j < i)
+    used_by_lo = lo[g, i, j]
+    key = g * nq + i
+    partial = ~full
+    p_key, p_lo = key[partial], used_by_lo[partial]
+    # Within a list: the entries query block i uses, then those only block i + 1 uses.
+    order = torch.argsort(p_key * 2 + (~p_lo).to(torch.int64), stable=True)
+    total = kv_heads * nq
+    partial_offsets = _csr(p_key, total)
+    lo_counts = torch.bincount(p_key[p_lo], minlength=total)
+    counts = torch.bincount(key, minlength=total).view(kv_heads, nq)
+    return DecodeLayout(
+        block_size=pattern.block_size,
+        num_kv_heads=kv_heads,
+        num_q_blocks=nq,
+        heads_per_kv_head=rows,
+        dense=False,
+        full_offsets=_csr(key[full], total),
+        full_cols=j[full].to(torch.int32).contiguous(),
+        partial_offsets=partial_offsets,
+        partial_mid=(partial_offsets[:-1].to(torch.int64) + lo_counts).to(torch.int32),
+        partial_cols=j[partial][order].to(torch.int32).contiguous(),
+        partial_bits=bits[partial][order].contiguous(),
+        list_lengths=counts.amax(dim=0).cpu(),
+    )
+
+
+_DECODE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decode_layout(
+    pattern: BlockPattern, num_kv_heads: int, device: torch.device | str = "cpu"
+) -> DecodeLayout:
+    """Per (KV head, query block): the KV blocks a decode step reads, for ``s2attn.ops.decode``.
+
+    ``pattern`` has one head per KV head or one per query head (a multiple of ``num_kv_heads``);
+    query heads of one GQA group are merged into one list with per-head bits. Cached per pattern,
+    KV heads and device.
+
+    Example::
+
+        >>> p = local_stride_pattern(32, 131072, 64, 16, vert_stride=64, num_kv_heads=8)
+        >>> decode_layout(p, 8, "cuda").list_lengths[-1]  # blocks read at the end of the context
+        tensor(48)
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    per_pattern = _DECODE_CACHE.setdefault(pattern, {})
+    key = (num_kv_heads, str(device))
+    if key not in per_pattern:
+        per_pattern[key] = _build_decode(pattern, num_kv_heads, device)
+    return per_pattern[key]
+
+
+def dense_decode_layout(
+    block_size: int, num_kv_heads: int, num_q_blocks: int, device: torch.device | str = "cpu"
+) -> DecodeLayout:
+    """The decode layout of dense causal attention: no lists, every earlier block is read."""
+    empty = torch.zeros(0, dtype=torch.int32, device=device)
+    return DecodeLayout(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        num_q_blocks=num_q_blocks,
+        heads_per_kv_head=1,
+        dense=True,
+        full_offsets=empty,
+        full_cols=empty,
+        partial_offsets=empty,
+        partial_mid=empty,
+        partial_cols=empty,
+        partial_bits=empty.to(torch.int64),
+        list_lengths=torch.arange(num_q_blocks, dtype=torch.int64) + 2,
+    )
+
+
+__all__ += ["DecodeLayout", "decode_layout", "dense_decode_layout", "kv_last_use"]

@@ -20,18 +20,22 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import TileLayout
 from .common import (
     LOG2E,
     POISON_OUTPUTS,
     as_batched,
+    check_k_bounds,
     dot_precision,
-    entry_bit_positions,
     entry_keep,
+    heads_per_program_group,
     lse_strides,
     padded_head_dim,
+    program_order,
     sequence_bounds,
+    tma_allowed,
 )
 
 __all__ = ["backward", "backward_tile_sizes"]
@@ -43,6 +47,7 @@ def _row_delta_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_gb, stride_gs, stride_gh, stride_gd,
     stride_lb, stride_lh, stride_ls,
+    stride_dlb, stride_dlh, stride_dls,
     seqlen, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
@@ -65,7 +70,9 @@ def _row_delta_kernel(
     delta = tl.sum(o * do, axis=1)
     l_off = b.to(tl.int64) * stride_lb + h * stride_lh + rows.to(tl.int64) * stride_ls
     if HAS_DLSE:
-        delta -= tl.load(dLse + l_off, mask=rows < seqlen, other=0.0)
+        # dLSE comes from autograd in any layout (e.g. expanded by lse.sum()): its own strides.
+        dl_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + rows.to(tl.int64) * stride_dls
+        delta -= tl.load(dLse + dl_off, mask=rows < seqlen, other=0.0)
     tl.store(Delta + l_off, delta, mask=rows < seqlen)
 
 
@@ -73,11 +80,13 @@ def _row_delta_kernel(
 def _dkdv_entries(
     dk, dv, k, v,
     cols_ptr, bits_ptr, start, end,
-    q_base, do_base, lse_base, delta_base,
+    q_base, do_base, q_desc, do_desc, desc_b, desc_h, lse_base, delta_base,
     stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-    kv_abs, k_ok, q_offset, q_len, bitpos_t, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    kv_abs, k_ok, q_offset, q_len, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dK, dV of one KV tile over query tiles ``start..end`` of its list.
 
@@ -94,21 +103,30 @@ def _dkdv_entries(
         row_ok = (rows >= 0) & (rows < q_len)
         # Query tiles may straddle the sequence start (bottom-right alignment) or end, so rows are
         # always bounds-checked; padded rows load LSE +inf and so get probability 0.
-        q = tl.load(
-            q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # fmt: skip
-        do = tl.load(
-            do_base + rows[:, None] * stride_gs + offs_d[None, :] * stride_gd,
-            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # fmt: skip
+        if USE_TMA:
+            # (batch, seq, heads, dim) descriptors made on the host zero-fill past the end and
+            # the head dim; the launcher uses them only when no tile starts before row 0.
+            row0 = t * BLOCK_M - q_offset
+            q = q_desc.load([desc_b, row0, desc_h, 0]).reshape(BLOCK_M, BLOCK_D)
+            do = do_desc.load([desc_b, row0, desc_h, 0]).reshape(BLOCK_M, BLOCK_D)
+        else:
+            q = tl.load(
+                q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+            )  # fmt: skip
+            do = tl.load(
+                do_base + rows[:, None] * stride_gs + offs_d[None, :] * stride_gd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+            )  # fmt: skip
         lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
-            # entry_keep's test, built transposed to skip a register shuffle.
-            keep_t = (((tl.load(bits_ptr + e) >> bitpos_t) & 1) != 0) & k_ok[:, None]
+            # Built transposed (KV rows x query columns) to skip a register shuffle.
+            keep_t = entry_keep(
+                tl.load(bits_ptr + e), BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, True
+            ) & k_ok[:, None]
             if CAUSAL:
                 keep_t = keep_t & (q_abs[None, :] >= kv_abs[:, None])
             # Rows that attend nothing have LSE -inf, so p_t may be inf where keep_t is False.
@@ -124,7 +142,7 @@ def _dkdv_entries(
 def _dkdv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV,
     offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
-    cu_seqlens_q, cu_seqlens_k,
+    cu_seqlens_q, cu_seqlens_k, Q_desc, dO_desc,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -132,16 +150,17 @@ def _dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, qk_scale, softmax_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, qk_scale, softmax_scale,
     NUM_KV_HEADS: tl.constexpr, GQA_GROUP: tl.constexpr, PATTERN_HEAD_DIV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, A_IN_REGS: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    # KV tiles in order (the first ones, which later stride rows use, have the longest lists).
+    bh, n = program_order(tl.program_id(0), grid_tiles, heads_per_group)
     b = bh // NUM_KV_HEADS
     kv_head = bh % NUM_KV_HEADS
-    n = tl.program_id(1)
     q_start, q_len, k_start, k_len = sequence_bounds(
         b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN
     )
@@ -164,8 +183,11 @@ def _dkdv_kernel(
         + kv_abs[:, None] * stride_vs + offs_d[None, :] * stride_vd,
         mask=kv_mask, other=0.0,
     )  # fmt: skip
-    # Bit positions transposed to (KV rows, query columns).
-    bitpos_t = tl.trans(entry_bit_positions(BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW))
+    if A_IN_REGS:
+        # Exact no-ops the compiler keeps: MMA A operands that are not plain loads stay in
+        # registers, so S^T and dP^T read only q and dO from shared memory.
+        k = tl.where(kv_mask, k, 0.0)
+        v = tl.where(kv_mask, v, 0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
     for g in range(GQA_GROUP):
@@ -178,18 +200,20 @@ def _dkdv_kernel(
         dk, dv = _dkdv_entries(
             dk, dv, k, v, cols_full, bits_partial,
             tl.load(offsets_full + group), tl.load(offsets_full + group + 1),
-            q_base, do_base, Lse + l_off, Delta + l_off,
+            q_base, do_base, Q_desc, dO_desc, b, h, Lse + l_off, Delta + l_off,
             stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-            kv_abs, k_ok, q_offset, q_len, bitpos_t, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_D, False, CAUSAL, DOT_PRECISION,
+            kv_abs, k_ok, q_offset, q_len, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+            False, CAUSAL, USE_TMA, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _dkdv_entries(
             dk, dv, k, v, cols_partial, bits_partial,
             tl.load(offsets_partial + group), tl.load(offsets_partial + group + 1),
-            q_base, do_base, Lse + l_off, Delta + l_off,
+            q_base, do_base, Q_desc, dO_desc, b, h, Lse + l_off, Delta + l_off,
             stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-            kv_abs, k_ok, q_offset, q_len, bitpos_t, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_D, True, CAUSAL, DOT_PRECISION,
+            kv_abs, k_ok, q_offset, q_len, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+            True, CAUSAL, USE_TMA, DOT_PRECISION,
         )  # fmt: skip
     dk *= softmax_scale
     tl.store(
@@ -208,11 +232,12 @@ def _dkdv_kernel(
 def _dq_entries(
     dq, q, do, lse, delta,
     cols_ptr, bits_ptr, start, end,
-    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-    rows_abs, bitpos, seq_k, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_base, v_base, k_desc, v_desc, desc_b, desc_h, stride_ks, stride_kd, stride_vs, stride_vd,
+    rows_abs, seq_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dQ of one query tile over KV tiles ``start..end`` of its list."""
     ACC = dq.dtype
@@ -223,22 +248,35 @@ def _dq_entries(
         n = tl.load(cols_ptr + e)
         cols = n * BLOCK_N + offs_n
         k_ok = cols < seq_k
-        if MASKED or CHECK_K_BOUNDS:
-            kv_mask = k_ok[:, None] & d_ok[None, :]
+        if USE_TMA and HOST_DESC:
+            # (batch, seq, heads, dim) descriptors made on the host: zero past seq_k and HEAD_DIM.
+            k = k_desc.load([desc_b, n * BLOCK_N, desc_h, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = v_desc.load([desc_b, n * BLOCK_N, desc_h, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif USE_TMA:
+            # The descriptors' shape (seq_k, HEAD_DIM) zero-fills past the end and the head dim.
+            k = k_desc.load([n * BLOCK_N, 0])
+            v = v_desc.load([n * BLOCK_N, 0])
         else:
-            kv_mask = d_ok[None, :]
-        k = tl.load(
-            k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        )  # fmt: skip
-        v = tl.load(
-            v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        )  # fmt: skip
+            if MASKED or CHECK_K_BOUNDS:
+                kv_mask = k_ok[:, None] & d_ok[None, :]
+            else:
+                kv_mask = d_ok[None, :]
+            k = tl.load(
+                k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0,
+            )  # fmt: skip
+            v = tl.load(
+                v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0,
+            )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            keep = entry_keep(tl.load(bits_ptr + e), bitpos, rows_abs, cols, k_ok, CAUSAL)
+            keep = entry_keep(
+                tl.load(bits_ptr + e), BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, False
+            ) & k_ok[None, :]
+            if CAUSAL:
+                keep = keep & (rows_abs[:, None] >= cols[None, :])
             p = tl.where(keep, p, 0.0)
         elif CHECK_K_BOUNDS:
             p = tl.where(k_ok[None, :], p, 0.0)
@@ -252,28 +290,29 @@ def _dq_entries(
 def _dq_kernel(
     Q, K, V, dOut, Lse, Delta, dQ,
     offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
-    cu_seqlens_q, cu_seqlens_k,
+    cu_seqlens_q, cu_seqlens_k, K_desc, V_desc,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_gb, stride_gs, stride_gh, stride_gd,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, qk_scale, softmax_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, qk_scale, softmax_scale,
     NUM_HEADS: tl.constexpr, GQA_GROUP: tl.constexpr, PATTERN_HEAD_DIV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, A_IN_REGS: tl.constexpr,
+    HOST_DESC: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh, tile_rank = program_order(tl.program_id(0), grid_tiles, heads_per_group)
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     q_start, q_len, k_start, k_len = sequence_bounds(
         b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN
     )
     q_offset = k_len - q_len
-    tile = (k_len - 1) // BLOCK_M - tl.program_id(1)  # heaviest tiles first, as in the forward
+    tile = (k_len - 1) // BLOCK_M - tile_rank  # heaviest tiles first, as in the forward
     if (q_len <= 0) | (tile < q_offset // BLOCK_M):
         return
     rows_abs = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -294,27 +333,46 @@ def _dq_kernel(
         + offs_d[None, :] * stride_gd,
         mask=row_mask, other=0.0,
     )  # fmt: skip
+    if A_IN_REGS:
+        # As in dK/dV: q and dO stay in registers as MMA A operands.
+        q = tl.where(row_mask, q, 0.0)
+        do = tl.where(row_mask, do, 0.0)
     l_off = b64 * stride_lb + h64 * stride_lh + (q_start + rows) * stride_ls
     lse = tl.load(Lse + l_off, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)
     k_base = K + b64 * stride_kb + k_start * stride_ks + kh64 * stride_kh
     v_base = V + b64 * stride_vb + k_start * stride_vs + kh64 * stride_vh
-    bitpos = entry_bit_positions(BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW)
+    if USE_TMA and HOST_DESC:
+        k_desc = K_desc
+        v_desc = V_desc
+    elif USE_TMA:
+        # Packed sequences: per-sequence descriptors, made per program.
+        k_desc = tl.make_tensor_descriptor(
+            k_base, shape=[k_len, HEAD_DIM], strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            v_base, shape=[k_len, HEAD_DIM], strides=[stride_vs, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+    else:
+        k_desc = k_base
+        v_desc = v_base
     group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=Lse.dtype.element_ty)
     dq = _dq_entries(
         dq, q, do, lse, delta, cols_full, bits_partial,
         tl.load(offsets_full + group), tl.load(offsets_full + group + 1),
-        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        rows_abs, bitpos, k_len, qk_scale,
-        HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, CHECK_K_BOUNDS, DOT_PRECISION,
+        k_base, v_base, k_desc, v_desc, b, h // GQA_GROUP, stride_ks, stride_kd, stride_vs,
+        stride_vd, rows_abs, k_len, qk_scale,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+        False, CAUSAL, CHECK_K_BOUNDS, USE_TMA, HOST_DESC, DOT_PRECISION,
     )  # fmt: skip
     dq = _dq_entries(
         dq, q, do, lse, delta, cols_partial, bits_partial,
         tl.load(offsets_partial + group), tl.load(offsets_partial + group + 1),
-        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        rows_abs, bitpos, k_len, qk_scale,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, CHECK_K_BOUNDS, DOT_PRECISION,
+        k_base, v_base, k_desc, v_desc, b, h // GQA_GROUP, stride_ks, stride_kd, stride_vs,
+        stride_vd, rows_abs, k_len, qk_scale,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+        True, CAUSAL, CHECK_K_BOUNDS, USE_TMA, HOST_DESC, DOT_PRECISION,
     )  # fmt: skip
     dq *= softmax_scale
     tl.store(
@@ -341,10 +399,28 @@ def backward_tile_sizes(
     return (64, 64), (64, 64)
 
 
-def _launch_options(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+def _launch_options(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(dK/dV, dQ) launch options: warps, pipeline depth, bulk tensor copies (USE_TMA), how many
+    heads' tiles run interleaved (HEADS_PER_GROUP, see ``program_order``).
+
+    Measured on H100 (benchmarks/sweep_kernels.py, 32k, V16, dim 128, bf16; benchmarks/NOTES.md):
+    TMA loads help both kernels; dK/dV is fastest with 4 heads interleaved, dQ with one at a time.
+    A_IN_REGS (MMA A operands kept in registers) measured slower in both and stays off.
+    """
     if head_dim > 128 or dtype.itemsize > 2:
-        return {"num_warps": 8, "num_stages": 1}
-    return {"num_warps": 4, "num_stages": 2}
+        options = {"num_warps": 8, "num_stages": 1, "USE_TMA": True, "A_IN_REGS": False}
+    else:
+        options = {"num_warps": 4, "num_stages": 2, "USE_TMA": True, "A_IN_REGS": False}
+    return {**options, "HEADS_PER_GROUP": 4}, {**options, "HEADS_PER_GROUP": 1}
+
+
+def _host_descriptors(use: bool, a: torch.Tensor, b: torch.Tensor, rows: int) -> tuple:
+    """TMA descriptors of two (batch, seq, heads, dim) tensors, ``rows`` x dim blocks; when not
+    used, the tensors themselves stand in (the kernel does not read them)."""
+    if not use:
+        return a, b
+    block = [1, rows, 1, padded_head_dim(a.shape[-1])]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (a, b))
 
 
 def backward(
@@ -373,7 +449,7 @@ def backward(
 
     ``dkdv_layout`` is a backward (per-KV-tile) layout, ``dq_layout`` a forward one. ``dq``, ``dk``,
     ``dv`` may be given as views to write into (e.g. slices of one packed dqkv tensor).
-    ``launch_options`` overrides (num_warps, num_stages) of the dK/dV and dQ kernels, for sweeps.
+    ``launch_options`` overrides (num_warps, num_stages, USE_TMA) of the dK/dV and dQ kernels.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -399,14 +475,31 @@ def backward(
     cu_q = cu_seqlens_q if varlen else lse  # not read when not varlen
     cu_k = cu_seqlens_k if varlen else lse
     block_d = padded_head_dim(head_dim)
-    dkdv_options, dq_options = launch_options or (_launch_options(head_dim, q.dtype),) * 2
+    dkdv_options, dq_options = _launch_options(head_dim, q.dtype)
+    if launch_options is not None:
+        dkdv_options = {**dkdv_options, **launch_options[0]}
+        dq_options = {**dq_options, **launch_options[1]}
+    # dK/dV's query tiles start before row 0 when there are fewer queries than keys (bottom-right
+    # alignment); tensor descriptors take them only when none can.
+    if dkdv_options["USE_TMA"] and (
+        varlen or seqlen_q != seqlen_k or not tma_allowed(q.device, q, grad_out)
+    ):
+        dkdv_options["USE_TMA"] = False
+    if dq_options["USE_TMA"] and not tma_allowed(q.device, k, v):
+        dq_options["USE_TMA"] = False
+    # Descriptors made once here rather than per program; packed sequences need per-sequence
+    # bounds, so dQ makes its own there (dK/dV takes none).
+    dq_options["HOST_DESC"] = dq_options["USE_TMA"] and not varlen
+    q_desc, do_desc = _host_descriptors(dkdv_options["USE_TMA"], q, grad_out, dkdv_layout.block_m)
+    k_desc, v_desc = _host_descriptors(dq_options["HOST_DESC"], k, v, dq_layout.block_n)
     dot = dot_precision(q.dtype)
 
     delta = torch.empty_like(lse)
     rows_total = q.shape[0] if varlen else seqlen_q
     _row_delta_kernel[(q4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
         o4, g4, grad_lse if grad_lse is not None else lse, delta,
-        *o_st, *g_st, *l_st, rows_total, num_heads,
+        *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
+        rows_total, num_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, HAS_DLSE=grad_lse is not None,
     )  # fmt: skip
 
@@ -415,11 +508,13 @@ def backward(
         COL_GROUP=lay.col_group, BITS_PER_ROW=lay.bits_per_row, CAUSAL=lay.causal,
     )  # fmt: skip
     lay = dkdv_layout
-    _dkdv_kernel[(batch * num_kv_heads, math.ceil(seqlen_k / lay.block_n))](
+    kv_tiles = math.ceil(seqlen_k / lay.block_n)
+    group = heads_per_program_group(batch * num_kv_heads, dkdv_options.pop("HEADS_PER_GROUP", 1))
+    _dkdv_kernel[(batch * num_kv_heads * kv_tiles,)](
         q4, k4, v4, g4, lse, delta, dk4, dv4,
         lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols, lay.partial_bits,
-        cu_q, cu_k, *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
-        seqlen_q, seqlen_k, lay.num_groups, softmax_scale * LOG2E, softmax_scale,
+        cu_q, cu_k, q_desc, do_desc, *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
+        seqlen_q, seqlen_k, lay.num_groups, kv_tiles, group, softmax_scale * LOG2E, softmax_scale,
         NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
         VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **dkdv_options,
@@ -429,14 +524,15 @@ def backward(
         num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
     else:
         num_tiles = (seqlen_k - 1) // lay.block_m - (seqlen_k - seqlen_q) // lay.block_m + 1
-    _dq_kernel[(batch * num_heads, num_tiles)](
+    group = heads_per_program_group(batch * num_heads, dq_options.pop("HEADS_PER_GROUP", 1))
+    _dq_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, g4, lse, delta, dq4,
         lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols, lay.partial_bits,
-        cu_q, cu_k, *q_st, *k_st, *v_st, *g_st, *dq_st, *l_st,
-        seqlen_q, seqlen_k, lay.num_groups, softmax_scale * LOG2E, softmax_scale,
+        cu_q, cu_k, k_desc, v_desc, *q_st, *k_st, *v_st, *g_st, *dq_st, *l_st,
+        seqlen_q, seqlen_k, lay.num_groups, num_tiles, group, softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads, GQA_GROUP=num_heads // num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        VARLEN=varlen, CHECK_K_BOUNDS=not lay.causal and (varlen or seqlen_k % lay.block_n != 0),
+        VARLEN=varlen, CHECK_K_BOUNDS=check_k_bounds(lay, seqlen_k, varlen),
         DOT_PRECISION=dot, **geometry(lay), **dq_options,
     )  # fmt: skip
     return dq, dk, dv

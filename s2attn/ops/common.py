@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from ..layout import TileLayout
 
 LOG2E = 1.4426950408889634
 
@@ -31,23 +35,57 @@ def sequence_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: t
 
 
 @triton.jit
-def entry_bit_positions(
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_GROUP: tl.constexpr,
-    COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
-):  # fmt: skip
-    """(BLOCK_M, BLOCK_N) int64: which bit of an entry's packed bit matrix covers each element."""
-    rows = tl.arange(0, BLOCK_M) // ROW_GROUP
-    cols = tl.arange(0, BLOCK_N) // COL_GROUP
-    return (rows[:, None] * BITS_PER_ROW + cols[None, :]).to(tl.int64)
+def program_order(pid, grid_tiles, heads_per_group):
+    """(batch * head, tile rank) of program ``pid`` in a 1-D grid of heads x ``grid_tiles``.
+
+    Programs run roughly in pid order, so this order decides which tiles share L2 at a time:
+    ``heads_per_group`` heads at a time, their tiles interleaved, rank 0 (the heaviest) first.
+    One head's K and V (16 MB at 32k tokens, dim 128, bf16) fit in L2; every head's tiles side by
+    side (the order of a (heads, tiles) grid) touch all heads' K and V at once, which do not.
+    Measured (H100, forward, 32k, V16): L2 hit rate 67% -> 85%, DRAM traffic halved, 7-10% faster.
+    """
+    per_group = heads_per_group * grid_tiles
+    rank = pid % per_group
+    return (pid // per_group) * heads_per_group + rank % heads_per_group, rank // heads_per_group
+
+
+def heads_per_program_group(num_bh: int, wanted: int) -> int:
+    """The largest divisor of ``num_bh`` (batch x heads) up to ``wanted``: groups must tile it."""
+    wanted = max(1, min(wanted, num_bh))
+    while num_bh % wanted:
+        wanted -= 1
+    return wanted
 
 
 @triton.jit
-def entry_keep(bits, bitpos, rows_abs, cols_abs, k_ok, CAUSAL: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) bool for a partial entry: its bit mask, key bounds, causality."""
-    keep = (((bits >> bitpos) & 1) != 0) & k_ok[None, :]
-    if CAUSAL:
-        keep = keep & (rows_abs[:, None] >= cols_abs[None, :])
-    return keep
+def entry_keep(
+    bits, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_GROUP: tl.constexpr,
+    COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr, TRANSPOSED: tl.constexpr,
+):  # fmt: skip
+    """A partial entry's bit for each element: (ROWS, COLS) bool, or (COLS, ROWS) when TRANSPOSED.
+
+    Each row's slice of the packed bit matrix is shifted out once per row (ROWS 64-bit shifts),
+    so the per-element test is 32-bit, or none at all when a row holds one bit (then the result
+    is (ROWS, 1) and broadcasts). Key bounds and causality are the caller's.
+    """
+    shift = ((tl.arange(0, ROWS) // ROW_GROUP) * BITS_PER_ROW).to(tl.int64)
+    if BITS_PER_ROW == 1:
+        row_keep = ((bits >> shift) & 1) != 0
+        if TRANSPOSED:
+            return row_keep[None, :]
+        else:
+            return row_keep[:, None]
+    else:
+        if BITS_PER_ROW < 32:
+            row_bits = ((bits >> shift) & ((1 << BITS_PER_ROW) - 1)).to(tl.int32)
+            col_bit = tl.arange(0, COLS) // COL_GROUP
+        else:
+            row_bits = bits >> shift
+            col_bit = (tl.arange(0, COLS) // COL_GROUP).to(tl.int64)
+        if TRANSPOSED:
+            return ((row_bits[None, :] >> col_bit[:, None]) & 1) != 0
+        else:
+            return ((row_bits[:, None] >> col_bit[None, :]) & 1) != 0
 
 
 def as_batched(t: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -62,6 +100,50 @@ def as_batched(t: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, tuple[int, 
 def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     """(batch, head, seq) strides of an LSE-shaped tensor: (batch, heads, seq) or (heads, total)."""
     return (0, *lse.stride()) if varlen else lse.stride()
+
+
+def check_k_bounds(layout: TileLayout, seqlen_k: int, varlen: bool) -> bool:
+    """Whether the unmasked loop must still drop keys at or past seq_k.
+
+    Causal full entries end before their tile's first query, so never. A bidirectional layout is
+    cropped to whole pattern blocks: when seq_k ends inside a block or a KV tile, full entries
+    can hold keys past it. Packed sequences end anywhere.
+    """
+    return not layout.causal and (
+        varlen or seqlen_k % max(layout.block_n, layout.block_size) != 0
+    )
+
+
+def tma_allowed(device: torch.device, *tensors: torch.Tensor) -> bool:
+    """Whether kernels may read these tensors through in-kernel tensor descriptors (TMA).
+
+    Needs a Hopper-or-newer GPU, 2-byte elements, a contiguous last dim and 16-byte aligned bases
+    and strides. Sets Triton's allocator for the descriptors' workspace if none is set.
+    """
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    for t in tensors:
+        if t.element_size() != 2 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    _ensure_allocator()
+    return True
+
+
+def _torch_workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return  # the caller's own allocator stays
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(_torch_workspace)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

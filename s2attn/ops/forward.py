@@ -16,99 +16,176 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import TileLayout
 from .common import (
     LOG2E,
     POISON_OUTPUTS,
     as_batched,
+    check_k_bounds,
     dot_precision,
-    entry_bit_positions,
     entry_keep,
+    heads_per_program_group,
     lse_dtype,
     lse_strides,
     padded_head_dim,
+    program_order,
     sequence_bounds,
+    tma_allowed,
 )
 
 __all__ = ["forward", "forward_tile_sizes", "INTERPRETED"]
 
 
 @triton.jit
+def _kv_rows(
+    k_base, v_base, cols, seq_k, stride_ks, stride_kd, stride_vs, stride_vd,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUNDS: tl.constexpr,
+):  # fmt: skip
+    """K transposed (BLOCK_D, len(cols)) and V (len(cols), BLOCK_D) at key positions ``cols``
+    through pointer loads; zero past the head dim and, when BOUNDS, at or past seq_k."""
+    k_ok = cols < seq_k
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    k_ptrs = k_base + cols[None, :] * stride_ks + offs_d[:, None] * stride_kd
+    v_ptrs = v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    # Only the loads that can run past seq_k or the padded head dim carry a mask.
+    if BOUNDS:
+        if BLOCK_D == HEAD_DIM:
+            kt = tl.load(k_ptrs, mask=k_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            kt = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    return kt, v
+
+
+@triton.jit
+def _kv_tile(
+    k_base, v_base, k_desc, v_desc, desc_b, desc_h, n, seq_k,
+    stride_ks, stride_kd, stride_vs, stride_vd,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BOUNDS: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr,
+):  # fmt: skip
+    """K transposed and V of KV tile ``n``, by bulk tensor copy (USE_TMA) or pointer loads."""
+    if USE_TMA and HOST_DESC:
+        # (batch, seq, heads, dim) descriptors made on the host: zero past seq_k and HEAD_DIM.
+        kt = tl.trans(k_desc.load([desc_b, n * BLOCK_N, desc_h, 0]).reshape(BLOCK_N, BLOCK_D))
+        v = v_desc.load([desc_b, n * BLOCK_N, desc_h, 0]).reshape(BLOCK_N, BLOCK_D)
+    elif USE_TMA:
+        # The descriptors' shape (seq_k, HEAD_DIM) zero-fills past both without a mask.
+        kt = tl.trans(k_desc.load([n * BLOCK_N, 0]))
+        v = v_desc.load([n * BLOCK_N, 0])
+    else:
+        kt, v = _kv_rows(
+            k_base, v_base, n * BLOCK_N + tl.arange(0, BLOCK_N), seq_k,
+            stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_D, BOUNDS,
+        )  # fmt: skip
+    return kt, v
+
+
+@triton.jit
+def _softmax_step(
+    acc, l_i, m_i, s, v, qk_scale,
+    MAY_BE_EMPTY: tl.constexpr, POS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax update with a (masked) score tile ``s``: unscaled when POS_SCALE (the
+    row max is scaled once per row and ``exp2(s * qk_scale - m)`` is one FMA per element),
+    already scaled otherwise."""
+    row_max = tl.max(s, 1)
+    if POS_SCALE:
+        row_max = row_max * qk_scale
+    m_new = tl.maximum(m_i, row_max)
+    if MAY_BE_EMPTY:
+        # A row with nothing visible so far keeps m = -inf; subtract 0 instead to avoid NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.math.exp2(m_i - m_ref)
+    if POS_SCALE:
+        p = tl.math.exp2(s * qk_scale - m_ref[:, None])
+    else:
+        p = tl.math.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(
+        p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype
+    )
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_entries(
-    acc,
-    l_i,
-    m_i,
-    q,
-    cols_ptr,
-    bits_ptr,
-    start,
-    end,
-    k_base,
-    v_base,
-    stride_ks,
-    stride_kd,
-    stride_vs,
-    stride_vd,
-    rows_abs,
-    bitpos,
-    seq_k,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    CHECK_K_BOUNDS: tl.constexpr,
+    acc, l_i, m_i, q, cols_ptr, bits_ptr, start, end,
+    k_base, v_base, k_desc, v_desc, desc_b, desc_h, stride_ks, stride_kd, stride_vs, stride_vd,
+    rows_abs, seq_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
+    POS_SCALE: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr, PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """Online softmax over the entries ``start..end`` of one tile's list.
 
     MASKED entries apply their bit mask, causality and key bounds; the unmasked loop applies
     nothing unless CHECK_K_BOUNDS (bidirectional tiles whose last KV tile may straddle seq_k).
+    PAIR (unmasked loop, pointer loads) gathers two entries' KV tiles into one 2*BLOCK_N-wide
+    tile: wider MMAs and half the accumulator rescales, without the waste of 2*BLOCK_N-wide
+    layout tiles on the pattern's lone stride blocks. Off by default: it needs 8 warps to fit
+    and measured slower on H100 (benchmarks/NOTES.md).
     """
     ACC = acc.dtype
+    if PAIR:
+        offs_2n = tl.arange(0, 2 * BLOCK_N)
+        pair_end = start + (end - start) // 2 * 2
+        for e in range(start, pair_end, 2):
+            n0 = tl.load(cols_ptr + e)
+            n1 = tl.load(cols_ptr + e + 1)
+            cols = tl.where(offs_2n < BLOCK_N, n0 * BLOCK_N + offs_2n, (n1 - 1) * BLOCK_N + offs_2n)
+            kt, v = _kv_rows(
+                k_base, v_base, cols, seq_k, stride_ks, stride_kd, stride_vs, stride_vd,
+                HEAD_DIM, BLOCK_D, CHECK_K_BOUNDS,
+            )  # fmt: skip
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC)
+            if not POS_SCALE:
+                s = s * qk_scale
+            if CHECK_K_BOUNDS:
+                s = tl.where((cols < seq_k)[None, :], s, float("-inf"))
+            acc, l_i, m_i = _softmax_step(
+                acc, l_i, m_i, s, v, qk_scale, CHECK_K_BOUNDS, POS_SCALE, DOT_PRECISION
+            )
+        start = pair_end
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     for e in range(start, end):
         n = tl.load(cols_ptr + e)
+        kt, v = _kv_tile(
+            k_base, v_base, k_desc, v_desc, desc_b, desc_h, n, seq_k,
+            stride_ks, stride_kd, stride_vs, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, MASKED or CHECK_K_BOUNDS, USE_TMA, HOST_DESC,
+        )  # fmt: skip
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC)
+        if not POS_SCALE:
+            s = s * qk_scale
         cols = n * BLOCK_N + offs_n
-        k_ok = cols < seq_k
-        k_ptrs = k_base + cols[None, :] * stride_ks + offs_d[:, None] * stride_kd
-        v_ptrs = v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        # Only the loads that can run past seq_k or the padded head dim carry a mask.
-        if MASKED or CHECK_K_BOUNDS:
-            if BLOCK_D == HEAD_DIM:
-                kt = tl.load(k_ptrs, mask=k_ok[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-            else:
-                kt = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        else:
-            if BLOCK_D == HEAD_DIM:
-                kt = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         if MASKED:
-            keep = entry_keep(tl.load(bits_ptr + e), bitpos, rows_abs, cols, k_ok, CAUSAL)
+            keep = entry_keep(
+                tl.load(bits_ptr + e), BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, False
+            ) & (cols < seq_k)[None, :]
+            if CAUSAL:
+                keep = keep & (rows_abs[:, None] >= cols[None, :])
             s = tl.where(keep, s, float("-inf"))
         elif CHECK_K_BOUNDS:
-            s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED or CHECK_K_BOUNDS:
-            # A row with nothing visible so far keeps m = -inf; subtract 0 instead to avoid NaN.
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_ref = m_new
-        alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC)
-        m_i = m_new
+            s = tl.where((cols < seq_k)[None, :], s, float("-inf"))
+        acc, l_i, m_i = _softmax_step(
+            acc, l_i, m_i, s, v, qk_scale, MASKED or CHECK_K_BOUNDS, POS_SCALE, DOT_PRECISION
+        )
     return acc, l_i, m_i
 
 
@@ -126,6 +203,8 @@ def _forward_kernel(
     partial_bits,
     cu_seqlens_q,
     cu_seqlens_k,
+    K_desc,
+    V_desc,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -148,6 +227,8 @@ def _forward_kernel(
     seqlen_q,
     seqlen_k,
     layout_tiles,
+    grid_tiles,
+    heads_per_group,
     qk_scale,
     NUM_HEADS: tl.constexpr,
     GQA_GROUP: tl.constexpr,
@@ -163,8 +244,13 @@ def _forward_kernel(
     VARLEN: tl.constexpr,
     CHECK_K_BOUNDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POS_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PAIR: tl.constexpr,
+    Q_IN_REGS: tl.constexpr,
+    HOST_DESC: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh, tile_rank = program_order(tl.program_id(0), grid_tiles, heads_per_group)
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
     q_start, q_len, k_start, k_len = sequence_bounds(
@@ -173,7 +259,7 @@ def _forward_kernel(
     # Queries are aligned bottom-right: query row r sits at absolute position r + q_offset.
     q_offset = k_len - q_len
     # Heaviest tiles first: program 0 takes the last tile, whose causal list is the longest.
-    tile = (k_len - 1) // BLOCK_M - tl.program_id(1)
+    tile = (k_len - 1) // BLOCK_M - tile_rank
     if (q_len <= 0) | (tile < q_offset // BLOCK_M):
         return
 
@@ -192,9 +278,27 @@ def _forward_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if Q_IN_REGS:
+        # An exact no-op the compiler cannot drop: a dot operand that is not a plain load stays
+        # in registers, so the QK^T MMAs read only K from shared memory (half the traffic).
+        q = tl.where(row_ok[:, None], q, 0.0)
 
     group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
-    bitpos = entry_bit_positions(BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW)
+    if USE_TMA and HOST_DESC:
+        k_desc = K_desc
+        v_desc = V_desc
+    elif USE_TMA:
+        # Bulk tensor copies (TMA) for K and V; the launcher checks the strides allow them.
+        # Made per program here, since packed sequences need per-sequence bounds.
+        k_desc = tl.make_tensor_descriptor(
+            k_base, shape=[k_len, HEAD_DIM], strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            v_base, shape=[k_len, HEAD_DIM], strides=[stride_vs, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+    else:
+        k_desc = k_base
+        v_desc = v_base
 
     # Accumulate in the LSE's dtype: float32, or float64 for float64 inputs.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=Lse.dtype.element_ty)
@@ -203,16 +307,18 @@ def _forward_kernel(
     acc, l_i, m_i = _attend_entries(
         acc, l_i, m_i, q, full_cols, partial_bits,
         tl.load(full_offsets + group), tl.load(full_offsets + group + 1),
-        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        rows_abs, bitpos, k_len, qk_scale,
-        HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, CHECK_K_BOUNDS, DOT_PRECISION,
+        k_base, v_base, k_desc, v_desc, b, kv_head, stride_ks, stride_kd, stride_vs, stride_vd,
+        rows_abs, k_len, qk_scale,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+        False, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, PAIR, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_entries(
         acc, l_i, m_i, q, partial_cols, partial_bits,
         tl.load(partial_offsets + group), tl.load(partial_offsets + group + 1),
-        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        rows_abs, bitpos, k_len, qk_scale,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, CHECK_K_BOUNDS, DOT_PRECISION,
+        k_base, v_base, k_desc, v_desc, b, kv_head, stride_ks, stride_kd, stride_vs, stride_vd,
+        rows_abs, k_len, qk_scale,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+        True, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
     )  # fmt: skip
 
     # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
@@ -252,6 +358,21 @@ def _launch_options(head_dim: int, block_m: int, dtype: torch.dtype) -> dict[str
     return {"num_warps": 4, "num_stages": 2}
 
 
+def _loop_options(head_dim: int, dtype: torch.dtype) -> dict[str, bool]:
+    """Compile-time choices of the KV loop (benchmarks/NOTES.md has the measurements).
+
+    USE_TMA: K/V through bulk tensor copies, where the GPU and strides allow (+8% at 32k).
+    HOST_DESC: their descriptors made once on the host rather than per program (not for packed
+    sequences).
+    HEADS_PER_GROUP: one head's tiles at a time (see ``program_order``; +7-10% at 32k).
+    PAIR (gathered 128-wide KV tiles) and Q_IN_REGS (q as a register MMA operand) measured no
+    faster on H100 and stay off; they remain switches for sweeps.
+    """
+    return {
+        "USE_TMA": True, "HOST_DESC": True, "HEADS_PER_GROUP": 1, "PAIR": False, "Q_IN_REGS": False
+    }
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,7 +393,8 @@ def forward(
     lse float32 (batch, heads, seq_q). Varlen: q (total_q, heads, dim), k/v (total_k, kv_heads, dim)
     with int32 cu_seqlens and the max lengths; lse is (heads, total_q). ``pattern_head_div`` maps a
     query head to its layout head (1 for per-query-head layouts, the GQA group for per-KV-head ones).
-    ``launch_options`` (num_warps, num_stages) overrides the defaults, for tuning sweeps.
+    ``launch_options`` overrides the defaults (num_warps, num_stages and the keys of
+    ``_loop_options``), for sweeps.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -301,14 +423,30 @@ def forward(
         cu_q = cu_k = lse  # not read when not varlen
     (q4, q_strides), (k4, k_strides) = as_batched(q, varlen), as_batched(k, varlen)
     (v4, v_strides), (o4, o_strides) = as_batched(v, varlen), as_batched(out, varlen)
-    grid = (batch * num_heads, num_tiles)
-    _forward_kernel[grid](
+    options = {
+        **_launch_options(head_dim, block_m, q.dtype),
+        **_loop_options(head_dim, q.dtype),
+        **(launch_options or {}),
+    }
+    heads_per_group = heads_per_program_group(batch * num_heads, options.pop("HEADS_PER_GROUP", 1))
+    if options["USE_TMA"] and not tma_allowed(q.device, k, v):
+        options["USE_TMA"] = False
+    # Host-made descriptors spare each program building its own; packed sequences need the
+    # per-sequence bounds of in-kernel ones.
+    options["HOST_DESC"] = options["HOST_DESC"] and options["USE_TMA"] and not varlen
+    if options["HOST_DESC"]:
+        block = [1, block_n, 1, padded_head_dim(head_dim)]
+        k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
+        v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
+    else:
+        k_desc = v_desc = k  # not read
+    _forward_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, o4, lse,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
-        cu_q, cu_k,
+        cu_q, cu_k, k_desc, v_desc,
         *q_strides, *k_strides, *v_strides, *o_strides, *lse_strides(lse, varlen),
-        seqlen_q, seqlen_k, layout.num_groups, softmax_scale * LOG2E,
+        seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
         PATTERN_HEAD_DIV=pattern_head_div,
@@ -321,9 +459,10 @@ def forward(
         BITS_PER_ROW=layout.bits_per_row,
         CAUSAL=layout.causal,
         VARLEN=varlen,
-        CHECK_K_BOUNDS=not layout.causal and (varlen or seqlen_k % block_n != 0),
+        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, varlen),
         DOT_PRECISION=dot_precision(q.dtype),
-        **(launch_options or _launch_options(head_dim, block_m, q.dtype)),
+        POS_SCALE=softmax_scale > 0,
+        **options,
     )  # fmt: skip
     return out, lse
 

@@ -1,0 +1,264 @@
+"""Decode: time per step and KV memory of s2attn's paged, evicting cache against dense SDPA.
+
+One new token per sequence; 32 query / 8 KV heads, head dim 128, bf16; S2 pattern block 64,
+local_blocks 16, vertical stride 16 and 64 (KV heads staggered); contexts 8k/32k/128k, batch 1 and
+16. The S2 cache is filled with random K/V the way a prefill stores them (only the blocks later
+queries read); the dense cache holds every token, (batch, kv_heads, ctx, dim), for
+``F.scaled_dot_product_attention(..., enable_gqa=True)``.
+
+Times (medians of ``triton.testing.do_bench``, ms):
+
+* ``s2 kernel``: the decode kernel and its split merge (``s2attn.ops.decode.decode``).
+* ``s2 call``: ``sparse_attention_with_kvcache(q, cache)``, the token already appended: host work
+  (split choice, launch) included.
+* ``s2 step``: a whole decode step, ``sparse_attention_with_kvcache(q, cache, k, v)``: append the
+  token's K/V, evict, attend; mean over 32 consecutive steps (CUDA events).
+* ``SDPA``: dense SDPA on the dense cache.
+
+KV memory: the S2 cache's live pages, what its pattern needs, and the dense cache. ``rel err``
+compares sequence 0's S2 output with the dense-mask reference.
+
+    python benchmarks/bench_decode.py
+    python benchmarks/bench_decode.py --contexts 131072 --batches 16 --strides 64 --sweep
+
+``--sweep`` also times every (num_warps, num_stages, block_n, num_splits) of the decode kernel on
+each case and prints the best, to choose the launcher's defaults from measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import s2attn
+from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
+from s2attn.ops import decode as dec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HEADS, KV_HEADS, DIM, BLOCK, LOCAL = 32, 8, 128, 64, 16
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+STEPS = 32
+MIB = 2**20
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def fill_cache(pattern, k_dense, v_dense, max_seq_len) -> PagedKVCache:
+    """A cache holding the dense tokens, stored as a prefill of each sequence would store them."""
+    batch, _, ctx, _ = k_dense.shape
+    cache = PagedKVCache(
+        pattern, batch_size=batch, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=DTYPE,
+        device=DEVICE, max_seq_len=max_seq_len,
+    )  # fmt: skip
+    for b in range(batch):  # one sequence at a time: a (ctx, kv_heads, dim) copy each
+        counts = [ctx if i == b else 0 for i in range(batch)]
+        cu = torch.tensor([0, *counts], device=DEVICE).cumsum(0).to(torch.int32)
+        keep = [ctx if i <= b else 0 for i in range(batch)]
+        cache.append(
+            k_dense[b].transpose(0, 1), v_dense[b].transpose(0, 1), cu_seqlens=cu, keep_from=keep
+        )
+    return cache
+
+
+def step_time(cache: PagedKVCache, q, k, v) -> float:
+    """Mean ms of STEPS consecutive decode steps (append + evict + attend)."""
+    sparse_attention_with_kvcache(q, cache, k, v)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(STEPS):
+        sparse_attention_with_kvcache(q, cache, k, v)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / STEPS
+
+
+def kernel_fn(cache: PagedKVCache, q, scale: float, splits: int, block_n=None, opts=None):
+    """The decode kernel (and split merge) alone, on the cache's pages."""
+    layout = cache.decode_layout
+    return functools.partial(
+        dec.decode, q, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, layout,
+        softmax_scale=scale, num_splits=splits, block_n=block_n, launch_options=opts,
+    )  # fmt: skip
+
+
+def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
+    best = None
+    # num_splits is a run-time argument: only warps, stages, block_n and split-or-not compile.
+    space = itertools.product((4, 8), (2, 3, 4), (32, 64), (1, 2, 4, 8, 16))
+    for warps, stages, block_n, splits in space:
+        opts = dict(num_warps=warps, num_stages=stages)
+        try:
+            ms = bench(kernel_fn(cache, q, scale, splits, block_n, opts))
+        except Exception as exc:  # out of shared memory / registers
+            print(f"      {opts} block_n {block_n} splits {splits}: {type(exc).__name__}")
+            continue
+        print(f"      warps {warps} stages {stages} block_n {block_n} splits {splits:2d}: "
+              f"{ms:.4f} ms", flush=True)  # fmt: skip
+        if best is None or ms < best["ms"]:
+            best = dict(ms=ms, num_warps=warps, num_stages=stages, block_n=block_n, splits=splits)
+    print(f"    best {best} (default {default_ms:.4f} ms)", flush=True)
+    return best
+
+
+def run_stride(stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, dense_bytes, do_sweep) -> dict:
+    batch = q.shape[0]
+    scale = DIM**-0.5
+    # Room for the new token and STEPS more: the pattern covers two blocks past ctx.
+    max_len = ctx + 2 * BLOCK
+    pattern = s2attn.local_stride_pattern(KV_HEADS, max_len, BLOCK, LOCAL, stride)
+    cache = fill_cache(pattern, k_full[:, :, :ctx], v_full[:, :, :ctx], max_len)
+    cache.append(k1, v1)
+    blocks = int(cache.decode_layout.list_lengths[ctx // BLOCK])  # the new token's query block
+    splits = dec.decode_num_splits(batch, KV_HEADS, blocks, q.device)
+    kernel = kernel_fn(cache, q, scale, splits)
+    out, _ = kernel()
+    ref = attention_reference(
+        q[:1], k_full[:1].transpose(1, 2), v_full[:1].transpose(1, 2), pattern,
+        compute_dtype=torch.float32,
+    )  # fmt: skip
+    err = ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
+    kernel_ms = bench(kernel)
+    call_ms = bench(functools.partial(sparse_attention_with_kvcache, q, cache))
+    report = cache.memory_report()
+    best = sweep(cache, q, scale, kernel_ms) if do_sweep else None
+    step_ms = step_time(cache, q, k1, v1)
+    # Bytes the kernel must read: the kept pages of every (sequence, KV head), K and V.
+    read_bytes = batch * KV_HEADS * blocks * cache.page_bytes
+    row = dict(
+        ctx=ctx, batch=batch, vert_stride=stride, blocks_read=blocks, splits=splits,
+        s2_kernel_ms=kernel_ms, s2_call_ms=call_ms, s2_step_ms=step_ms, sdpa_ms=sdpa_ms,
+        speedup_vs_sdpa=sdpa_ms / kernel_ms, read_gbps=read_bytes / kernel_ms / 1e6,
+        live_mib=report["live_bytes"] / MIB, needed_mib=report["needed_bytes"] / MIB,
+        dense_mib=dense_bytes / MIB, rel_err=err, sweep_best=best,
+    )  # fmt: skip
+    print(
+        f"    V{stride}: kernel {kernel_ms:.4f} ms ({row['read_gbps']:.0f} GB/s, {splits} splits, "
+        f"{blocks} blocks) call {call_ms:.4f} step {step_ms:.4f} | KV live "
+        f"{row['live_mib']:.0f} need {row['needed_mib']:.0f} dense {row['dense_mib']:.0f} MiB | "
+        f"x{row['speedup_vs_sdpa']:.1f} vs SDPA | rel err {err:.1e}",
+        flush=True,
+    )
+    return row
+
+
+def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
+    torch.manual_seed(0)
+    k_dense = torch.randn(batch, KV_HEADS, ctx, DIM, device=DEVICE, dtype=DTYPE)
+    v_dense = torch.randn_like(k_dense)
+    q = torch.randn(batch, 1, HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    k1, v1 = (torch.randn(batch, 1, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    # Dense SDPA over the context plus the new token, as a dense cache would hold them.
+    k_full = torch.cat([k_dense, k1.transpose(1, 2)], dim=2)
+    v_full = torch.cat([v_dense, v1.transpose(1, 2)], dim=2)
+    del k_dense, v_dense
+    sdpa = functools.partial(
+        F.scaled_dot_product_attention, q.transpose(1, 2), k_full, v_full, enable_gqa=True
+    )
+    sdpa_ms = bench(sdpa)
+    dense_bytes = 2 * k_full.numel() * k_full.element_size()
+    print(f"  ctx {ctx} batch {batch}: SDPA {sdpa_ms:.4f} ms, dense KV "
+          f"{dense_bytes / MIB:.0f} MiB", flush=True)  # fmt: skip
+    rows = []
+    for stride in strides:
+        rows.append(
+            run_stride(stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, dense_bytes, do_sweep)
+        )
+        torch.cuda.empty_cache()
+    return rows
+
+
+def environment() -> dict:
+    return dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        s2attn=s2attn.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [
+        f"# Decode benchmark — {env['device']}",
+        "",
+        f"{env['date']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']} · "
+        f"s2attn {env['s2attn']}",
+        "",
+        f"One new token per sequence, {HEADS} query / {KV_HEADS} KV heads, dim {DIM}, bf16; S2 "
+        f"block {BLOCK}, local_blocks {LOCAL}. Medians of `triton.testing.do_bench` (step: mean "
+        f"of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
+        "second by the kernel. KV MiB: live pages of the S2 cache, what the pattern needs, the "
+        "dense cache.",
+        "",
+        "| ctx | batch | V | blocks read | splits | s2 kernel ms | s2 call ms | s2 step ms "
+        "| SDPA ms | x SDPA | GB/s | KV live MiB | KV need MiB | KV dense MiB | rel err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['ctx']} | {r['batch']} | {r['vert_stride']} | {r['blocks_read']} | "
+            f"{r['splits']} | {r['s2_kernel_ms']:.4f} | {r['s2_call_ms']:.4f} | "
+            f"{r['s2_step_ms']:.4f} | {r['sdpa_ms']:.4f} | {r['speedup_vs_sdpa']:.1f} | "
+            f"{r['read_gbps']:.0f} | {r['live_mib']:.1f} | {r['needed_mib']:.1f} | "
+            f"{r['dense_mib']:.0f} | {r['rel_err']:.1e} |"
+        )
+    best = [r for r in rows if r["sweep_best"]]
+    if best:
+        lines += ["", "Sweep (best launch per case):", ""]
+        lines += [f"- ctx {r['ctx']} batch {r['batch']} V{r['vert_stride']}: {r['sweep_best']}"
+                  for r in best]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--strides", default="16,64")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch options")
+    ap.add_argument("--tag", default="", help="suffix for the result files")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode.py times GPU kernels; no CUDA device here.", file=sys.stderr)
+        return 2
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    strides = [int(s) for s in args.strides.split(",")]
+    env = environment()
+    print(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']}")
+    rows = []
+    cases = list(itertools.product(contexts, batches))
+    for i, (ctx, batch) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] context {ctx}, batch {batch}", flush=True)
+        rows += run(ctx, batch, strides, args.sweep)
+        torch.cuda.empty_cache()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    device_tag = env["device"].split()[1].lower() if " " in env["device"] else env["device"]
+    stem = f"{env['date'][:10]}_{device_tag}_decode{args.tag}"
+    md = markdown(rows, env)
+    (args.out_dir / f"{stem}.md").write_text(md)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    print()
+    print(md)
+    print(f"wrote {args.out_dir / stem}.{{md,json}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

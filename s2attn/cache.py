@@ -1,0 +1,650 @@
+"""The evicting, paged KV cache of one attention layer, and a container for a model's layers.
+
+Storage is a pool of pages. A page holds the keys (and, in a twin pool, the values) of
+``block_size`` consecutive positions of one (sequence, KV head): one pattern block. A page table
+(batch, kv_heads, max_blocks) of int32 maps every KV block to its page, -1 when absent, and a free
+list hands pages freed anywhere in the batch to whichever sequence needs one next.
+
+Eviction. Every (KV head, KV block) has a last query block that reads it
+(:func:`s2attn.layout.kv_last_use`, the union over the query heads of the GQA group). Before new
+tokens are written, each sequence names the first position whose queries will still read the
+cache (``keep_from``); every page whose block is last read before that position's query block is
+freed, and new blocks that no such query reads are never stored. Because S2 patterns are
+KV-efficient (a block's readers form one run), what stays is exactly what the pattern still
+needs: for the local-stride pattern, the local window plus the stripes, within one block per head.
+Dense layers (``pattern=None`` or an all-dense pattern) keep everything. Patterns that are not
+KV-efficient work but evict nothing, with a warning.
+
+Bookkeeping (lengths, page table, free list) lives on the host and is mirrored to the device
+only when it changes, i.e. when a sequence enters a new block: a decode step within a block costs
+no host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .layout import DecodeLayout, decode_layout, dense_decode_layout, kv_last_use
+from .ops.decode import kernels_available, write_pages
+from .pattern import BlockPattern
+
+__all__ = ["PagedKVCache", "ModelKVCache"]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# "Never evicted": a last use past any query block.
+_NEVER = torch.iinfo(torch.int64).max
+_WARNED: weakref.WeakSet = weakref.WeakSet()
+# Appends of more (token, KV head) rows than this are prefills: they filter unstored rows.
+_FILTER_WRITES_ABOVE = 4096
+# Batched appends of at most this many tokens per sequence (decode steps) write with one kernel.
+_KERNEL_WRITES_UP_TO = 16
+
+
+def _check_int(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def is_dense_pattern(pattern: BlockPattern) -> bool:
+    """True when a causal pattern keeps every visible block of every head."""
+    visible = torch.ones(pattern.num_q_blocks, pattern.num_kv_blocks, dtype=torch.bool).tril()
+    return bool((pattern.mask | ~visible).all())
+
+
+# Per pattern and KV heads: (dense, KV-efficient, last use). Every layer of a model shares its
+# pattern, and at 128k these take a second each.
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _pattern_facts(pattern: BlockPattern, num_kv_heads: int) -> tuple[bool, bool, torch.Tensor]:
+    per_pattern = _FACTS.setdefault(pattern, {})
+    if num_kv_heads not in per_pattern:
+        dense = is_dense_pattern(pattern)
+        efficient = dense or pattern.is_kv_efficient()
+        last_use = None if dense or not efficient else kv_last_use(pattern, num_kv_heads)
+        per_pattern[num_kv_heads] = (dense, efficient, last_use)
+    return per_pattern[num_kv_heads]
+
+
+class PagedKVCache:
+    """Paged K/V storage of one attention layer that frees what its pattern never reads again.
+
+    Args:
+        pattern: the layer's causal :class:`s2attn.BlockPattern` (one head per KV head, or one per
+            query head: a KV block then lives as long as any head of its group reads it), or None
+            for a dense layer.
+        batch_size: sequences held; each has its own length.
+        num_kv_heads, head_dim: K/V shape per token.
+        dtype, device: of the page pools (float16, bfloat16 or float32).
+        max_seq_len: the longest sequence; defaults to the pattern's. Required when dense.
+        block_size: tokens per page; the pattern's block size (required when dense).
+        num_pages: pages in the pool (per K and per V). Defaults to the most the pattern ever
+            needs at once for ``batch_size`` sequences, plus one page per (sequence, KV head) for
+            a block being entered; a dense layer gets every block. Give fewer when sequences are
+            known to be short: pages are shared across the batch.
+
+    Attributes read by the kernels: ``k_pages``/``v_pages`` (num_pages + 1, block_size, head_dim),
+    whose last page absorbs writes that are not stored; ``page_table`` int32 (batch, kv_heads,
+    max_blocks); ``seq_lens`` int32 (batch,).
+
+    Example::
+
+        >>> pattern = s2attn.local_stride_pattern(32, 131072, 64, 16, 64, num_kv_heads=8)
+        >>> cache = s2attn.PagedKVCache(pattern, batch_size=16, num_kv_heads=8, head_dim=128,
+        ...                             dtype=torch.bfloat16, device="cuda")
+        >>> out = s2attn.sparse_attention_with_kvcache(q, cache, k, v)  # prefill, then decode
+        >>> cache.memory_report()["live_bytes"]
+    """
+
+    def __init__(
+        self,
+        pattern: BlockPattern | None,
+        *,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cuda",
+        max_seq_len: int | None = None,
+        block_size: int | None = None,
+        num_pages: int | None = None,
+    ):
+        _check_int("batch_size", batch_size)
+        _check_int("num_kv_heads", num_kv_heads)
+        _check_int("head_dim", head_dim)
+        if dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        if pattern is None:
+            if block_size is None or max_seq_len is None:
+                raise ValueError("a dense cache (pattern=None) needs block_size and max_seq_len")
+            _check_int("block_size", block_size, 16)
+            if block_size & (block_size - 1):
+                raise ValueError(f"block_size must be a power of two, got {block_size}")
+        else:
+            if not isinstance(pattern, BlockPattern):
+                raise TypeError(
+                    f"pattern must be an s2attn.BlockPattern or None, got {type(pattern).__name__}"
+                )
+            if not pattern.causal:
+                raise ValueError("a KV cache needs a causal pattern, got causal=False")
+            if pattern.num_heads % num_kv_heads:
+                raise ValueError(
+                    f"the pattern's {pattern.num_heads} heads are not a multiple of "
+                    f"num_kv_heads ({num_kv_heads})"
+                )
+            if block_size is not None and block_size != pattern.block_size:
+                raise ValueError(
+                    f"block_size={block_size} differs from the pattern's {pattern.block_size}"
+                )
+            block_size = pattern.block_size
+            if max_seq_len is None:
+                max_seq_len = pattern.max_seq_len
+            elif max_seq_len > pattern.max_seq_len:
+                raise ValueError(
+                    f"max_seq_len={max_seq_len} exceeds the pattern's {pattern.max_seq_len}"
+                )
+        _check_int("max_seq_len", max_seq_len)
+
+        self.pattern = pattern
+        self.batch_size = batch_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.max_blocks = math.ceil(max_seq_len / block_size)
+        if pattern is None:
+            self.dense, self.kv_efficient, last_use = True, True, None
+        else:
+            self.dense, self.kv_efficient, last_use = _pattern_facts(pattern, num_kv_heads)
+
+        nb = self.max_blocks
+        if last_use is None:
+            last_use = torch.full((num_kv_heads, nb), _NEVER, dtype=torch.int64)
+            if not self.kv_efficient and pattern not in _WARNED:
+                _WARNED.add(pattern)
+                warnings.warn(
+                    "the pattern is not KV-efficient (a KV block's readers do not form one run): "
+                    "the KV cache keeps every block and evicts nothing",
+                    stacklevel=2,
+                )
+        else:
+            last_use = last_use[:, :nb].contiguous()
+        self._last_use = last_use  # (kv_heads, max_blocks), CPU
+
+        if num_pages is None:
+            num_pages = batch_size * int(self._peak_pages_per_sequence())
+        _check_int("num_pages", num_pages)
+        self.num_pages = num_pages
+        # One extra page at the end takes the writes of blocks that are not stored.
+        shape = (num_pages + 1, block_size, head_dim)
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_pages = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.page_table = torch.full(
+            (batch_size, num_kv_heads, nb), -1, dtype=torch.int32, device=self.device
+        )
+        self.seq_lens = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        self._table = torch.full((batch_size, num_kv_heads, nb), -1, dtype=torch.int32)
+        self._free = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)  # a stack
+        self._num_free = num_pages
+        self._lengths = [0] * batch_size
+        # Per sequence: the query block from which on its queries still read the cache.
+        self._keep_block = [0] * batch_size
+        self._layout: DecodeLayout | None = None
+
+    # ---------------------------------------------------------------------------- sizes
+    def _peak_pages_per_sequence(self) -> int:
+        """Pages one sequence holds at most: max over query blocks q of the blocks j <= q still
+        read from q on, plus one for the block the newest tokens enter, summed over KV heads."""
+        nb = self.max_blocks
+        if self.dense or not self.kv_efficient:
+            return self.num_kv_heads * nb
+        lu = self._last_use
+        stored = lu >= torch.arange(nb)[None, :]  # blocks nobody reads are never stored
+        # Block j is held while the query block runs over [j, last_use]: a difference array.
+        diff = torch.zeros(self.num_kv_heads, nb + 1, dtype=torch.int64)
+        starts = torch.arange(nb).expand_as(lu)
+        ends = lu.clamp(max=nb - 1) + 1
+        diff.scatter_add_(1, starts, stored.to(torch.int64))
+        diff.scatter_add_(1, torch.where(stored, ends, nb), -stored.to(torch.int64))
+        live = diff.cumsum(1)[:, :nb]
+        return int((live.amax(dim=1) + 1).clamp(max=nb).sum())
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held per sequence (evicted ones included)."""
+        return list(self._lengths)
+
+    @property
+    def live_pages(self) -> int:
+        return self.num_pages - self._num_free
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of K plus its page of V."""
+        return 2 * self.block_size * self.head_dim * self.k_pages.element_size()
+
+    def live_bytes(self) -> int:
+        """K/V bytes in pages that hold data now."""
+        return self.live_pages * self.page_bytes
+
+    def capacity_bytes(self) -> int:
+        """K/V bytes of the whole pool."""
+        return self.num_pages * self.page_bytes
+
+    def dense_bytes(self) -> int:
+        """K/V bytes a dense cache of the current lengths would hold."""
+        per_token = 2 * self.num_kv_heads * self.head_dim * self.k_pages.element_size()
+        return sum(self._lengths) * per_token
+
+    def needed_pages(self) -> int:
+        """Pages the pattern needs from here on: per sequence and KV head, the blocks holding
+        tokens that some query at the next position or later reads."""
+        total = 0
+        for n in self._lengths:
+            if n == 0:
+                continue
+            last = (n - 1) // self.block_size
+            total += int((self._last_use[:, : last + 1] >= n // self.block_size).sum())
+        return total
+
+    def memory_report(self) -> dict[str, int]:
+        """Live, needed, dense-equivalent and pool sizes, in bytes and pages."""
+        return {
+            "live_bytes": self.live_bytes(),
+            "needed_bytes": self.needed_pages() * self.page_bytes,
+            "dense_bytes": self.dense_bytes(),
+            "capacity_bytes": self.capacity_bytes(),
+            "live_pages": self.live_pages,
+            "free_pages": self._num_free,
+            "tokens": sum(self._lengths),
+        }
+
+    @property
+    def decode_layout(self) -> DecodeLayout:
+        """The decode kernel's lists for this cache's pattern, built once on its device."""
+        if self._layout is None:
+            if self.dense:
+                self._layout = dense_decode_layout(
+                    self.block_size, self.num_kv_heads, self.max_blocks, self.device
+                )
+            else:
+                self._layout = decode_layout(self.pattern, self.num_kv_heads, self.device)
+        return self._layout
+
+    # --------------------------------------------------------------------------- writes
+    def _new_token_counts(
+        self, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> list[int]:
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v differ in shape: {tuple(k.shape)} vs {tuple(v.shape)}")
+        tail = (self.num_kv_heads, self.head_dim)
+        if cu_seqlens is None:
+            if k.dim() != 4 or k.shape[0] != self.batch_size or tuple(k.shape[2:]) != tail:
+                raise ValueError(
+                    f"k must be (batch={self.batch_size}, num_new, kv_heads={tail[0]}, "
+                    f"dim={tail[1]}), got {tuple(k.shape)}; packed inputs need cu_seqlens"
+                )
+            return [k.shape[1]] * self.batch_size
+        if k.dim() != 3 or tuple(k.shape[1:]) != tail:
+            raise ValueError(
+                f"packed k must be (total, kv_heads={tail[0]}, dim={tail[1]}), got {tuple(k.shape)}"
+            )
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+            raise ValueError("cu_seqlens must be a 1-D tensor of batch + 1 offsets")
+        cu = cu_seqlens.tolist()
+        if len(cu) != self.batch_size + 1 or cu[0] != 0 or cu[-1] != k.shape[0]:
+            raise ValueError(
+                f"cu_seqlens must hold batch + 1 = {self.batch_size + 1} offsets from 0 to "
+                f"{k.shape[0]}, got {cu}"
+            )
+        counts = [b - a for a, b in zip(cu, cu[1:])]
+        if min(counts) < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+        return counts
+
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        keep_from: Sequence[int] | None = None,
+    ) -> None:
+        """Write new keys and values at the end of each sequence, evicting first.
+
+        Args:
+            k, v: (batch, num_new, kv_heads, dim), or packed (total, kv_heads, dim) with
+                ``cu_seqlens``; the cache's dtype and device.
+            cu_seqlens: (batch + 1,) offsets of each sequence's new tokens in packed k/v.
+            keep_from: per sequence, the first position whose queries will still read the cache.
+                Pages no such query reads are freed, and new blocks none reads are not stored.
+                Defaults to each sequence's first new position (its new tokens' queries read the
+                cache: decoding). A prefill that attends over the new keys directly passes the
+                end of each sequence, so the cache never holds the whole prompt.
+        """
+        counts = self._new_token_counts(k, v, cu_seqlens)
+        old = self._lengths
+        new = [a + n for a, n in zip(old, counts)]
+        for b, n in enumerate(new):
+            if n > self.max_seq_len:
+                raise ValueError(
+                    f"sequence {b} would hold {n} tokens, past the cache's max_seq_len "
+                    f"{self.max_seq_len}"
+                )
+        if keep_from is None:
+            keep_from = old
+        elif len(keep_from) != self.batch_size:
+            raise ValueError(f"keep_from needs one position per sequence, got {len(keep_from)}")
+        keep_block = []
+        for b, pos in enumerate(keep_from):
+            if not isinstance(pos, int) or not 0 <= pos <= new[b]:
+                raise ValueError(
+                    f"keep_from[{b}] must be an integer in [0, {new[b]}] (the sequence's new "
+                    f"length), got {pos!r}"
+                )
+            keep_block.append(max(pos // self.block_size, self._keep_block[b]))
+
+        changed: list[torch.Tensor] = []  # flat page-table indices whose entry changed
+        self._evict(keep_block, changed)
+        self._allocate(old, new, keep_block, changed)
+        if changed:
+            idx = torch.cat(changed)
+            self.page_table.view(-1)[idx.to(self.device)] = self._table.view(-1)[idx].to(
+                self.device
+            )
+        self._write(k, v, counts, cu_seqlens)
+        self._lengths = new
+        self._keep_block = keep_block
+        if cu_seqlens is None:
+            self.seq_lens += counts[0]
+        else:
+            self.seq_lens += torch.tensor(counts, dtype=torch.int32).to(self.device)
+
+    def _evict(self, keep_block: list[int], changed: list[torch.Tensor]) -> None:
+        """Free the pages of blocks whose last reader lies before each sequence's keep block."""
+        if self.dense or not self.kv_efficient:
+            return
+        h, nb = self.num_kv_heads, self.max_blocks
+        for b, q0 in enumerate(keep_block):
+            if q0 <= self._keep_block[b]:
+                continue
+            # A stored block j has last use >= j, so only blocks before q0 can go.
+            table = self._table[b, :, :q0]
+            drop = (table >= 0) & (self._last_use[:, :q0] < q0)
+            if not drop.any():
+                continue
+            heads, blocks = drop.nonzero(as_tuple=True)
+            self._push_free(table[heads, blocks])
+            table[heads, blocks] = -1
+            changed.append((b * h + heads) * nb + blocks)
+
+    def _allocate(
+        self, old: list[int], new: list[int], keep_block: list[int], changed: list[torch.Tensor]
+    ) -> None:
+        """Give a page to every block the new tokens enter that some query from the keep block
+        on reads."""
+        bs, h, nb = self.block_size, self.num_kv_heads, self.max_blocks
+        seqs, blocks = [], []
+        for b, (a, n) in enumerate(zip(old, new)):
+            if n == a:
+                continue
+            # The block holding position `a` already exists when `a` is inside it.
+            first = a // bs if a % bs == 0 else a // bs + 1
+            last = (n - 1) // bs
+            if first <= last:
+                seqs.append(torch.full((last - first + 1,), b, dtype=torch.int64))
+                blocks.append(torch.arange(first, last + 1))
+        if not seqs:
+            return
+        seq, blk = torch.cat(seqs), torch.cat(blocks)
+        keep = torch.tensor(keep_block, dtype=torch.int64)[seq]
+        want = self._last_use[:, blk].T >= keep[:, None]  # (entries, kv_heads)
+        want &= self._table[seq, :, blk] < 0
+        rows, heads = want.nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return
+        pages = self._pop_free(rows.numel())
+        self._table[seq[rows], heads, blk[rows]] = pages
+        changed.append((seq[rows] * h + heads) * nb + blk[rows])
+
+    def _pop_free(self, n: int) -> torch.Tensor:
+        if n > self._num_free:
+            raise RuntimeError(
+                f"the KV page pool is exhausted: {n} pages needed, {self._num_free} of "
+                f"{self.num_pages} free; build the cache with a larger num_pages"
+            )
+        self._num_free -= n
+        return self._free[self._num_free : self._num_free + n].clone()
+
+    def _push_free(self, pages: torch.Tensor) -> None:
+        n = pages.numel()
+        self._free[self._num_free : self._num_free + n] = pages
+        self._num_free += n
+
+    def _token_index(
+        self, counts: list[int], cu_seqlens: torch.Tensor | None, start: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, position) of each token, on the device, for batched or packed tokens at
+        ``start`` (default: each sequence's current end)."""
+        dev = self.device
+        base = (
+            self.seq_lens.to(torch.int64)
+            if start is None
+            else torch.tensor(start, dtype=torch.int64).to(dev)
+        )
+        total = sum(counts)
+        if cu_seqlens is None:
+            n = counts[0]
+            seq = torch.arange(self.batch_size, device=dev).repeat_interleave(n)
+            pos = base[seq] + torch.arange(n, device=dev).repeat(self.batch_size)
+            return seq, pos
+        count_t = torch.tensor(counts, dtype=torch.int64).to(dev)
+        seq = torch.repeat_interleave(
+            torch.arange(self.batch_size, device=dev), count_t, output_size=total
+        )
+        offsets = torch.cumsum(count_t, 0) - count_t
+        pos = torch.arange(total, device=dev) - offsets[seq] + base[seq]
+        return seq, pos
+
+    def _slots(self, seq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat pool rows (tokens, kv_heads) of each token's K/V, and whether it is stored."""
+        bs = self.block_size
+        heads = torch.arange(self.num_kv_heads, device=self.device)
+        pages = self.page_table[seq[:, None], heads[None, :], (pos // bs)[:, None]].to(torch.int64)
+        stored = pages >= 0
+        rows = torch.where(stored, pages * bs + (pos % bs)[:, None], self.num_pages * bs)
+        return rows, stored
+
+    def _write(
+        self, k: torch.Tensor, v: torch.Tensor, counts: list[int], cu_seqlens: torch.Tensor | None
+    ) -> None:
+        if sum(counts) == 0:
+            return
+        if (
+            cu_seqlens is None
+            and counts[0] <= _KERNEL_WRITES_UP_TO
+            and kernels_available(self.device)
+        ):
+            # A decode step: one launch (self.seq_lens still holds the old lengths).
+            write_pages(k, v, self.k_pages, self.v_pages, self.page_table, self.seq_lens)
+            return
+        seq, pos = self._token_index(counts, cu_seqlens)
+        rows, stored = self._slots(seq, pos)
+        rows, stored = rows.reshape(-1), stored.reshape(-1)
+        d = self.head_dim
+        k, v = k.reshape(-1, d), v.reshape(-1, d)
+        if rows.numel() > _FILTER_WRITES_ABOVE:
+            # A prefill: most of the prompt is not stored. Drop those rows (one host sync)
+            # rather than funnel millions of writes into one spare row.
+            keep = stored.nonzero().squeeze(1)
+            rows, k, v = rows[keep], k[keep], v[keep]
+        # Blocks that are not stored write into the spare last page, which nothing reads.
+        self.k_pages.view(-1, d).index_copy_(0, rows, k)
+        self.v_pages.view(-1, d).index_copy_(0, rows, v)
+
+    # ---------------------------------------------------------------------------- reads
+    def gather(
+        self, lengths: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``lengths[b]`` tokens of each sequence as packed dense K and V.
+
+        Returns ``(k, v, cu_seqlens)``: k/v (sum(lengths), kv_heads, dim) with evicted tokens
+        as zeros, cu_seqlens int32 (batch + 1,) on the device. For chunked prefill (the past of a
+        chunk) and for tests; it materialises what the cache avoids holding, so use it sparingly.
+        """
+        lengths = self.lengths if lengths is None else list(lengths)
+        if len(lengths) != self.batch_size or any(
+            not 0 <= n <= m for n, m in zip(lengths, self._lengths)
+        ):
+            raise ValueError(
+                f"lengths must give 0 <= n <= the held length per sequence "
+                f"({self._lengths}), got {lengths}"
+            )
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        cu = cu.to(self.device)
+        seq, pos = self._token_index(lengths, cu, start=[0] * self.batch_size)
+        rows, stored = self._slots(seq, pos)
+        d = self.head_dim
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        k = torch.where(stored[..., None], self.k_pages.view(-1, d)[rows], zero)
+        v = torch.where(stored[..., None], self.v_pages.view(-1, d)[rows], zero)
+        return k, v, cu
+
+    # ------------------------------------------------------------------------- rewinds
+    def crop(self, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` tokens of every sequence (rejected speculative tokens).
+
+        Tokens past the point eviction has reached cannot come back: cropping below the
+        first position whose queries still read the cache raises.
+        """
+        _check_int("num_tokens", num_tokens, 0)
+        bs, h, nb = self.block_size, self.num_kv_heads, self.max_blocks
+        new = [n - num_tokens for n in self._lengths]
+        for b, n in enumerate(new):
+            if n < self._keep_block[b] * bs:
+                raise ValueError(
+                    f"cannot crop sequence {b} to {n} tokens: blocks its queries there read are "
+                    "already evicted"
+                )
+        changed = []
+        for b, n in enumerate(new):
+            first_gone = math.ceil(n / bs)
+            table = self._table[b, :, first_gone:]
+            heads, blocks = (table >= 0).nonzero(as_tuple=True)
+            if heads.numel():
+                self._push_free(table[heads, blocks])
+                table[heads, blocks] = -1
+                changed.append((b * h + heads) * nb + blocks + first_gone)
+        if changed:
+            idx = torch.cat(changed)
+            self.page_table.view(-1)[idx.to(self.device)] = -1
+        self._lengths = new
+        self.seq_lens -= num_tokens
+
+    def reset(self) -> None:
+        """Empty every sequence and return every page to the pool."""
+        self._table.fill_(-1)
+        self.page_table.fill_(-1)
+        self._free = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int32)
+        self._num_free = self.num_pages
+        self._lengths = [0] * self.batch_size
+        self._keep_block = [0] * self.batch_size
+        self.seq_lens.zero_()
+
+    def __repr__(self) -> str:
+        kind = "dense" if self.dense else ("S2" if self.kv_efficient else "no eviction")
+        return (
+            f"PagedKVCache({kind}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
+            f"dim={self.head_dim}, block={self.block_size}, pages={self.live_pages}/"
+            f"{self.num_pages}, lengths={self._lengths})"
+        )
+
+
+class ModelKVCache:
+    """One :class:`PagedKVCache` per attention layer, with the memory summed over layers.
+
+    Args:
+        patterns: per layer, its pattern or None for a dense layer (an HHST model: the first few
+            layers dense, the rest S2).
+        Every other argument is passed to each layer's :class:`PagedKVCache`.
+
+    Example::
+
+        >>> s2 = s2attn.local_stride_pattern(32, 32768, 64, 16, 16, num_kv_heads=8)
+        >>> caches = s2attn.ModelKVCache([None, None] + [s2] * 14, batch_size=1, num_kv_heads=8,
+        ...                              head_dim=128, max_seq_len=32768, block_size=64)
+        >>> caches[5].append(k, v)
+    """
+
+    def __init__(
+        self,
+        patterns: Sequence[BlockPattern | None],
+        *,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cuda",
+        max_seq_len: int | None = None,
+        block_size: int | None = None,
+        num_pages: int | None = None,
+    ):
+        if len(patterns) == 0:
+            raise ValueError("patterns must name at least one layer")
+        self.layers = [
+            PagedKVCache(
+                p, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                dtype=dtype, device=device, max_seq_len=max_seq_len, block_size=block_size,
+                num_pages=num_pages,
+            )
+            for p in patterns
+        ]  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, index: int) -> PagedKVCache:
+        return self.layers[index]
+
+    def __iter__(self) -> Iterator[PagedKVCache]:
+        return iter(self.layers)
+
+    def live_bytes(self) -> int:
+        return sum(layer.live_bytes() for layer in self.layers)
+
+    def capacity_bytes(self) -> int:
+        return sum(layer.capacity_bytes() for layer in self.layers)
+
+    def dense_bytes(self) -> int:
+        return sum(layer.dense_bytes() for layer in self.layers)
+
+    def memory_report(self) -> dict[str, int]:
+        """The layers' :meth:`PagedKVCache.memory_report` entries, summed."""
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            for key, value in layer.memory_report().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def crop(self, num_tokens: int) -> None:
+        for layer in self.layers:
+            layer.crop(num_tokens)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()

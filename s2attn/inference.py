@@ -1,0 +1,248 @@
+"""Attention over a :class:`s2attn.PagedKVCache`: prefill, chunked prefill and decode in one call.
+
+``sparse_attention_with_kvcache(q, cache, k, v)`` appends the new tokens' keys and values to each
+sequence and attends the new queries to everything before them, bottom-right aligned (the new
+tokens sit at the end of each sequence). The path depends on the step:
+
+* **decode** (a batched step of at most ``MAX_DECODE_TOKENS`` new tokens per sequence, e.g. one,
+  or a few for speculative decoding): the tokens are written to the cache first, then the paged
+  decode kernel reads only the pages the pattern keeps for them, split over the KV list when the
+  batch is too small to fill the GPU.
+* **prefill** (an empty cache): the forward kernel runs over the prompt's own keys, batched or
+  packed; afterwards only the blocks later queries read are stored, so the cache never holds the
+  whole prompt.
+* **chunked prefill** (a longer step after a past): the chunk's past is gathered from the pages
+  (evicted blocks as zeros, which the pattern never reads), the forward kernel runs over past plus
+  chunk, and only what later queries read is stored. Prefilling in chunks gives the result of one
+  pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .attention import sparse_attention
+from .cache import PagedKVCache
+from .ops import decode as _dec
+from .pattern import BlockPattern, dense_pattern
+
+__all__ = ["sparse_attention_with_kvcache", "MAX_DECODE_TOKENS"]
+
+# New tokens per sequence the decode kernel takes: they then span at most two query blocks.
+MAX_DECODE_TOKENS = 16
+
+
+@functools.lru_cache(maxsize=8)
+def _dense_pattern(num_heads: int, max_seq_len: int, block_size: int) -> BlockPattern:
+    # Shared by every dense layer of one shape, so their forward layouts are built once.
+    return dense_pattern(num_heads, max_seq_len, block_size)
+
+
+def _layer_pattern(cache: PagedKVCache) -> BlockPattern:
+    if cache.pattern is not None:
+        return cache.pattern
+    return _dense_pattern(cache.num_kv_heads, cache.max_seq_len, cache.block_size)
+
+
+def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> tuple[float, list[int]]:
+    """Check every input; return the scale and the new tokens per sequence."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be an s2attn.PagedKVCache, got {type(cache).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q has dtype {q.dtype} but the cache holds {cache.dtype}")
+    if q.device != cache.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (new tokens to append) or neither")
+    packed = cu_seqlens_q is not None
+    if packed:
+        if q.dim() != 3:
+            raise ValueError(
+                f"with cu_seqlens_q, q must be (total, heads, dim), got {tuple(q.shape)}"
+            )
+        if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32:
+            raise TypeError("cu_seqlens_q must be an int32 tensor of batch + 1 offsets")
+        if k is None:
+            raise ValueError("packed queries need their new keys and values (k, v)")
+    elif q.dim() != 4 or q.shape[0] != cache.batch_size:
+        raise ValueError(
+            f"q must be (batch={cache.batch_size}, num_new, heads, dim), or packed with "
+            f"cu_seqlens_q, got {tuple(q.shape)}"
+        )
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    if head_dim != cache.head_dim:
+        raise ValueError(f"q has head dim {head_dim} but the cache holds {cache.head_dim}")
+    if num_heads % cache.num_kv_heads:
+        raise ValueError(
+            f"q heads ({num_heads}) must be a multiple of the cache's KV heads "
+            f"({cache.num_kv_heads})"
+        )
+    pattern = cache.pattern
+    if pattern is not None and pattern.num_heads not in (num_heads, cache.num_kv_heads):
+        raise ValueError(
+            f"the cache's pattern has {pattern.num_heads} heads; expected the q heads "
+            f"({num_heads}) or the KV heads ({cache.num_kv_heads})"
+        )
+    if k is not None:
+        if q.shape[:-2] != k.shape[:-2]:
+            raise ValueError(
+                f"q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same new tokens"
+            )
+        counts = _new_counts(q, cache, cu_seqlens_q)
+        for b, (past, n) in enumerate(zip(cache.lengths, counts)):
+            if past + n > cache.max_seq_len:
+                raise ValueError(
+                    f"sequence {b} would hold {past} + {n} tokens, past the cache's max_seq_len "
+                    f"{cache.max_seq_len}"
+                )
+    else:
+        if q.shape[1] > min(cache.lengths):
+            raise ValueError(
+                f"q holds {q.shape[1]} tokens per sequence, more than the shortest cached "
+                f"sequence ({min(cache.lengths)}); pass k and v to append them"
+            )
+        counts = [0] * cache.batch_size
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim), counts
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    return float(softmax_scale), counts
+
+
+def _new_counts(
+    q: torch.Tensor, cache: PagedKVCache, cu_seqlens_q: torch.Tensor | None
+) -> list[int]:
+    """New tokens per sequence."""
+    if cu_seqlens_q is None:
+        return [q.shape[1]] * cache.batch_size
+    cu = cu_seqlens_q.tolist()
+    if len(cu) != cache.batch_size + 1 or cu[0] != 0 or cu[-1] != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q must hold batch + 1 = {cache.batch_size + 1} offsets from 0 to "
+            f"{q.shape[0]}, got {cu}"
+        )
+    counts = [b - a for a, b in zip(cu, cu[1:])]
+    if min(counts) < 0:
+        raise ValueError(f"cu_seqlens_q must be non-decreasing, got {cu}")
+    return counts
+
+
+def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):
+    batch, num_new, num_heads, _ = q.shape
+    layout = cache.decode_layout
+    if num_splits is None:
+        blocks = [(n - num_new) // cache.block_size for n in cache.lengths]
+        longest = int(layout.list_lengths[blocks].max())
+        num_splits = _dec.decode_num_splits(batch, cache.num_kv_heads, longest, q.device)
+    return _dec.decode(
+        q, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, layout,
+        softmax_scale=scale, num_splits=num_splits,
+    )  # fmt: skip
+
+
+def _attend_dense(q, cache, k, v, scale, cu_q, counts, past):
+    """Forward kernel over each sequence's past (gathered) and new keys, packed."""
+    batch = cache.batch_size
+    dev = q.device
+    packed_q = q if cu_q is not None else q.reshape(-1, *q.shape[2:])
+    if cu_q is None:
+        cu_q = torch.arange(0, (batch + 1) * counts[0], counts[0], dtype=torch.int32, device=dev)
+    k_new = k.reshape(-1, *k.shape[-2:])
+    v_new = v.reshape(-1, *v.shape[-2:])
+    if any(past):
+        k_past, v_past, _ = cache.gather(past)
+        # Interleave per sequence: its past, then its new tokens.
+        bounds_new = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        bounds_past = [0, *torch.tensor(past).cumsum(0).tolist()]
+        parts_k, parts_v = [], []
+        for b in range(batch):
+            old = slice(bounds_past[b], bounds_past[b + 1])
+            new = slice(bounds_new[b], bounds_new[b + 1])
+            parts_k += [k_past[old], k_new[new]]
+            parts_v += [v_past[old], v_new[new]]
+        k_ctx, v_ctx = torch.cat(parts_k), torch.cat(parts_v)
+    else:
+        k_ctx, v_ctx = k_new, v_new
+    lens_k = [p + n for p, n in zip(past, counts)]
+    cu_k = torch.tensor([0, *lens_k], dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+    out, lse = sparse_attention(
+        packed_q, k_ctx, v_ctx, _layer_pattern(cache), softmax_scale=scale,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(counts), max_seqlen_k=max(lens_k),
+        return_lse=True,
+    )  # fmt: skip
+    return out, lse
+
+
+def sparse_attention_with_kvcache(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Append new tokens to a paged KV cache and attend their queries to the cached context.
+
+    Args:
+        q: (batch, num_new, heads, dim), or packed (total_new, heads, dim) with
+            ``cu_seqlens_q``; the cache's dtype and device. The new tokens follow each sequence's
+            cached tokens: row ``t`` of sequence ``b`` sits at absolute position
+            ``cache.lengths[b] + t`` (before the append).
+        cache: the layer's :class:`s2attn.PagedKVCache`; its pattern (None: dense) has ``heads``
+            or ``kv_heads`` heads.
+        k, v: the new tokens' keys and values, (batch, num_new, kv_heads, dim) or packed
+            (total_new, kv_heads, dim). None when they were appended already (``cache.append``);
+            q's tokens are then the last ``num_new`` of every sequence (batched q only).
+        softmax_scale: defaults to ``1 / sqrt(dim)``.
+        cu_seqlens_q: int32 (batch + 1,) offsets of each sequence's new tokens in packed q/k/v
+            (variable-length prefill; a sequence may have none).
+        return_lse: also return the float32 natural-log LSE per row.
+        num_splits: decode only: programs per (sequence, KV head); default from the GPU's size.
+
+    Returns ``out`` shaped like q, in q's dtype; with ``return_lse`` also ``lse`` (batch, heads,
+    num_new), or (heads, total_new) for packed q.
+
+    Example::
+
+        >>> cache = s2attn.PagedKVCache(pattern, batch_size=2, num_kv_heads=8, head_dim=128,
+        ...                             dtype=torch.bfloat16, device="cuda")
+        >>> out = s2attn.sparse_attention_with_kvcache(q_prompt, cache, k_prompt, v_prompt)
+        >>> for _ in range(steps):  # q_step (2, 1, 32, 128), k/v_step (2, 1, 8, 128)
+        ...     out = s2attn.sparse_attention_with_kvcache(q_step, cache, k_step, v_step)
+    """
+    scale, counts = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
+    if k is None:
+        if not _dec.kernels_available(q.device):
+            raise RuntimeError("reading new tokens back from the cache needs the Triton kernels")
+        out, lse = _decode(q, cache, scale, num_splits)
+        return (out, lse) if return_lse else out
+
+    packed = cu_seqlens_q is not None
+    past = cache.lengths
+    group = q.shape[-2] // cache.num_kv_heads
+    decode_step = (
+        not packed
+        and q.shape[1] <= MAX_DECODE_TOKENS
+        and group * q.shape[1] <= _dec.MAX_DECODE_ROWS
+        and _dec.kernels_available(q.device)
+    )
+    if decode_step:
+        cache.append(k, v)
+        out, lse = _decode(q, cache, scale, num_splits)
+        return (out, lse) if return_lse else out
+
+    out, lse = _attend_dense(q, cache, k, v, scale, cu_seqlens_q, counts, past)
+    # The new tokens' queries are done: store only what later queries read.
+    cache.append(k, v, cu_seqlens=cu_seqlens_q, keep_from=[p + n for p, n in zip(past, counts)])
+    if not packed:
+        out = out.view(q.shape)
+        lse = lse.view(q.shape[-2], cache.batch_size, q.shape[1]).transpose(0, 1)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,455 @@
+"""HuggingFace transformers: S2 attention layers and an evicting paged KV cache for ``generate``.
+
+Importing this module imports transformers (``import s2attn`` alone never does) and registers two
+attention implementations:
+
+* ``"s2attn"``: each layer's attention through s2attn's kernels, with the layer's pattern from the
+  config (:func:`configure`; a per-layer choice of dense or S2, e.g. HHST's dense first layers).
+  With an :class:`S2Cache` it prefills, chunk-prefills and decodes over the paged cache that evicts
+  what the pattern never reads again; with transformers' own caches (or none) it attends over the
+  keys they return.
+* ``"s2attn_reference"``: the same patterns through :func:`s2attn.attention_reference` on the
+  dense token mask, for tests.
+
+Left-padded batches (``tokenizer.padding_side = "left"``) work: each sequence's tokens sit at
+positions 0.. of its own, so the cache and the pattern see them unpadded.
+
+Example::
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from s2attn.integrations import transformers as s2hf
+
+    config = LlamaConfig(num_hidden_layers=16, ...)
+    s2hf.configure(config, block_size=64, local_blocks=16, vert_stride=16, dense_layers=2)
+    model = LlamaForCausalLM(config)
+    cache = s2hf.S2Cache(model.config)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=128)
+    print(cache.memory_report())
+
+Works with models whose attention modules carry ``config`` and ``layer_idx``, call
+``past_key_values.update(key, value, layer_idx)`` and then the registered attention function
+(Llama, Mistral, Qwen2 and the like). Beam search (reordering the cache) is not supported.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "s2attn.integrations.transformers needs HuggingFace transformers >= 5: "
+        "pip install 's2attn[transformers]'"
+    ) from exc
+
+from ..attention import sparse_attention
+from ..cache import PagedKVCache
+from ..inference import sparse_attention_with_kvcache
+from ..pattern import BlockPattern, dense_pattern, local_stride_pattern
+from ..reference import attention_reference
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "REFERENCE_IMPLEMENTATION",
+    "configure",
+    "layer_pattern",
+    "S2Cache",
+    "S2CacheLayer",
+    "attention_forward",
+    "reference_attention_forward",
+]
+
+ATTN_IMPLEMENTATION = "s2attn"
+REFERENCE_IMPLEMENTATION = "s2attn_reference"
+_CONFIG_KEY = "s2attn"
+
+
+# ------------------------------------------------------------------------------- config
+def configure(
+    config,
+    *,
+    block_size: int = 64,
+    local_blocks: int = 16,
+    vert_stride: int = 16,
+    dense_layers: int | Sequence[int] = 2,
+    max_seq_len: int | None = None,
+    num_dense_heads: int = 0,
+    homo_head: bool = False,
+    head_offset: int = 0,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+):
+    """Make a transformers config an HHST model: some layers dense, the others S2.
+
+    Args:
+        config: a decoder config (e.g. ``LlamaConfig``); changed in place and returned.
+        block_size, local_blocks, vert_stride, num_dense_heads, homo_head, head_offset: the S2
+            layers' :func:`s2attn.local_stride_pattern` (GQA groups share one pattern, so the KV
+            cache can evict).
+        dense_layers: the dense layers' indices, or a count of dense layers from the first.
+        max_seq_len: the patterns' length; defaults to ``config.max_position_embeddings``.
+        attn_implementation: ``"s2attn"`` (the kernels) or ``"s2attn_reference"`` (the dense-mask
+            reference).
+
+    The choice is stored as the JSON-friendly dict ``config.s2attn`` (so it survives
+    ``save_pretrained``), with ``config.s2attn["layer_types"]`` one of "dense" or "s2" per layer.
+
+    Example::
+
+        >>> config = LlamaConfig(num_hidden_layers=4, ...)
+        >>> configure(config, block_size=16, local_blocks=4, vert_stride=4, dense_layers=[0])
+        >>> config.s2attn["layer_types"]
+        ['dense', 's2', 's2', 's2']
+    """
+    text = config.get_text_config(decoder=True)
+    num_layers = text.num_hidden_layers
+    if isinstance(dense_layers, int):
+        if not 0 <= dense_layers <= num_layers:
+            raise ValueError(f"dense_layers must be in [0, {num_layers}], got {dense_layers}")
+        dense = set(range(dense_layers))
+    else:
+        dense = set(dense_layers)
+        if any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
+            raise ValueError(
+                f"dense_layers must be layer indices in [0, {num_layers}), got {dense_layers}"
+            )
+    if attn_implementation not in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
+        raise ValueError(
+            f"attn_implementation must be {ATTN_IMPLEMENTATION!r} or "
+            f"{REFERENCE_IMPLEMENTATION!r}, got {attn_implementation!r}"
+        )
+    settings = dict(
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        max_seq_len=max_seq_len or text.max_position_embeddings,
+        num_dense_heads=num_dense_heads,
+        homo_head=homo_head,
+        head_offset=head_offset,
+        layer_types=["dense" if i in dense else "s2" for i in range(num_layers)],
+    )
+    _build_pattern(*_pattern_key(text, settings))  # validate now, not at the first forward
+    setattr(text, _CONFIG_KEY, settings)
+    text._attn_implementation = attn_implementation
+    return config
+
+
+def _pattern_key(config, settings: dict) -> tuple:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return (
+        heads, kv_heads, settings["max_seq_len"], settings["block_size"], settings["local_blocks"],
+        settings["vert_stride"], settings["num_dense_heads"], settings["homo_head"],
+        settings["head_offset"],
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _build_pattern(heads, kv_heads, max_seq_len, block_size, local_blocks, vert_stride,
+                   num_dense_heads, homo_head, head_offset) -> BlockPattern:  # fmt: skip
+    # One pattern object per configuration: every S2 layer shares it, and with it its layouts.
+    return local_stride_pattern(
+        heads, max_seq_len, block_size, local_blocks, vert_stride, num_kv_heads=kv_heads,
+        num_dense_heads=num_dense_heads, homo_head=homo_head, head_offset=head_offset,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _dense(kv_heads: int, max_seq_len: int, block_size: int) -> BlockPattern:
+    return dense_pattern(kv_heads, max_seq_len, block_size)
+
+
+def _settings(config) -> dict:
+    settings = getattr(config, _CONFIG_KEY, None)
+    if settings is None:
+        raise ValueError(
+            "the model's config has no s2attn settings: call "
+            "s2attn.integrations.transformers.configure(config, ...) before building the model"
+        )
+    return settings
+
+
+def layer_pattern(config, layer_idx: int) -> BlockPattern | None:
+    """The pattern of layer ``layer_idx`` under :func:`configure`'s settings, None when dense."""
+    settings = _settings(config)
+    types = settings["layer_types"]
+    if not 0 <= layer_idx < len(types):
+        raise ValueError(f"layer_idx {layer_idx} outside the config's {len(types)} layers")
+    if types[layer_idx] == "dense":
+        return None
+    return _build_pattern(*_pattern_key(config, settings))
+
+
+def _attention_pattern(config, layer_idx: int) -> BlockPattern:
+    """The layer's pattern for attention over explicit keys: dense layers get a dense one."""
+    pattern = layer_pattern(config, layer_idx)
+    if pattern is not None:
+        return pattern
+    settings = _settings(config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return _dense(kv_heads, settings["max_seq_len"], settings["block_size"])
+
+
+# ------------------------------------------------------------------------------ padding
+def _real_counts(mask: torch.Tensor | None, length: int) -> list[int] | None:
+    """Real (unpadded) tokens among the last ``length`` columns of a left-padded 2-D mask per
+    row; None when there is no padding there."""
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(f"s2attn expects a 2-D padding mask, got shape {tuple(mask.shape)}")
+    tail = mask[:, -length:].to(torch.int8)
+    if bool(tail.all()):
+        return None
+    if bool((tail[:, 1:] < tail[:, :-1]).any()):
+        raise ValueError("s2attn supports left padding only: set tokenizer.padding_side = 'left'")
+    return tail.sum(dim=1).tolist()
+
+
+def _pack(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """(batch, seq, ...) -> (sum(counts), ...): the last counts[b] rows of each sequence."""
+    return torch.cat([x[b, x.shape[1] - n :] for b, n in enumerate(counts)])
+
+
+def _unpack(x: torch.Tensor, counts: list[int], seq: int) -> torch.Tensor:
+    out = x.new_zeros(len(counts), seq, *x.shape[1:])
+    start = 0
+    for b, n in enumerate(counts):
+        out[b, seq - n :] = x[start : start + n]
+        start += n
+    return out
+
+
+def _cu(counts: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def _attend_context(fn, q, k, v, pattern, mask, scale):
+    """Attention over explicit keys (the whole context), unpadding left-padded rows."""
+    q_counts = _real_counts(mask, q.shape[1])
+    k_counts = _real_counts(mask, k.shape[1])
+    if q_counts is None and k_counts is None:
+        return fn(q, k, v, pattern, softmax_scale=scale)
+    q_counts = q_counts or [q.shape[1]] * q.shape[0]
+    k_counts = k_counts or [k.shape[1]] * k.shape[0]
+    out = fn(
+        _pack(q, q_counts), _pack(k, k_counts), _pack(v, k_counts), pattern, softmax_scale=scale,
+        cu_seqlens_q=_cu(q_counts, q.device), cu_seqlens_k=_cu(k_counts, q.device),
+    )  # fmt: skip
+    return _unpack(out, q_counts, q.shape[1])
+
+
+# ------------------------------------------------------------------- attention functions
+def _check_module(module, dropout: float) -> None:
+    if dropout and module.training:
+        raise NotImplementedError("s2attn attention does not implement attention dropout")
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``"s2attn"`` attention implementation.
+
+    query (batch, heads, seq, dim); key/value (batch, kv_heads, seq_k, dim): with an
+    :class:`S2Cache` only this step's tokens (the cache holds the rest), else the whole context.
+    Returns (batch, seq, heads, dim) and no attention weights.
+    """
+    _check_module(module, dropout)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    layer: S2CacheLayer | None = getattr(key, "_s2attn_cache_layer", None)
+    if layer is None:
+        pattern = _attention_pattern(module.config, module.layer_idx)
+        return _attend_context(sparse_attention, q, k, v, pattern, attention_mask, scaling), None
+    layer._pending = False
+    paged = layer.paged
+    counts = _real_counts(attention_mask, q.shape[1]) if q.shape[1] > 1 else None
+    if counts is None:
+        return sparse_attention_with_kvcache(q, paged, k, v, softmax_scale=scaling), None
+    out = sparse_attention_with_kvcache(
+        _pack(q, counts), paged, _pack(k, counts), _pack(v, counts), softmax_scale=scaling,
+        cu_seqlens_q=_cu(counts, q.device),
+    )  # fmt: skip
+    return _unpack(out, counts, q.shape[1]), None
+
+
+def reference_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``"s2attn_reference"`` implementation: the layer's pattern on the dense token mask,
+    over the whole context a transformers cache returns (not for :class:`S2Cache`)."""
+    _check_module(module, dropout)
+    if getattr(key, "_s2attn_cache_layer", None) is not None:
+        raise ValueError(f"{REFERENCE_IMPLEMENTATION!r} needs a cache that returns every key")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    pattern = _attention_pattern(module.config, module.layer_idx)
+    return _attend_context(attention_reference, q, k, v, pattern, attention_mask, scaling), None
+
+
+def register() -> None:
+    """Register both implementations (done on import; idempotent). The padding-mask hook hands
+    the attention a 2-D mask only when some token is padding."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionInterface.register(REFERENCE_IMPLEMENTATION, reference_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(REFERENCE_IMPLEMENTATION, flash_attention_mask)
+
+
+register()
+
+
+# ----------------------------------------------------------------------------------- cache
+class S2CacheLayer(CacheLayerMixin):
+    """One layer of :class:`S2Cache`: a :class:`s2attn.PagedKVCache`, built at the first update
+    (when batch, dtype and device are known).
+
+    ``update`` stores nothing itself: it tags the new keys with this layer and returns them, and
+    the ``"s2attn"`` attention appends and attends in one call, choosing what to store by the
+    path it takes (a prefill never stores the blocks only the prompt's own queries read).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(
+        self,
+        pattern: BlockPattern | None,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        max_seq_len: int,
+        num_pages: int | None = None,
+    ):
+        super().__init__()
+        self.pattern = pattern
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.num_pages = num_pages
+        self.paged: PagedKVCache | None = None
+        self._pending = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.paged = PagedKVCache(
+            self.pattern, batch_size=key_states.shape[0], num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, dtype=key_states.dtype, device=key_states.device,
+            max_seq_len=self.max_seq_len, block_size=self.block_size, num_pages=self.num_pages,
+        )  # fmt: skip
+        self.batch_size = key_states.shape[0]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pending:
+            raise RuntimeError(
+                "S2Cache was updated twice without the 's2attn' attention storing the tokens: "
+                "build the model with attn_implementation='s2attn' (configure(config, ...))"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        key_states._s2attn_cache_layer = self
+        self._pending = True
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return max(self.paged.lengths) if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_seq_len
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove ``-tokens_to_remove`` tokens (or, when positive, keep that many: the legacy
+        form), e.g. rejected tokens of assisted generation."""
+        if not self.is_initialized:
+            return
+        length = self.get_seq_length()
+        remove = length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        if remove > 0:
+            self.paged.crop(min(remove, length))
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.paged.reset()
+        self._pending = False
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(
+            "S2Cache does not reorder or repeat sequences (beam search); use greedy or sampling"
+        )
+
+    reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+    offload = prefetch = _unsupported
+
+
+class S2Cache(Cache):
+    """A transformers ``Cache`` over :class:`s2attn.PagedKVCache` layers: S2 layers evict what
+    their pattern never reads again, dense layers keep everything.
+
+    Args:
+        config: the model's config, set up by :func:`configure`.
+        max_seq_len: the longest sequence; defaults to the patterns' length.
+        num_pages: pages per layer's pool; defaults to each pattern's peak need (see
+            :class:`s2attn.PagedKVCache`).
+
+    Needs the ``"s2attn"`` attention implementation. ``memory_report()`` sums the layers' live and
+    dense-equivalent bytes.
+
+    Example::
+
+        >>> cache = S2Cache(model.config)
+        >>> model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+        >>> cache.memory_report()["live_bytes"] / cache.memory_report()["dense_bytes"]
+    """
+
+    def __init__(self, config, *, max_seq_len: int | None = None, num_pages: int | None = None):
+        text = config.get_text_config(decoder=True)
+        settings = _settings(text)
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        block_size = settings["block_size"]
+        length = max_seq_len or settings["max_seq_len"]
+        layers = [
+            S2CacheLayer(
+                layer_pattern(text, i), num_kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size, max_seq_len=math.ceil(length / block_size) * block_size,
+                num_pages=num_pages,
+            )
+            for i in range(text.num_hidden_layers)
+        ]  # fmt: skip
+        super().__init__(layers=layers)
+
+    def memory_report(self) -> dict[str, int]:
+        """Live, needed, dense-equivalent and pool bytes (and pages) summed over the layers."""
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            if layer.is_initialized:
+                for key, value in layer.paged.memory_report().items():
+                    total[key] = total.get(key, 0) + value
+        return total

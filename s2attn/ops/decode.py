@@ -1,0 +1,516 @@
+"""Triton decode kernel: a few new query tokens per sequence against a paged KV cache; its launcher.
+
+One program serves one (sequence, KV head, split). Its rows are the query heads of the KV head's
+GQA group times the new tokens (row ``r`` is token ``r // group``, head ``r % group`` of the group),
+so every K/V page it loads serves the whole group. It walks its share (split-K) of the decode
+layout's list for the query block of the sequence's first new token: the full entries with no
+mask at all, then the partial ones with the entry's per-head bits and the causal rule (which also
+hides the unwritten end of the last page). A KV block is one page of ``block_size`` tokens, found
+through the page table.
+
+With one split, the program writes the output directly. With more, each writes its normalised
+partial output and natural-log LSE, and ``_merge_kernel`` combines them exactly: at long contexts
+and small batches there are too few (sequence, KV head) pairs to fill the GPU otherwise.
+
+``_write_kernel`` stores a decode step's new keys and values into their pages: one launch where
+the equivalent torch indexing takes a dozen.
+
+The kernels know layouts, page tables and strides, never patterns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import DecodeLayout
+from .common import LOG2E, POISON_OUTPUTS, dot_precision, lse_dtype, padded_head_dim
+
+__all__ = ["decode", "decode_num_splits", "write_pages", "kernels_available", "MAX_DECODE_ROWS"]
+
+# Rows of one program (query heads of a GQA group x new tokens): more would spill registers.
+MAX_DECODE_ROWS = 128
+
+
+@triton.jit
+def _attend_pages(
+    acc,
+    l_i,
+    m_i,
+    q,
+    cols_ptr,
+    bits_ptr,
+    start,
+    end,
+    pages_ptr,
+    stride_tj,
+    K,
+    V,
+    stride_kp,
+    stride_kn,
+    stride_kd,
+    stride_vp,
+    stride_vn,
+    stride_vd,
+    row_pos,
+    bitpos,
+    ctx_len,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DENSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over entries ``start..end`` of one list; each entry is one page.
+
+    DENSE lists are implicit: entry ``e`` is KV block ``e`` and every bit is set. MASKED entries
+    apply their bits and causality, and load nothing past the context (the last page's tail is
+    unwritten, and 0 * NaN would poison the row).
+    """
+    ACC = acc.dtype
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for e in range(start, end):
+        if DENSE:
+            j = e
+        else:
+            j = tl.load(cols_ptr + e)
+        page = tl.load(pages_ptr + j * stride_tj).to(tl.int64)
+        k_page = K + page * stride_kp
+        v_page = V + page * stride_vp
+        if MASKED:
+            if DENSE:
+                row_keep = bitpos >= 0
+            else:
+                row_keep = ((tl.load(bits_ptr + e) >> bitpos) & 1) != 0
+        # A page wider than the KV tile is read in BLOCK_N-wide slices.
+        for c in tl.static_range(PAGE_SIZE // BLOCK_N):
+            slots = c * BLOCK_N + offs_n
+            k_ptrs = k_page + slots[None, :] * stride_kn + offs_d[:, None] * stride_kd
+            v_ptrs = v_page + slots[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            if MASKED:
+                k_pos = j * PAGE_SIZE + slots
+                k_ok = k_pos < ctx_len
+                kt = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            elif BLOCK_D == HEAD_DIM:
+                kt = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+            if MASKED:
+                keep = row_keep[:, None] & (k_pos[None, :] <= row_pos[:, None])
+                s = tl.where(keep, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row with nothing visible so far keeps m = -inf; subtract 0 to avoid NaN.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_ref = m_new
+            alpha = tl.math.exp2(m_i - m_ref)
+            p = tl.math.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(
+                p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC
+            )
+            m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    OutSplit,
+    LseSplit,
+    page_table,
+    seq_lens,
+    full_offsets,
+    full_cols,
+    partial_offsets,
+    partial_mid,
+    partial_cols,
+    partial_bits,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kp,
+    stride_kn,
+    stride_kd,
+    stride_vp,
+    stride_vn,
+    stride_vd,
+    stride_tb,
+    stride_th,
+    stride_tj,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    num_q_blocks,
+    qk_scale,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_NEW: tl.constexpr,
+    GQA_GROUP: tl.constexpr,
+    HEADS_PER_BIT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DENSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // NUM_KV_HEADS
+    g = pid % NUM_KV_HEADS
+    split = tl.program_id(1)
+
+    # The new tokens are the last NUM_NEW of the context, at absolute positions ctx - NUM_NEW ...
+    ctx_len = tl.load(seq_lens + b)
+    first = ctx_len - NUM_NEW
+    q_block = first // PAGE_SIZE
+    straddle = (ctx_len - 1) // PAGE_SIZE > q_block
+
+    rows = tl.arange(0, BLOCK_M)
+    t = rows // GQA_GROUP
+    hg = rows % GQA_GROUP
+    row_ok = t < NUM_NEW
+    row_pos = first + t
+    # Bit 2 * r + d of a partial entry: pattern head r of the group, query block q_block + d.
+    bitpos = (hg // HEADS_PER_BIT) * 2 + (row_pos // PAGE_SIZE - q_block)
+    bitpos = tl.where(row_ok, bitpos, 0).to(tl.int64)
+    h = g * GQA_GROUP + hg
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qs + h[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # fmt: skip
+
+    if DENSE:
+        full_start = 0
+        full_end = q_block
+        part_start = q_block
+        part_end = q_block + 1 + straddle.to(tl.int32)
+    else:
+        key = g * num_q_blocks + q_block
+        full_start = tl.load(full_offsets + key)
+        full_end = tl.load(full_offsets + key + 1)
+        part_start = tl.load(partial_offsets + key)
+        # Entries only the next query block reads matter only when the new tokens reach it.
+        part_end = tl.where(
+            straddle, tl.load(partial_offsets + key + 1), tl.load(partial_mid + key)
+        )
+    # This split's share of either list.
+    full_chunk = tl.cdiv(full_end - full_start, num_splits)
+    full_lo = full_start + split * full_chunk
+    full_hi = tl.minimum(full_lo + full_chunk, full_end)
+    part_chunk = tl.cdiv(part_end - part_start, num_splits)
+    part_lo = part_start + split * part_chunk
+    part_hi = tl.minimum(part_lo + part_chunk, part_end)
+
+    pages_ptr = page_table + b.to(tl.int64) * stride_tb + g.to(tl.int64) * stride_th
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _attend_pages(
+        acc, l_i, m_i, q, full_cols, partial_bits, full_lo, full_hi, pages_ptr, stride_tj,
+        K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
+        row_pos, bitpos, ctx_len, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, DENSE, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_pages(
+        acc, l_i, m_i, q, partial_cols, partial_bits, part_lo, part_hi, pages_ptr, stride_tj,
+        K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
+        row_pos, bitpos, ctx_len, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION,
+    )  # fmt: skip
+
+    # Rows that attend nothing (in this split): output 0 and LSE -inf, never 0/0.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
+    lse = tl.where(empty, float("-inf"), lse)
+    if not SPLIT:
+        tl.store(
+            Out + b.to(tl.int64) * stride_ob + t[:, None] * stride_os + h[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )  # fmt: skip
+        tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_ls, lse, mask=row_ok)
+    else:
+        # Scratch (batch, new, heads, splits, dim), contiguous: a merge row reads one run.
+        row = (b.to(tl.int64) * NUM_NEW + t) * (NUM_KV_HEADS * GQA_GROUP) + h
+        slot = row * num_splits + split
+        tl.store(
+            OutSplit + slot[:, None] * HEAD_DIM + offs_d[None, :],
+            out,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        tl.store(LseSplit + slot, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    OutSplit,
+    LseSplit,
+    Out,
+    Lse,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    num_splits,
+    NUM_NEW: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One program per (sequence, new token, query head): the exact LSE-weighted sum of splits."""
+    row = tl.program_id(0).to(tl.int64)
+    h = row % NUM_HEADS
+    t = (row // NUM_HEADS) % NUM_NEW
+    b = row // (NUM_HEADS * NUM_NEW)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse_s = tl.load(LseSplit + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_ref)
+    denom = tl.sum(w, 0)
+    o = tl.load(
+        OutSplit + (row * num_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    empty = denom == 0.0
+    out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, denom)
+    lse = tl.where(empty, float("-inf"), m_ref + tl.log(tl.where(empty, 1.0, denom)))
+    tl.store(
+        Out + b * stride_ob + t * stride_os + h * stride_oh + offs_d * stride_od,
+        out.to(Out.dtype.element_ty),
+        mask=d_ok,
+    )
+    tl.store(Lse + b * stride_lb + h * stride_lh + t * stride_ls, lse)
+
+
+@triton.jit
+def _write_kernel(
+    K,
+    V,
+    KPages,
+    VPages,
+    page_table,
+    seq_lens,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_kp,
+    stride_kn,
+    stride_kpd,
+    stride_vp,
+    stride_vn,
+    stride_vpd,
+    stride_tb,
+    stride_th,
+    stride_tj,
+    NUM_NEW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """One program per (sequence, new token, KV head): copy its key and value rows into the page
+    of its block, if the block is stored."""
+    bt = tl.program_id(0)
+    h = tl.program_id(1)
+    b = bt // NUM_NEW
+    t = bt % NUM_NEW
+    pos = tl.load(seq_lens + b) + t  # seq_lens: the lengths before this step
+    page = tl.load(page_table + b * stride_tb + h * stride_th + (pos // PAGE_SIZE) * stride_tj)
+    if page >= 0:
+        page = page.to(tl.int64)
+        slot = pos % PAGE_SIZE
+        offs = tl.arange(0, BLOCK_D)
+        ok = offs < HEAD_DIM
+        k = tl.load(K + b * stride_kb + t * stride_ks + h * stride_kh + offs * stride_kd, mask=ok)
+        v = tl.load(V + b * stride_vb + t * stride_vs + h * stride_vh + offs * stride_vd, mask=ok)
+        tl.store(KPages + page * stride_kp + slot * stride_kn + offs * stride_kpd, k, mask=ok)
+        tl.store(VPages + page * stride_vp + slot * stride_vn + offs * stride_vpd, v, mask=ok)
+
+
+def write_pages(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """Store new tokens' K/V, (batch, num_new, kv_heads, dim), at positions ``seq_lens[b] + t``
+    of each sequence through the page table (blocks with page -1 are skipped)."""
+    batch, num_new, num_kv_heads, head_dim = k.shape
+    if k.numel() == 0:
+        return
+    _write_kernel[(batch * num_new, num_kv_heads)](
+        k, v, k_pages, v_pages, page_table, seq_lens,
+        *k.stride(), *v.stride(), *k_pages.stride(), *v_pages.stride(), *page_table.stride(),
+        NUM_NEW=num_new, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=k_pages.shape[1],
+    )  # fmt: skip
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether Triton kernels run on ``device``: a GPU, or the CPU under the interpreter."""
+    from .forward import INTERPRETED
+
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_num_splits(
+    batch: int, num_kv_heads: int, longest_list: int, device: torch.device
+) -> int:
+    """How many programs share one (sequence, KV head)'s list of pages (split-K).
+
+    Aim for 4 programs per SM: a decode program mostly waits on dependent loads (list entry, page
+    id, page), and several resident programs per SM hide that latency. Each split keeps at least
+    4 pages, or the merge costs more than the split saves. Under the interpreter: one split.
+    """
+    if device.type != "cuda":
+        return 1
+    want = triton.cdiv(4 * _num_sms(device.index), batch * num_kv_heads)
+    return max(1, min(want, triton.cdiv(longest_list, 4), 64))
+
+
+def _launch_options(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    # Each iteration is a chain of dependent loads (list entry -> page id -> page): 3 stages let
+    # the pipeliner issue the next entries' index loads while this page's K/V arrive. 4 warps
+    # suffice for a 16-row tile. To be confirmed by benchmarks/bench_decode.py --sweep.
+    return {"num_warps": 4, "num_stages": 3}
+
+
+def decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: DecodeLayout,
+    *,
+    softmax_scale: float,
+    num_splits: int = 1,
+    block_n: int | None = None,
+    launch_options: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the decode kernel (and the merge when ``num_splits > 1``) on validated inputs.
+
+    Args:
+        q: (batch, num_new, heads, dim): the new tokens' queries, the last ``num_new`` positions of
+            each sequence. Any strides.
+        k_pages, v_pages: (num_pages, block_size, dim): the page pools; page ``p`` holds the keys of
+            ``block_size`` consecutive positions of one (sequence, KV head).
+        page_table: int32 (batch, kv_heads, max_blocks): the page of each KV block, -1 if absent.
+            Every block the layout lists for a query must be present.
+        seq_lens: int32 (batch,): context length of each sequence, new tokens included (they are
+            already in the pages).
+        layout: the decode layout, over ``kv_heads`` KV heads and pages of ``block_size``.
+        softmax_scale: the score scale.
+        num_splits: programs per (sequence, KV head); see :func:`decode_num_splits`.
+        block_n: keys per K/V tile (a page is read in ``block_size // block_n`` slices);
+            default ``min(block_size, 64)``. For tuning sweeps, like ``launch_options``.
+        launch_options: (num_warps, num_stages) overriding the defaults.
+
+    Returns ``out`` like q in q's dtype and ``lse`` float32 (batch, heads, num_new).
+    """
+    batch, num_new, num_heads, head_dim = q.shape
+    num_kv_heads = page_table.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, num_heads, num_new), dtype=lse_dtype(q.dtype), device=q.device)
+    split_shape = (batch, num_new, num_heads, num_splits)
+    if num_splits > 1:
+        out_split = torch.empty((*split_shape, head_dim), dtype=torch.float32, device=q.device)
+        lse_split = torch.empty(split_shape, dtype=torch.float32, device=q.device)
+    else:
+        out_split = lse_split = lse  # not written
+    if POISON_OUTPUTS:
+        for t in (out, lse, out_split, lse_split):
+            t.fill_(float("nan"))
+    if out.numel() == 0:
+        return out, lse
+
+    block_size = layout.block_size
+    block_n = block_n or min(block_size, 64)
+    if block_size % block_n:
+        raise ValueError(f"block_n={block_n} must divide the page size {block_size}")
+    block_m = max(16, triton.next_power_of_2(group * num_new))
+    block_d = padded_head_dim(head_dim)
+    grid = (batch * num_kv_heads, num_splits)
+    _decode_kernel[grid](
+        q, k_pages, v_pages, out, lse, out_split, lse_split, page_table, seq_lens,
+        layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_mid,
+        layout.partial_cols, layout.partial_bits,
+        *q.stride(), *k_pages.stride(), *v_pages.stride(), *page_table.stride(),
+        *out.stride(), *lse.stride(),
+        layout.num_q_blocks, softmax_scale * LOG2E, num_splits,
+        NUM_KV_HEADS=num_kv_heads,
+        NUM_NEW=num_new,
+        GQA_GROUP=group,
+        HEADS_PER_BIT=group // layout.heads_per_kv_head,
+        SPLIT=num_splits > 1,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PAGE_SIZE=block_size,
+        DENSE=layout.dense,
+        DOT_PRECISION=dot_precision(q.dtype),
+        **(launch_options or _launch_options(head_dim, q.dtype)),
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(batch * num_new * num_heads,)](
+            out_split, lse_split, out, lse, *out.stride(), *lse.stride(), num_splits,
+            NUM_NEW=num_new,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+    return out, lse

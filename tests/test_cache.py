@@ -1,0 +1,315 @@
+"""The paged KV cache: eviction never frees a block the pattern reads later, live memory is what the
+pattern needs within one block per head, pages are shared across the batch, chunked prefill equals
+one pass, non-KV-efficient patterns keep everything (with a warning), and bad input is refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, DTYPES, assert_close
+
+import s2attn
+from s2attn import (
+    ModelKVCache,
+    PagedKVCache,
+    attention_reference,
+    sparse_attention_with_kvcache,
+)
+from s2attn.layout import kv_last_use
+
+BS = 16
+MAX_LEN = 192
+NB = MAX_LEN // BS
+
+
+def patterns(kv_heads: int, heads: int) -> dict[str, s2attn.BlockPattern]:
+    return {
+        "s2": s2attn.local_stride_pattern(heads, MAX_LEN, BS, 2, 4, num_kv_heads=kv_heads),
+        "per_query_head": s2attn.local_stride_pattern(heads, MAX_LEN, BS, 3, 5),
+        "late_runs": late_runs_pattern(heads),
+    }
+
+
+def late_runs_pattern(heads: int) -> s2attn.BlockPattern:
+    """KV-efficient, but some blocks are first read long after they were written, and some never."""
+    i = torch.arange(NB)[:, None]
+    j = torch.arange(NB)[None, :]
+    masks = []
+    for h in range(heads):
+        late = j % 3 == h % 3  # read from 4 blocks after it is written, for 4 blocks
+        local = ~late & (i - j >= 0) & (i - j < 2)
+        never = j % 5 == 4  # never read at all
+        masks.append((local | (late & (i >= j + 4) & (i < j + 8))) & ~never)
+    return s2attn.BlockPattern(torch.stack(masks), BS)
+
+
+def make_cache(pattern, batch, kv_heads, dim=16, dtype=torch.float32, **kwargs):
+    return PagedKVCache(
+        pattern, batch_size=batch, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
+        device=DEVICE, block_size=BS, max_seq_len=MAX_LEN, **kwargs,
+    )  # fmt: skip
+
+
+def blocks_read_from(pattern: s2attn.BlockPattern, kv_heads: int) -> torch.Tensor:
+    """(kv_heads, positions + 1, blocks) bool: does any query at a position >= p read block j,
+    from the token mask (any head of the KV group, any key of the block)."""
+    tm = pattern.token_mask(MAX_LEN)  # (heads, q, k)
+    reads = tm.view(tm.shape[0], MAX_LEN, NB, BS).any(-1)  # (heads, q, blocks)
+    reads = reads.view(kv_heads, -1, MAX_LEN, NB).any(1)
+    suffix = reads.flip(1).cummax(1).values.flip(1)
+    return torch.cat([suffix, torch.zeros(kv_heads, 1, NB, dtype=torch.bool)], dim=1)
+
+
+def rand_kv(n, kv_heads, dim, dtype=torch.float32):
+    return [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["s2", "per_query_head", "late_runs"])
+def test_eviction_keeps_exactly_what_the_pattern_reads(kind):
+    torch.manual_seed(0)
+    kv_heads, heads, dim = 2, 4, 16
+    pattern = patterns(kv_heads, heads)[kind]
+    assert pattern.is_kv_efficient()
+    future = blocks_read_from(pattern, kv_heads)
+    cache = make_cache(pattern, 2, kv_heads, dim)
+    dense_k = [torch.zeros(0, kv_heads, dim, device=DEVICE) for _ in range(2)]
+    # Prefill 20 and 33 tokens, then steps of 1..5 tokens up to the end, crossing every boundary.
+    sizes = [[20, 33]] + [[n, n] for n in [1, 3, 5, 2, 4] * 12]
+    for size in sizes:
+        first = cache.lengths
+        if first[1] + size[1] >= MAX_LEN:
+            break
+        ks = [rand_kv(n, kv_heads, dim) for n in size]
+        cu = torch.tensor([0, *size], device=DEVICE).cumsum(0).to(torch.int32)
+        prefill = first == [0, 0]
+        keep_from = [a + n for a, n in zip(first, size)] if prefill else None
+        cache.append(
+            torch.cat([k for k, _ in ks]), torch.cat([v for _, v in ks]), cu_seqlens=cu,
+            keep_from=keep_from,
+        )  # fmt: skip
+        for b in range(2):
+            dense_k[b] = torch.cat([dense_k[b], ks[b][0]])
+        # Every block some query from the first position still to attend on reads is present.
+        table = cache.page_table.cpu()
+        for b, n in enumerate(cache.lengths):
+            written = math.ceil(n / BS)
+            reader = keep_from[b] if prefill else first[b]
+            need_now = future[:, reader, :written]
+            present = table[b, :, :written] >= 0
+            assert not (need_now & ~present).any(), f"{kind}: evicted a block still read ({b})"
+            assert torch.equal(present, need_now), f"{kind}: holds blocks no query reads ({b})"
+            if kind != "late_runs":
+                # Local-stride patterns: the next position on reads all but one block per head.
+                extra = (present & ~future[:, n, :written]).sum(dim=1)
+                assert (extra <= 1).all(), f"{kind}: {extra.tolist()} unneeded pages ({b})"
+        # The stored keys are the written ones.
+        got, _, cu_k = cache.gather()
+        for b in range(2):
+            held = got[cu_k[b] : cu_k[b + 1]]
+            stored = (table[b, 0] >= 0).repeat_interleave(BS)[: held.shape[0]].to(DEVICE)
+            assert torch.equal(held[stored, 0], dense_k[b][stored, 0])
+    assert cache.live_pages <= cache.needed_pages() + 2 * kv_heads
+    assert cache.live_pages >= cache.needed_pages()
+
+
+def test_default_pool_covers_the_peak_and_memory_report_adds_up():
+    torch.manual_seed(1)
+    pattern = patterns(2, 4)["s2"]
+    cache = make_cache(pattern, 3, 2)
+    last_use = kv_last_use(pattern, 2)
+    per_head_peak = max(
+        int(((last_use[g, : i + 1] >= i) & (last_use[g, : i + 1] >= torch.arange(i + 1))).sum())
+        for g in range(2)
+        for i in range(NB)
+    )
+    assert cache.num_pages <= 3 * 2 * (per_head_peak + 1)
+    # A prefill stores only what later queries read; decode steps then store as they go.
+    k, v = rand_kv(176, 2, 16)
+    cu = torch.tensor([0, 176, 176, 352], device=DEVICE).to(torch.int32)
+    cache.append(torch.cat([k, k[:0], k]), torch.cat([v, v[:0], v]), cu_seqlens=cu,
+                 keep_from=[176, 0, 176])  # fmt: skip
+    for _ in range(3):
+        cache.append(*[x.new_zeros(3, 4, 2, 16) for x in (k, v)])
+    assert cache.lengths == [188, 12, 188]
+    report = cache.memory_report()
+    assert report["live_bytes"] == cache.live_pages * cache.page_bytes
+    assert report["live_bytes"] <= report["needed_bytes"] + 3 * 2 * cache.page_bytes
+    assert report["dense_bytes"] == sum(cache.lengths) * 2 * 2 * 16 * 4
+    assert report["live_bytes"] < report["dense_bytes"]
+    assert report["capacity_bytes"] == cache.num_pages * cache.page_bytes
+
+
+def test_pages_freed_by_one_sequence_serve_another():
+    torch.manual_seed(2)
+    pattern = s2attn.local_stride_pattern(2, MAX_LEN, BS, 2, 64, num_kv_heads=1)  # window only
+    # Two sequences, one KV head: decoding, each holds at most 3 pages (2 local blocks and
+    # block 0, which the stride keeps). Sequence 0 starts with 100 tokens stored whole; its
+    # first decode step frees 4 pages, which sequence 1 (starting empty) then takes.
+    cache = make_cache(pattern, 2, 1, num_pages=10)
+    k, v = rand_kv(100, 1, 16)
+    cu = torch.tensor([0, 100, 100], device=DEVICE).to(torch.int32)
+    cache.append(k, v, cu_seqlens=cu)
+    assert cache.live_pages == 7
+    owners: dict[int, set[int]] = {}
+    for step in range(MAX_LEN - 100):
+        if step:
+            cache.append(torch.stack([k[:1], k[:1]]), torch.stack([v[:1], v[:1]]))
+            assert cache.live_pages <= 6
+        table = cache.page_table.cpu()
+        for b in range(2):
+            for page in table[b, 0][table[b, 0] >= 0].tolist():
+                owners.setdefault(page, set()).add(b)
+    assert any(len(seqs) == 2 for seqs in owners.values()), "no page moved between sequences"
+    with pytest.raises(RuntimeError, match="exhausted"):
+        small = make_cache(pattern, 2, 1, num_pages=3)
+        k2, v2 = rand_kv(40, 1, 16)
+        small.append(torch.stack([k2, k2]), torch.stack([v2, v2]))
+
+
+def test_non_kv_efficient_pattern_warns_and_keeps_everything():
+    torch.manual_seed(3)
+    mask = torch.ones(2, NB, NB, dtype=torch.bool).tril()
+    mask[:, 5, 0] = False  # block 0: read by query blocks 0-4, not 5, again from 6: a gap
+    pattern = s2attn.BlockPattern(mask, BS)
+    assert not pattern.is_kv_efficient()
+    with pytest.warns(UserWarning, match="not KV-efficient"):
+        cache = make_cache(pattern, 1, 2, dtype=DTYPES[0])
+    cache2 = make_cache(pattern, 1, 2, dtype=DTYPES[0])  # warned once per pattern
+    assert not cache.kv_efficient and cache2.num_pages == 2 * NB
+    k, v = rand_kv(100, 2, 16, DTYPES[0])
+    out_ref_inputs = [torch.randn(1, 100, 2, 16, device=DEVICE, dtype=DTYPES[0]), k[None], v[None]]
+    out = sparse_attention_with_kvcache(out_ref_inputs[0], cache, k[None], v[None])
+    assert cache.live_pages == 2 * math.ceil(100 / BS)
+    ref = attention_reference(*out_ref_inputs, pattern)
+    assert_close(out, ref, DTYPES[0], "non-KV-efficient prefill")
+
+
+@pytest.mark.parametrize("dense", ["none", "dense_pattern"])
+def test_dense_layer_keeps_everything(dense):
+    pattern = None if dense == "none" else s2attn.dense_pattern(2, MAX_LEN, BS)
+    cache = make_cache(pattern, 2, 2)
+    assert cache.dense and cache.num_pages == 2 * 2 * NB
+    k, v = rand_kv(150, 2, 16)
+    cache.append(torch.stack([k, k]), torch.stack([v, v]))
+    assert cache.live_pages == 2 * 2 * math.ceil(150 / BS)
+    got, _, _ = cache.gather()
+    assert torch.equal(got[:150], k)
+
+
+@pytest.mark.parametrize("filter_writes", [False, True])
+def test_chunked_prefill_equals_one_pass(filter_writes, monkeypatch):
+    if filter_writes:  # the path long prompts take: unstored rows dropped before the write
+        monkeypatch.setattr(s2attn.cache, "_FILTER_WRITES_ABOVE", 0)
+    torch.manual_seed(4)
+    heads, kv_heads, dim, dtype = 4, 2, 16, DTYPES[0]
+    pattern = patterns(kv_heads, heads)["s2"]
+    lens = [70, 45]
+    qs = [torch.randn(n, heads, dim, device=DEVICE, dtype=dtype) for n in lens]
+    ks = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
+    vs = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
+
+    def cu(counts):
+        return torch.tensor([0, *counts], device=DEVICE).cumsum(0).to(torch.int32)
+
+    one = make_cache(pattern, 2, kv_heads, dim, dtype)
+    out_one = sparse_attention_with_kvcache(
+        torch.cat(qs), one, torch.cat(ks), torch.cat(vs), cu_seqlens_q=cu(lens)
+    )
+    ref = attention_reference(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), pattern, cu_seqlens_q=cu(lens),
+        cu_seqlens_k=cu(lens),
+    )  # fmt: skip
+    assert_close(out_one, ref, dtype, "one-pass prefill")
+
+    chunked = make_cache(pattern, 2, kv_heads, dim, dtype)
+    starts, outs = [0, 0], [[], []]
+    for chunk in ([30, 0], [25, 20], [15, 25]):  # bottom-right aligned on each past
+        pick = [slice(s, s + n) for s, n in zip(starts, chunk)]
+        q, k, v = (torch.cat([x[p] for x, p in zip(xs, pick)]) for xs in (qs, ks, vs))
+        out = sparse_attention_with_kvcache(q, chunked, k, v, cu_seqlens_q=cu(chunk))
+        for b, (o, n) in enumerate(zip(out.split(chunk), chunk)):
+            outs[b].append(o)
+            starts[b] += n
+    out_chunked = torch.cat([torch.cat(o) for o in outs])
+    assert_close(out_chunked, out_one.double(), dtype, "chunked vs one-pass")
+    assert chunked.lengths == one.lengths
+    assert chunked.live_pages == one.live_pages == one.needed_pages()
+    for a, b in zip(chunked.gather(), one.gather()):
+        assert torch.equal(a, b)
+    # A batched chunk of 20 more tokens after the varlen past, then the caches still agree.
+    q = torch.randn(2, 20, heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(2, 20, kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    assert torch.equal(
+        sparse_attention_with_kvcache(q, chunked, k, v), sparse_attention_with_kvcache(q, one, k, v)
+    )
+
+
+def test_crop_and_reset():
+    pattern = patterns(2, 4)["s2"]
+    cache = make_cache(pattern, 2, 2)
+    k, v = rand_kv(50, 2, 16)
+    cache.append(torch.stack([k, k]), torch.stack([v, v]), keep_from=[50, 50])
+    pages = cache.live_pages
+    cache.append(*[x.new_zeros(2, 20, 2, 16) for x in (k, v)])  # decode-style: keep from 50
+    cache.crop(20)
+    assert cache.lengths == [50, 50] and cache.live_pages == pages
+    assert cache.seq_lens.tolist() == [50, 50]
+    with pytest.raises(ValueError, match="already evicted"):
+        cache.crop(40)
+    cache.reset()
+    assert cache.lengths == [0, 0] and cache.live_pages == 0
+    assert (cache.page_table == -1).all()
+
+
+def test_model_cache_sums_its_layers():
+    pattern = patterns(2, 4)["s2"]
+    caches = ModelKVCache(
+        [None, pattern, pattern], batch_size=1, num_kv_heads=2, head_dim=16,
+        dtype=torch.float32, device=DEVICE, max_seq_len=MAX_LEN, block_size=BS,
+    )  # fmt: skip
+    k, v = rand_kv(100, 2, 16)
+    for layer in caches:
+        layer.append(k[None], v[None], keep_from=[100])
+    assert len(caches) == 3 and caches[0].dense and not caches[1].dense
+    assert caches.live_bytes() == sum(layer.live_bytes() for layer in caches)
+    assert caches.memory_report()["dense_bytes"] == caches.dense_bytes() == 3 * 100 * 2 * 2 * 16 * 4
+    assert caches[1].live_bytes() < caches[0].live_bytes()
+
+
+def test_bad_inputs_name_the_argument():
+    pattern = patterns(2, 4)["s2"]
+    kw = dict(batch_size=1, num_kv_heads=2, head_dim=16, device=DEVICE)
+    with pytest.raises(ValueError, match="batch_size"):
+        PagedKVCache(pattern, **{**kw, "batch_size": 0})
+    with pytest.raises(TypeError, match="dtype"):
+        PagedKVCache(pattern, **kw, dtype=torch.int8)
+    with pytest.raises(TypeError, match="pattern"):
+        PagedKVCache("local", **kw)
+    with pytest.raises(ValueError, match="causal"):
+        PagedKVCache(s2attn.BlockPattern(torch.ones(2, 4, 4, dtype=torch.bool), BS, False), **kw)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        PagedKVCache(pattern, **{**kw, "num_kv_heads": 3})
+    with pytest.raises(ValueError, match="max_seq_len"):
+        PagedKVCache(pattern, **kw, max_seq_len=MAX_LEN + 1)
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVCache(pattern, **kw, block_size=32)
+    with pytest.raises(ValueError, match="block_size and max_seq_len"):
+        PagedKVCache(None, **kw)
+    cache = PagedKVCache(pattern, **kw, dtype=torch.float32)
+    k = torch.zeros(1, 4, 2, 16, device=DEVICE)
+    with pytest.raises(TypeError, match="k has dtype"):
+        cache.append(k.half(), k.half())
+    with pytest.raises(ValueError, match="differ in shape"):
+        cache.append(k, k[:, :2])
+    with pytest.raises(ValueError, match="kv_heads=2"):
+        cache.append(k[:, :, :1], k[:, :, :1])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cache.append(k[0], k[0], cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="keep_from"):
+        cache.append(k, k, keep_from=[5])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        big = torch.zeros(1, MAX_LEN + 1, 2, 16, device=DEVICE)
+        cache.append(big, big)
+    assert cache.lengths == [0] and cache.live_pages == 0

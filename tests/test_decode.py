@@ -1,0 +1,183 @@
+"""The paged decode kernel (via sparse_attention_with_kvcache) against the dense-mask reference.
+
+Contexts of different lengths per sequence sit in a PagedKVCache; the new tokens' queries sit at the
+last positions of each sequence. Covered: patterns shared by a GQA group, per-query-head patterns,
+dense layers, several new tokens that straddle a block boundary, split-K with the exact merge,
+padded head dims, MHA/MQA, and many consecutive steps with eviction in between.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, DTYPES, assert_close
+
+import s2attn
+from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
+
+BS = 16
+MAX_LEN = 256
+
+
+def make_pattern(kind: str, heads: int, kv_heads: int) -> s2attn.BlockPattern | None:
+    if kind == "s2":  # GQA groups share one pattern
+        return s2attn.local_stride_pattern(heads, MAX_LEN, BS, 2, 3, num_kv_heads=kv_heads)
+    if kind == "per_query_head":  # heads of one group differ: the union is read, bits mask it
+        return s2attn.local_stride_pattern(heads, MAX_LEN, BS, 2, 3)
+    assert kind == "dense"
+    return None
+
+
+def reference_pattern(pattern, kv_heads):
+    return pattern if pattern is not None else s2attn.dense_pattern(kv_heads, MAX_LEN, BS)
+
+
+def filled_cache(pattern, lens, kv_heads, dim, dtype, **kwargs):
+    """A cache holding random past keys/values of the given lengths, stored as a prefill would."""
+    cache = PagedKVCache(
+        pattern, batch_size=len(lens), num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
+        device=DEVICE, block_size=BS, max_seq_len=MAX_LEN, **kwargs,
+    )  # fmt: skip
+    ks = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
+    vs = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
+    cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+    cache.append(torch.cat(ks), torch.cat(vs), cu_seqlens=cu, keep_from=list(lens))
+    return cache, ks, vs
+
+
+def reference_step(q, ks, vs, k_new, v_new, pattern):
+    """out (batch, new, heads, dim) and lse (batch, heads, new) of each sequence, in float64."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        k = torch.cat([ks[b], k_new[b]])[None]
+        v = torch.cat([vs[b], v_new[b]])[None]
+        o, lse = attention_reference(
+            q[b : b + 1], k, v, pattern, return_lse=True, compute_dtype=torch.float64
+        )
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def step(cache, heads, num_new, dtype):
+    b, kvh, d = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    q = torch.randn(b, num_new, heads, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, num_new, kvh, d, device=DEVICE, dtype=dtype)
+    v = torch.randn(b, num_new, kvh, d, device=DEVICE, dtype=dtype)
+    return q, k, v
+
+
+def check_step(cache, ks, vs, heads, num_new, dtype, what, num_splits=None):
+    pattern = reference_pattern(cache.pattern, cache.num_kv_heads)
+    q, k, v = step(cache, heads, num_new, dtype)
+    out, lse = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True, num_splits=num_splits)
+    ref_out, ref_lse = reference_step(q, ks, vs, k, v, pattern)
+    assert_close(out, ref_out, dtype, f"{what} out")
+    assert_close(lse, ref_lse.float(), torch.float32, f"{what} lse")
+    for b in range(cache.batch_size):
+        ks[b] = torch.cat([ks[b], k[b]])
+        vs[b] = torch.cat([vs[b], v[b]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_new", [1, 4])
+@pytest.mark.parametrize("kind", ["s2", "per_query_head", "dense"])
+def test_decode_matches_reference(kind, num_new, dtype):
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 32
+    # Sequence 1 ends at 63: four new tokens (63..66) straddle query blocks 3 and 4.
+    pattern = make_pattern(kind, heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [37, 63], kv_heads, dim, dtype)
+    check_step(cache, ks, vs, heads, num_new, dtype, f"{kind} new={num_new}", num_splits=1)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_k_merge_is_exact(num_splits):
+    torch.manual_seed(1)
+    heads, kv_heads, dim, dtype = 4, 2, 32, torch.float32
+    pattern = make_pattern("s2", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [150, 90], kv_heads, dim, dtype)
+    check_step(cache, ks, vs, heads, 2, dtype, f"splits={num_splits}", num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, num_new",
+    [
+        (4, 1, 48, 2),  # MQA, a head dim that is not a power of two
+        (2, 2, 16, 3),  # MHA
+        (8, 1, 16, 16),  # 8 heads x 16 tokens: a full 128-row tile
+    ],
+)
+def test_decode_shapes(heads, kv_heads, dim, num_new):
+    torch.manual_seed(2)
+    dtype = DTYPES[0]
+    pattern = make_pattern("s2", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [16, 45], kv_heads, dim, dtype)
+    check_step(cache, ks, vs, heads, num_new, dtype, f"{heads}/{kv_heads} heads dim {dim}")
+
+
+def test_consecutive_steps_with_eviction():
+    """Decode across block boundaries: pages are freed and reused between steps."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, dtype = 4, 2, 16, DTYPES[-1]
+    pattern = make_pattern("s2", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype)
+    for i, num_new in enumerate([3, 3, 3, 1, 2]):
+        check_step(cache, ks, vs, heads, num_new, dtype, f"step {i}")
+        assert cache.live_pages < cache.num_pages
+
+
+def test_new_tokens_already_in_the_cache():
+    """k=None: q's tokens were appended by cache.append and are read back from the pages."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, dtype = 4, 2, 32, DTYPES[0]
+    pattern = make_pattern("s2", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [40, 20], kv_heads, dim, dtype)
+    q, k, v = step(cache, heads, 2, dtype)
+    cache.append(k, v)
+    out = sparse_attention_with_kvcache(q, cache)
+    ref, _ = reference_step(q, ks, vs, k, v, pattern)
+    assert_close(out, ref, dtype, "k=None")
+
+
+def test_decode_output_has_no_unwritten_rows():
+    """A context of one token: most of the tile's rows and keys are padding."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, dtype = 2, 1, 16, DTYPES[0]
+    cache, ks, vs = filled_cache(make_pattern("s2", heads, kv_heads), [0, 1], kv_heads, dim, dtype)
+    check_step(cache, ks, vs, heads, 1, dtype, "tiny")
+
+
+def test_bad_inputs_name_the_argument():
+    heads, kv_heads, dim, dtype = 4, 2, 16, DTYPES[0]
+    cache, _, _ = filled_cache(make_pattern("s2", heads, kv_heads), [20, 20], kv_heads, dim, dtype)
+    q, k, v = step(cache, heads, 1, dtype)
+    with pytest.raises(TypeError, match="cache"):
+        sparse_attention_with_kvcache(q, "cache", k, v)
+    with pytest.raises(TypeError, match="q has dtype"):
+        wrong = q.float() if dtype != torch.float32 else q.half()
+        sparse_attention_with_kvcache(wrong, cache, k, v)
+    with pytest.raises(ValueError, match="q must be"):
+        sparse_attention_with_kvcache(q[:1], cache, k[:1], v[:1])
+    with pytest.raises(ValueError, match="head dim"):
+        sparse_attention_with_kvcache(q[..., :8], cache, k, v)
+    with pytest.raises(ValueError, match="multiple of the cache's KV heads"):
+        sparse_attention_with_kvcache(q[:, :, :3], cache, k, v)
+    with pytest.raises(ValueError, match="both k and v"):
+        sparse_attention_with_kvcache(q, cache, k, None)
+    with pytest.raises(ValueError, match="same new tokens"):
+        sparse_attention_with_kvcache(q, cache, torch.cat([k, k], 1), torch.cat([v, v], 1))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        sparse_attention_with_kvcache(q, cache, k, v, softmax_scale=float("nan"))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        big = torch.randn(2, MAX_LEN, kv_heads, dim, device=DEVICE, dtype=dtype)
+        sparse_attention_with_kvcache(
+            torch.randn(2, MAX_LEN, heads, dim, device=DEVICE, dtype=dtype), cache, big, big
+        )
+    with pytest.raises(ValueError, match="pattern has"):
+        other = PagedKVCache(
+            s2attn.local_stride_pattern(8, MAX_LEN, BS, 2, 3, num_kv_heads=2), batch_size=2,
+            num_kv_heads=2, head_dim=dim, dtype=dtype, device=DEVICE,
+        )  # fmt: skip
+        sparse_attention_with_kvcache(q, other, k, v)
+    assert cache.lengths == [20, 20]  # failed calls store nothing

@@ -1,0 +1,192 @@
+"""Layouts against the pattern they compile: rebuild the token-level mask from the entries (full
+ones all kept, partial ones by their bits) and compare it with ``BlockPattern.token_mask``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from s2attn import BlockPattern, local_stride_pattern
+from s2attn.layout import MAX_ENTRY_BITS, TileLayout, backward_layout, forward_layout
+
+# (block_size, block_m, block_n): Merge-Q (block_m > block_size), split blocks (block_n <
+# block_size), packed blocks (block_n > block_size), and all 64 bits of an entry (16 / 128x128).
+GEOMETRIES = [
+    (16, 16, 16),
+    (16, 64, 32),
+    (16, 128, 64),
+    (16, 128, 128),
+    (16, 32, 128),
+    (32, 64, 32),
+    (32, 16, 64),
+    (64, 128, 64),
+    (64, 64, 32),
+    (64, 16, 128),
+    (128, 64, 32),
+    (128, 128, 128),
+    (128, 128, 16),
+]
+
+
+def _patterns(block_size: int) -> list[BlockPattern]:
+    nb = max(3, 352 // block_size)  # not a multiple of most tiles: the last tile is ragged
+    torch.manual_seed(block_size)
+    random_mask = torch.rand(3, nb, nb) < 0.4
+    return [
+        BlockPattern(random_mask, block_size, causal=True),
+        BlockPattern(random_mask, block_size, causal=False),
+        local_stride_pattern(3, nb * block_size, block_size, 2, 3),
+        local_stride_pattern(3, nb * block_size, block_size, 1, 2, causal=False),
+    ]
+
+
+def _entries(layout: TileLayout, transpose: bool) -> list[tuple[int, int, int, int, bool]]:
+    """Every entry as (head, q tile, kv tile, bits, full); bits are -1 ("all") for full ones."""
+    out = []
+    for full, offsets, cols in (
+        (True, layout.full_offsets, layout.full_cols),
+        (False, layout.partial_offsets, layout.partial_cols),
+    ):
+        offsets, cols = offsets.tolist(), cols.tolist()
+        bits = layout.partial_bits.tolist()
+        assert len(offsets) == layout.num_heads * layout.num_groups + 1
+        assert offsets[0] == 0 and offsets[-1] == len(cols)
+        for key in range(layout.num_heads * layout.num_groups):
+            h, group = divmod(key, layout.num_groups)
+            for e in range(offsets[key], offsets[key + 1]):
+                t, n = (cols[e], group) if transpose else (group, cols[e])
+                out.append((h, t, n, -1 if full else bits[e], full))
+    return out
+
+
+def _rebuild(layout: TileLayout, entries, heads: int, num_q_tiles: int, num_kv_tiles: int):
+    """The token-level keep mask (heads, q tiles * block_m, kv tiles * block_n) before causality."""
+    bm, bn = layout.block_m, layout.block_n
+    rg, cg, per_row = layout.row_group, layout.col_group, layout.bits_per_row
+    m = torch.zeros(heads, num_q_tiles * bm, num_kv_tiles * bn, dtype=torch.bool)
+    for h, t, n, bits, full in entries:
+        tile = m[h, t * bm : (t + 1) * bm, n * bn : (n + 1) * bn]
+        if full:
+            tile[:] = True
+            continue
+        for a in range(bm // rg):
+            for b in range(per_row):
+                if (bits >> (a * per_row + b)) & 1:
+                    tile[a * rg : (a + 1) * rg, b * cg : (b + 1) * cg] = True
+    return m
+
+
+@pytest.mark.parametrize("block_size, block_m, block_n", GEOMETRIES)
+def test_forward_layout_rebuilds_the_token_mask(block_size, block_m, block_n):
+    for p in _patterns(block_size):
+        layout = forward_layout(p, block_m, block_n)
+        L = p.max_seq_len
+        nq, nk = math.ceil(L / block_m), math.ceil(L / block_n)
+        assert layout.num_groups == nq and layout.num_heads == p.num_heads
+        assert (layout.block_m, layout.block_n, layout.causal) == (block_m, block_n, p.causal)
+        entries = _entries(layout, transpose=False)
+        # Each (head, q tile, kv tile) appears once, in full or in partial.
+        assert len({e[:3] for e in entries}) == len(entries) == layout.num_entries
+        counts = torch.zeros(p.num_heads * nq, dtype=torch.int64)
+        for h, t, *_ in entries:
+            counts[h * nq + t] += 1
+        assert layout.max_entries == counts.max().item()
+
+        rebuilt = _rebuild(layout, entries, p.num_heads, nq, nk)
+        assert not rebuilt[:, L:].any() and not rebuilt[:, :, L:].any(), "entry past the pattern"
+        rebuilt = rebuilt[:, :L, :L]
+        if p.causal:
+            rebuilt &= torch.ones(L, L, dtype=torch.bool).tril()
+        assert torch.equal(rebuilt, p.token_mask(L)), (p, block_m, block_n)
+
+
+@pytest.mark.parametrize("block_size, block_m, block_n", GEOMETRIES)
+def test_full_entries_need_no_mask(block_size, block_m, block_n):
+    for p in _patterns(block_size):
+        token = p.token_mask(p.max_seq_len)
+        visible = p.effective_block_mask()
+        layout = forward_layout(p, block_m, block_n)
+        for h, t, n, bits, full in _entries(layout, transpose=False):
+            region = token[h, t * block_m : (t + 1) * block_m, n * block_n : (n + 1) * block_n]
+            if full:
+                # Every row keeps every key, causality included, and the tile lies inside.
+                assert region.shape == (block_m, block_n) and region.all(), (h, t, n)
+            else:
+                assert bits != 0
+        if p.causal:
+            # An entry is only listed when a kept block touches the tile's visible part, so
+            # causal patterns whose blocks are all visible never list dead entries.
+            clean = BlockPattern(visible, block_size, causal=True)
+            for h, t, n, _, _ in _entries(forward_layout(clean, block_m, block_n), False):
+                region = token[h, t * block_m : (t + 1) * block_m, n * block_n : (n + 1) * block_n]
+                assert region.any(), (h, t, n)
+
+
+def test_full_and_partial_split_on_a_dense_causal_pattern():
+    # 128 tokens, 32-row tiles and 32-key tiles: tiles below the diagonal are full, the diagonal
+    # ones partial (causal masking), nothing above.
+    p = BlockPattern(torch.ones(1, 8, 8, dtype=torch.bool), block_size=16)
+    layout = forward_layout(p, 32, 32)
+    assert layout.full_offsets.tolist() == [0, 0, 1, 3, 6]
+    assert layout.full_cols.tolist() == [0, 0, 1, 0, 1, 2]
+    assert layout.partial_offsets.tolist() == [0, 1, 2, 3, 4]
+    assert layout.partial_cols.tolist() == [0, 1, 2, 3]
+    assert layout.partial_bits.tolist() == [0b1111] * 4
+
+
+@pytest.mark.parametrize("block_size, block_m, block_n", GEOMETRIES)
+def test_backward_layout_holds_the_forward_entries(block_size, block_m, block_n):
+    for p in _patterns(block_size):
+        fwd = _entries(forward_layout(p, block_m, block_n), transpose=False)
+        layout = backward_layout(p, block_m, block_n)
+        assert layout.num_groups == math.ceil(p.max_seq_len / block_n)
+        bwd = _entries(layout, transpose=True)
+        assert sorted(bwd) == sorted(fwd)
+        # Within one KV tile the query tiles come in order.
+        for cols, offsets in (
+            (layout.full_cols, layout.full_offsets),
+            (layout.partial_cols, layout.partial_offsets),
+        ):
+            o = offsets.tolist()
+            for a, b in zip(o, o[1:]):
+                assert cols[a:b].tolist() == sorted(cols[a:b].tolist())
+
+
+@pytest.mark.parametrize("num_blocks", [1, 3, 5])
+def test_num_blocks_crops_like_the_pattern(num_blocks):
+    p = local_stride_pattern(2, 320, 32, 1, 3, causal=False)
+    for build in (forward_layout, backward_layout):
+        cropped = _entries(build(p, 64, 32, num_blocks=num_blocks), build is backward_layout)
+        expected = _entries(build(p.crop(num_blocks), 64, 32), build is backward_layout)
+        assert sorted(cropped) == sorted(expected)
+
+
+def test_layouts_are_cached_per_pattern_tiles_and_direction():
+    p = local_stride_pattern(2, 256, 16, 2, 3)
+    a = forward_layout(p, 64, 32)
+    assert forward_layout(p, 64, 32) is a
+    assert forward_layout(p, 64, 32, "cpu") is a
+    assert forward_layout(p, 32, 32) is not a
+    assert backward_layout(p, 64, 32) is not a
+    assert backward_layout(p, 64, 32) is backward_layout(p, 64, 32)
+    assert forward_layout(p, 64, 32, num_blocks=4) is not a
+    # Keyed on the pattern object: an equal pattern builds its own (equal) layout.
+    twin = BlockPattern(p.mask, p.block_size, p.causal)
+    b = forward_layout(twin, 64, 32)
+    assert b is not a and torch.equal(b.full_cols, a.full_cols)
+
+
+@pytest.mark.parametrize(
+    "block_m, block_n, match",
+    [(8, 32, "block_m"), (48, 32, "block_m"), (0, 32, "block_m"), (64, 24, "block_n"),
+     (64, 8, "block_n"), (256, 128, "bits"), (128, 256, "bits")],
+)  # fmt: skip
+def test_invalid_tile_sizes_raise(block_m, block_n, match):
+    p = local_stride_pattern(2, 512, 16, 2, 3)
+    with pytest.raises(ValueError, match=match):
+        forward_layout(p, block_m, block_n)
+    with pytest.raises(ValueError, match=match):
+        backward_layout(p, block_m, block_n)
+    assert MAX_ENTRY_BITS == 64

@@ -1,0 +1,358 @@
+"""BlockPattern: construction, masks, density, slicing; the builders against their definition; the
+KV-efficiency and union-completeness checks. Pure metadata on the CPU: no kernels run here."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from s2attn import BlockPattern, dense_pattern, local_stride_pattern
+
+
+def _causal_blocks(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+# ------------------------------------------------------------------------------ construction
+def test_mask_must_be_a_bool_tensor():
+    with pytest.raises(TypeError, match="mask"):
+        BlockPattern([[[True]]], block_size=16)
+    with pytest.raises(TypeError, match="mask"):
+        BlockPattern(torch.ones(1, 2, 2, dtype=torch.int32), block_size=16)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 2, 2, 2), (0, 2, 2), (1, 0, 2)])
+def test_mask_must_be_nonempty_3d(shape):
+    with pytest.raises(ValueError, match="mask"):
+        BlockPattern(torch.ones(shape, dtype=torch.bool), block_size=16)
+
+
+@pytest.mark.parametrize("block_size", [0, 8, 15, 24, 48, 100, -16, 16.0, True, "16"])
+def test_block_size_must_be_a_power_of_two_of_at_least_16(block_size):
+    with pytest.raises(ValueError, match="block_size"):
+        BlockPattern(torch.ones(1, 2, 2, dtype=torch.bool), block_size=block_size)
+
+
+def test_causal_must_be_a_bool():
+    with pytest.raises(TypeError, match="causal"):
+        BlockPattern(torch.ones(1, 2, 2, dtype=torch.bool), block_size=16, causal=1)
+
+
+def test_pattern_copies_the_mask_and_reports_its_shape():
+    mask = torch.rand(3, 4, 5) < 0.5
+    p = BlockPattern(mask, block_size=32, causal=False)
+    expected = mask.clone()
+    mask.fill_(False)
+    assert torch.equal(p.mask, expected)
+    assert (p.num_heads, p.num_q_blocks, p.num_kv_blocks) == (3, 4, 5)
+    assert p.max_seq_len == 4 * 32
+
+
+# ------------------------------------------------------------------------------------ density
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_len", [None, 1, 17, 100])
+def test_dense_pattern_has_density_one(causal, seq_len):
+    p = BlockPattern(torch.ones(2, 8, 8, dtype=torch.bool), block_size=16, causal=causal)
+    assert p.density(seq_len) == pytest.approx(1.0)
+    assert dense_pattern(3, 100, 16, causal=causal).density(seq_len) == pytest.approx(1.0)
+
+
+def test_density_small_case_by_hand():
+    # Head 0 keeps only its diagonal blocks, head 1 only the block below the diagonal.
+    mask = torch.zeros(2, 2, 2, dtype=torch.bool)
+    mask[0, 0, 0] = mask[0, 1, 1] = True
+    mask[1, 1, 0] = True
+    p = BlockPattern(mask, block_size=16, causal=True)
+    # seq 32: each diagonal block holds 16 * 17 / 2 = 136 visible pairs, the one below 256.
+    visible = 136 + 136 + 256
+    assert p.density(32) == pytest.approx((272 + 256) / (2 * visible))
+    assert p.kept_token_pairs(32) == 272 + 256
+    # seq 20: blocks of 16 and 4 tokens: diagonals 136 and 10 pairs, the block below 4 * 16.
+    assert p.density(20) == pytest.approx((146 + 64) / (2 * (136 + 10 + 64)))
+    assert p.kept_token_pairs(20) == 146 + 64
+    # Bidirectional: every block pair is visible in full.
+    q = BlockPattern(mask, block_size=16, causal=False)
+    assert q.density(32) == pytest.approx((512 + 256) / (2 * 1024))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_len", [1, 16, 45, 96])
+def test_density_counts_token_mask_pairs(causal, seq_len):
+    torch.manual_seed(seq_len)
+    p = BlockPattern(torch.rand(3, 6, 6) < 0.4, block_size=16, causal=causal)
+    kept = p.token_mask(seq_len).sum().item()
+    visible = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+    assert p.kept_token_pairs(seq_len) == kept
+    assert p.density(seq_len) == pytest.approx(kept / (3 * visible))
+
+
+def test_density_rejects_lengths_past_the_pattern():
+    p = dense_pattern(1, 64, 16)
+    with pytest.raises(ValueError, match="seq_len"):
+        p.density(65)
+    with pytest.raises(ValueError, match="seq_len"):
+        p.density(0)
+
+
+# --------------------------------------------------------------------------------- token mask
+def _token_mask_by_hand(mask, block_size, causal, seq_q, seq_k):
+    heads = mask.shape[0]
+    out = torch.zeros(heads, seq_q, seq_k, dtype=torch.bool)
+    for h, t, s in itertools.product(range(heads), range(seq_q), range(seq_k)):
+        pos = t + seq_k - seq_q  # bottom-right alignment
+        keep = bool(mask[h, pos // block_size, s // block_size])
+        out[h, t, s] = keep and (not causal or pos >= s)
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_q, seq_k", [(40, 40), (1, 40), (7, 33), (24, 48), (16, 16)])
+def test_token_mask_matches_a_hand_built_mask(causal, seq_q, seq_k):
+    torch.manual_seed(seq_q * 100 + seq_k)
+    mask = torch.rand(2, 3, 3) < 0.5
+    p = BlockPattern(mask, block_size=16, causal=causal)
+    expected = _token_mask_by_hand(mask, 16, causal, seq_q, seq_k)
+    assert torch.equal(p.token_mask(seq_q, seq_k), expected)
+
+
+def test_token_mask_aligns_queries_bottom_right():
+    p = dense_pattern(1, 64, 16, causal=True)
+    m = p.token_mask(2, 10)[0]
+    # Query 0 sits at position 8, query 1 at position 9: the last query sees every key.
+    assert m[0].tolist() == [True] * 9 + [False]
+    assert m[1].all()
+
+
+def test_token_mask_rejects_bad_lengths():
+    p = dense_pattern(1, 64, 16)
+    with pytest.raises(ValueError, match="seq_q"):
+        p.token_mask(10, 5)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        p.token_mask(65)
+    with pytest.raises(ValueError, match="seq_q"):
+        p.token_mask(0, 5)
+
+
+# ------------------------------------------------------------------- slicing, crop, printing
+def test_head_slice():
+    mask = torch.rand(6, 4, 4) < 0.5
+    p = BlockPattern(mask, block_size=32, causal=False)
+    sub = p[2:5]
+    assert torch.equal(sub.mask, mask[2:5])
+    assert (sub.block_size, sub.causal) == (32, False)
+    assert torch.equal(p[::2].mask, mask[::2])
+    with pytest.raises(TypeError, match="slice"):
+        p[0]
+    with pytest.raises(ValueError, match="no heads"):
+        p[4:4]
+
+
+def test_crop():
+    mask = torch.rand(2, 5, 5) < 0.5
+    p = BlockPattern(mask, block_size=16)
+    c = p.crop(3)
+    assert torch.equal(c.mask, mask[:, :3, :3])
+    assert c.max_seq_len == 48
+    assert torch.equal(c.token_mask(40), p.token_mask(40))
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="num_blocks"):
+            p.crop(bad)
+
+
+def test_draw_and_repr():
+    mask = torch.tensor([[[1, 0, 0], [0, 1, 1], [1, 0, 1]]], dtype=torch.bool)
+    assert BlockPattern(mask, 16, causal=True).draw() == "#\n.#\n#.#"
+    assert BlockPattern(mask, 16, causal=False).draw() == "#..\n.##\n#.#"
+    assert BlockPattern(mask, 16).draw(max_blocks=2) == "#\n.#"
+    r = repr(local_stride_pattern(4, 256, 16, 2, 4))
+    assert r.startswith("BlockPattern(heads=4, q_blocks=16, kv_blocks=16, block_size=16")
+    assert "density=" in r
+
+
+# ------------------------------------------------------------------------------------ builders
+def _local_stride_by_definition(h, i, j, *, group_size, num_sparse_groups, local_blocks,
+                                vert_stride, homo_head, head_offset, causal):  # fmt: skip
+    """DESIGN.md's definition, one entry at a time."""
+    g = h // group_size
+    if g >= num_sparse_groups:
+        return True
+    local = 0 <= i - j < local_blocks if causal else abs(i - j) < local_blocks
+    shift = head_offset + (0 if homo_head else g)
+    stripe = (j + shift) % vert_stride == 0 and (j <= i or not causal)
+    return local or stripe
+
+
+@pytest.mark.parametrize(
+    "num_heads, max_seq_len, block_size, local_blocks, vert_stride, kwargs",
+    [
+        (4, 160, 16, 2, 3, {}),
+        (4, 160, 16, 2, 3, {"causal": False}),
+        (3, 300, 32, 1, 4, {"head_offset": 2}),
+        (8, 512, 64, 2, 5, {"num_kv_heads": 2}),
+        (8, 512, 64, 3, 2, {"num_kv_heads": 4, "num_dense_heads": 2, "causal": False}),
+        (6, 250, 16, 4, 3, {"num_dense_heads": 1}),
+        (4, 200, 16, 1, 3, {"homo_head": True, "head_offset": 1}),
+        (2, 128, 128, 1, 1, {}),
+    ],
+)
+def test_local_stride_pattern_matches_its_definition(
+    num_heads, max_seq_len, block_size, local_blocks, vert_stride, kwargs
+):
+    p = local_stride_pattern(
+        num_heads, max_seq_len, block_size, local_blocks, vert_stride, **kwargs
+    )
+    nb = math.ceil(max_seq_len / block_size)
+    assert p.mask.shape == (num_heads, nb, nb)
+    assert p.block_size == block_size and p.causal == kwargs.get("causal", True)
+    group_size = num_heads // kwargs.get("num_kv_heads", num_heads)
+    definition = dict(
+        group_size=group_size,
+        num_sparse_groups=(num_heads - kwargs.get("num_dense_heads", 0)) // group_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        homo_head=kwargs.get("homo_head", False),
+        head_offset=kwargs.get("head_offset", 0),
+        causal=kwargs.get("causal", True),
+    )
+    for h, i, j in itertools.product(range(num_heads), range(nb), range(nb)):
+        expected = _local_stride_by_definition(h, i, j, **definition)
+        assert bool(p.mask[h, i, j]) == expected, (h, i, j)
+
+
+def test_local_stride_pattern_is_sparse_and_not_trivial():
+    p = local_stride_pattern(4, 1024, 16, 2, 4)
+    assert 0.1 < p.density() < 0.5
+    # Different heads attend different stripes.
+    assert not torch.equal(p.mask[0], p.mask[1])
+
+
+def test_gqa_groups_share_one_pattern():
+    p = local_stride_pattern(8, 512, 32, 2, 4, num_kv_heads=2)
+    for g in range(2):
+        for h in range(4 * g, 4 * g + 4):
+            assert torch.equal(p.mask[h], p.mask[4 * g])
+    assert not torch.equal(p.mask[0], p.mask[4])
+
+
+def test_dense_heads_come_last():
+    p = local_stride_pattern(6, 512, 32, 2, 4, num_dense_heads=2)
+    assert p.mask[4:].all()
+    assert not p.mask[:4].all(dim=(1, 2)).any()
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"num_dense_heads": 5}, "num_dense_heads"),
+        ({"num_dense_heads": 1, "num_kv_heads": 2}, "num_dense_heads"),
+        ({"num_dense_heads": -1}, "num_dense_heads"),
+        ({"local_blocks": 0}, "local_blocks"),
+        ({"vert_stride": 0}, "vert_stride"),
+        ({"block_size": 24}, "block_size"),
+        ({"max_seq_len": 0}, "max_seq_len"),
+        ({"num_heads": 0}, "num_heads"),
+        ({"head_offset": 0.5}, "head_offset"),
+    ],
+)
+def test_local_stride_pattern_rejects_bad_arguments(kwargs, arg):
+    args = dict(num_heads=4, max_seq_len=256, block_size=16, local_blocks=2, vert_stride=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=arg):
+        local_stride_pattern(**args)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_pattern(causal):
+    p = dense_pattern(3, 100, 32, causal=causal)
+    assert p.mask.shape == (3, 4, 4) and p.mask.all()
+    assert p.causal == causal and p.max_seq_len == 128
+    expected = torch.ones(3, 100, 100, dtype=torch.bool)
+    assert torch.equal(p.token_mask(100), expected.tril() if causal else expected)
+    assert p.is_kv_efficient() and p.is_union_complete()
+    with pytest.raises(ValueError, match="block_size"):
+        dense_pattern(3, 100, 8)
+
+
+# ------------------------------------------------------------------------------- properties
+def test_relative_stride_pattern_is_not_kv_efficient():
+    nb, stride = 12, 3
+    i = torch.arange(nb)[:, None]
+    j = torch.arange(nb)[None, :]
+    relative = ((i - j) % stride == 0) & (j <= i)
+    assert not BlockPattern(relative[None], block_size=16).is_kv_efficient()
+
+
+def test_kv_efficiency_on_hand_made_patterns():
+    mask = _causal_blocks(4)[None].clone()
+    assert BlockPattern(mask, 16).is_kv_efficient()
+    mask[0, 2, 0] = False  # KV block 0 used by query blocks 0, 1 and 3: two runs
+    assert not BlockPattern(mask, 16).is_kv_efficient()
+    mask[0, 3, 0] = False  # now 0 and 1 only: one run
+    assert BlockPattern(mask, 16).is_kv_efficient()
+    # Blocks above the diagonal are causally invisible and do not break a run.
+    hidden = torch.tensor([[[1, 0], [1, 1]]], dtype=torch.bool)
+    hidden_above = torch.tensor([[[1, 1], [1, 1]]], dtype=torch.bool)
+    assert BlockPattern(hidden, 16).is_kv_efficient()
+    assert BlockPattern(hidden_above, 16).is_kv_efficient()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "num_heads, local_blocks, vert_stride, kwargs",
+    [(4, 2, 4, {}), (8, 1, 5, {}), (2, 3, 7, {"homo_head": True}), (8, 2, 4, {"num_kv_heads": 2}),
+     (6, 1, 3, {"num_dense_heads": 2, "head_offset": 5})],
+)  # fmt: skip
+def test_absolute_stride_patterns_are_kv_efficient(
+    causal, num_heads, local_blocks, vert_stride, kwargs
+):
+    p = local_stride_pattern(
+        num_heads, 1024, 16, local_blocks, vert_stride, causal=causal, **kwargs
+    )
+    assert p.is_kv_efficient()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "num_heads, vert_stride, head_offset", [(4, 4, 0), (8, 4, 0), (5, 3, 2), (16, 16, 7), (7, 7, 1)]
+)
+def test_staggered_heads_are_union_complete(causal, num_heads, vert_stride, head_offset):
+    p = local_stride_pattern(
+        num_heads, 2048, 16, 1, vert_stride, head_offset=head_offset, causal=causal
+    )
+    assert p.is_union_complete()
+    # Union completeness means the token masks together cover every visible pair.
+    covered = p.token_mask(400).any(dim=0)
+    visible = torch.ones(400, 400, dtype=torch.bool)
+    assert torch.equal(covered, visible.tril() if causal else visible)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_too_few_or_homogeneous_heads_are_not_union_complete(causal):
+    args = dict(max_seq_len=2048, block_size=16, local_blocks=2, vert_stride=4, causal=causal)
+    assert not local_stride_pattern(4, homo_head=True, **args).is_union_complete()
+    assert not local_stride_pattern(3, **args).is_union_complete()
+    # A window that covers the whole context needs no stripes.
+    full_window = dict(args, local_blocks=128)
+    assert local_stride_pattern(4, homo_head=True, **full_window).is_union_complete()
+
+
+def test_union_completeness_per_gqa_group():
+    # Stripes staggered across all 8 heads: complete together, but no group of 4 is.
+    across = local_stride_pattern(8, 1024, 16, 1, 8)
+    assert across.is_union_complete()
+    assert not across.is_union_complete(num_kv_heads=2)
+    # Staggered within each group of 4: every group is complete on its own.
+    within = BlockPattern(
+        torch.cat([local_stride_pattern(4, 1024, 16, 1, 4).mask] * 2), block_size=16
+    )
+    assert within.is_union_complete(num_kv_heads=2)
+    assert within.is_union_complete(num_kv_heads=1)
+    # One pattern per KV group (the builder's GQA mode) covers only one residue per group.
+    shared = local_stride_pattern(8, 1024, 16, 1, 4, num_kv_heads=2)
+    assert not shared.is_union_complete(num_kv_heads=2)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        within.is_union_complete(num_kv_heads=3)

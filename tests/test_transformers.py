@@ -1,0 +1,127 @@
+"""HuggingFace transformers: a tiny Llama (random weights, no download) generating through s2attn
+with the evicting S2Cache matches the same model on the dense-mask reference attention, token for
+token, for HHST layouts (dense first layer, S2 after), left-padded batches and transformers' own
+DynamicCache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import DEVICE, skip_without_gpu
+
+transformers = pytest.importorskip("transformers")
+s2hf = pytest.importorskip("s2attn.integrations.transformers")
+
+PROMPT = 70
+NEW_TOKENS = 20
+
+
+def tiny_llama(dense_layers=(0,), num_layers=3, dtype=torch.float32):
+    """4 query / 2 KV heads of dim 16, blocks of 16: local 2 blocks, stripes every 3."""
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        max_position_embeddings=256, initializer_range=0.2,  # spread logits: no greedy near-ties
+        bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    s2hf.configure(
+        config, block_size=16, local_blocks=2, vert_stride=3, dense_layers=list(dense_layers)
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE, dtype).eval()
+    reference = transformers.LlamaForCausalLM(copy.deepcopy(config)).to(DEVICE, dtype).eval()
+    reference.load_state_dict(model.state_dict())
+    reference.set_attn_implementation(s2hf.REFERENCE_IMPLEMENTATION)
+    return model, reference
+
+
+def generate(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+            return_dict_in_generate=True, output_scores=True, **kwargs,
+        )  # fmt: skip
+    return out.sequences, torch.stack(out.scores)
+
+
+def assert_same_generation(got, want):
+    """Token for token, in float32 (in bfloat16 a near-tie may round either way)."""
+    tokens, scores = got
+    ref_tokens, ref_scores = want
+    err = ((scores - ref_scores).norm() / ref_scores.norm()).item()
+    print(f"logits relative error {err:.2e}; tokens {tokens[:, -scores.shape[0] :].tolist()}")
+    assert err < 1e-4
+    assert torch.equal(tokens, ref_tokens), "greedy tokens differ from the reference attention"
+
+
+def test_generate_with_s2_cache_matches_reference():
+    model, reference = tiny_llama()
+    assert model.config.s2attn["layer_types"] == ["dense", "s2", "s2"]
+    ids = torch.randint(2, 128, (1, PROMPT), device=DEVICE)
+    mask = torch.ones_like(ids)
+    cache = s2hf.S2Cache(model.config)
+    got = generate(model, ids, mask, past_key_values=cache)
+    assert_same_generation(got, generate(reference, ids, mask))
+    report = cache.memory_report()
+    assert report["tokens"] == 3 * (PROMPT + NEW_TOKENS - 1)  # the last token is never attended
+    s2_layers = [layer.paged for layer in cache.layers[1:]]
+    assert all(0 < p.live_bytes() < p.dense_bytes() for p in s2_layers)
+    assert all(p.live_pages <= p.needed_pages() + p.num_kv_heads for p in s2_layers)
+    dense_layer = cache.layers[0].paged  # keeps every block
+    assert dense_layer.live_pages == 2 * -(-(PROMPT + NEW_TOKENS - 1) // 16)
+
+
+def test_left_padded_batch_matches_reference():
+    model, reference = tiny_llama(dense_layers=(), num_layers=2)
+    lengths = [PROMPT, 45]
+    ids = torch.randint(2, 128, (2, PROMPT), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, : PROMPT - lengths[1]] = 0
+    ids[1, : PROMPT - lengths[1]] = 0
+    cache = s2hf.S2Cache(model.config)
+    got = generate(model, ids, mask, new_tokens=10, past_key_values=cache)
+    assert_same_generation(got, generate(reference, ids, mask, new_tokens=10))
+    held = [n + 10 - 1 for n in lengths]
+    assert cache.layers[0].paged.lengths == held  # each sequence unpadded in the cache
+
+
+def test_transformers_dynamic_cache_through_s2attn():
+    """Without S2Cache, s2attn attends over the whole context transformers' cache returns."""
+    model, reference = tiny_llama(num_layers=2)
+    ids = torch.randint(2, 128, (1, PROMPT), device=DEVICE)
+    mask = torch.ones_like(ids)
+    want = generate(reference, ids, mask, new_tokens=4)
+    got = generate(model, ids, mask, new_tokens=4)
+    assert_same_generation(got, want)
+
+
+@skip_without_gpu
+def test_bfloat16_generation_on_gpu():
+    """bfloat16 through the kernels: the prefill's logits match the reference's (bf16 accuracy)."""
+    model, reference = tiny_llama(dtype=torch.bfloat16)
+    ids = torch.randint(2, 128, (2, 200), device=DEVICE)  # the patterns cover 256 positions
+    mask = torch.ones_like(ids)
+    tokens, scores = generate(model, ids, mask, past_key_values=s2hf.S2Cache(model.config))
+    ref_tokens, ref_scores = generate(reference, ids, mask)
+    err = ((scores[0].float() - ref_scores[0].float()).norm() / ref_scores[0].float().norm()).item()
+    print(f"first-step logits relative error {err:.2e}")
+    assert err < 2e-2
+    assert tokens.shape == ref_tokens.shape
+
+
+def test_misuse_is_reported():
+    model, _ = tiny_llama(num_layers=2)
+    ids = torch.randint(2, 128, (1, 20), device=DEVICE)
+    model.set_attn_implementation("sdpa")
+    cache = s2hf.S2Cache(model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)  # sdpa sees only the new keys
+        with pytest.raises(RuntimeError, match="attn_implementation='s2attn'"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(ValueError, match="dense_layers"):
+        s2hf.configure(config, dense_layers=[5])
+    with pytest.raises(ValueError, match="configure"):
+        s2hf.S2Cache(config)
