@@ -55,6 +55,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def bench_graph(fn) -> float | None:
+    """GPU time of ``fn`` replayed from a CUDA graph, as serving engines run decode steps: at these
+    sizes Python's launch overhead (tens of microseconds a launch) would otherwise be timed."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:  # a call that cannot be captured is reported, not hidden
+        print(f"    (no CUDA-graph timing: {type(exc).__name__}: {str(exc)[:80]})", flush=True)
+        return None
+
+
 def fill_cache(pattern, k_dense, v_dense, max_seq_len) -> PagedKVCache:
     """A cache holding the dense tokens, stored as a prefill of each sequence would store them."""
     batch, _, ctx, _ = k_dense.shape
@@ -101,7 +111,9 @@ def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
     for warps, stages, block_n, splits in space:
         opts = dict(num_warps=warps, num_stages=stages)
         try:
-            ms = bench(kernel_fn(cache, q, scale, splits, block_n, opts))
+            fn = kernel_fn(cache, q, scale, splits, block_n, opts)
+            fn()  # compile outside the graph capture
+            ms = bench_graph(fn) or bench(fn)
         except Exception as exc:  # out of shared memory / registers
             print(f"      {opts} block_n {block_n} splits {splits}: {type(exc).__name__}")
             continue
@@ -113,7 +125,9 @@ def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
     return best
 
 
-def run_stride(stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, dense_bytes, do_sweep) -> dict:
+def run_stride(
+    stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, sdpa_graph_ms, dense_bytes, do_sweep
+) -> dict:
     batch = q.shape[0]
     scale = DIM**-0.5
     # Room for the new token and STEPS more: the pattern covers two blocks past ctx.
@@ -131,6 +145,7 @@ def run_stride(stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, dense_bytes, do_
     )  # fmt: skip
     err = ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
     kernel_ms = bench(kernel)
+    kernel_graph_ms = bench_graph(kernel)
     call_ms = bench(functools.partial(sparse_attention_with_kvcache, q, cache))
     report = cache.memory_report()
     best = sweep(cache, q, scale, kernel_ms) if do_sweep else None
@@ -140,13 +155,16 @@ def run_stride(stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, dense_bytes, do_
     row = dict(
         ctx=ctx, batch=batch, vert_stride=stride, blocks_read=blocks, splits=splits,
         s2_kernel_ms=kernel_ms, s2_call_ms=call_ms, s2_step_ms=step_ms, sdpa_ms=sdpa_ms,
+        s2_kernel_graph_ms=kernel_graph_ms, sdpa_graph_ms=sdpa_graph_ms,
         speedup_vs_sdpa=sdpa_ms / kernel_ms, read_gbps=read_bytes / kernel_ms / 1e6,
+        read_bytes=read_bytes,
         live_mib=report["live_bytes"] / MIB, needed_mib=report["needed_bytes"] / MIB,
         dense_mib=dense_bytes / MIB, rel_err=err, sweep_best=best,
     )  # fmt: skip
     print(
         f"    V{stride}: kernel {kernel_ms:.4f} ms ({row['read_gbps']:.0f} GB/s, {splits} splits, "
-        f"{blocks} blocks) call {call_ms:.4f} step {step_ms:.4f} | KV live "
+        f"{blocks} blocks) graph {kernel_graph_ms or float('nan'):.4f} call {call_ms:.4f} "
+        f"step {step_ms:.4f} | KV live "
         f"{row['live_mib']:.0f} need {row['needed_mib']:.0f} dense {row['dense_mib']:.0f} MiB | "
         f"x{row['speedup_vs_sdpa']:.1f} vs SDPA | rel err {err:.1e}",
         flush=True,
@@ -168,13 +186,17 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
         F.scaled_dot_product_attention, q.transpose(1, 2), k_full, v_full, enable_gqa=True
     )
     sdpa_ms = bench(sdpa)
+    sdpa_graph_ms = bench_graph(sdpa)
     dense_bytes = 2 * k_full.numel() * k_full.element_size()
     print(f"  ctx {ctx} batch {batch}: SDPA {sdpa_ms:.4f} ms, dense KV "
           f"{dense_bytes / MIB:.0f} MiB", flush=True)  # fmt: skip
     rows = []
     for stride in strides:
         rows.append(
-            run_stride(stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, dense_bytes, do_sweep)
+            run_stride(
+                stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, sdpa_graph_ms, dense_bytes,
+                do_sweep,
+            )
         )
         torch.cuda.empty_cache()
     return rows
@@ -202,20 +224,25 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"block {BLOCK}, local_blocks {LOCAL}. Medians of `triton.testing.do_bench` (step: mean "
         f"of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
         "second by the kernel. KV MiB: live pages of the S2 cache, what the pattern needs, the "
-        "dense cache.",
+        "dense cache. `graph` columns: the same call replayed from a CUDA graph "
+        "(`do_bench_cudagraph`), i.e. GPU time without Python's launch overhead.",
         "",
-        "| ctx | batch | V | blocks read | splits | s2 kernel ms | s2 call ms | s2 step ms "
-        "| SDPA ms | x SDPA | GB/s | KV live MiB | KV need MiB | KV dense MiB | rel err |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-        "| --- |",
+        "| ctx | batch | V | blocks read | splits | s2 kernel ms | s2 kernel graph ms "
+        "| s2 call ms | s2 step ms | SDPA ms | SDPA graph ms | x SDPA | x SDPA graph | GB/s graph "
+        "| KV live MiB | KV need MiB | KV dense MiB | rel err |",
+        "|" + " --- |" * 18,
     ]
+    fmt = lambda x, f="{:.4f}": "n/a" if x is None else f.format(x)  # noqa: E731
     for r in rows:
+        g, sg = r["s2_kernel_graph_ms"], r["sdpa_graph_ms"]
         lines.append(
             f"| {r['ctx']} | {r['batch']} | {r['vert_stride']} | {r['blocks_read']} | "
-            f"{r['splits']} | {r['s2_kernel_ms']:.4f} | {r['s2_call_ms']:.4f} | "
-            f"{r['s2_step_ms']:.4f} | {r['sdpa_ms']:.4f} | {r['speedup_vs_sdpa']:.1f} | "
-            f"{r['read_gbps']:.0f} | {r['live_mib']:.1f} | {r['needed_mib']:.1f} | "
-            f"{r['dense_mib']:.0f} | {r['rel_err']:.1e} |"
+            f"{r['splits']} | {r['s2_kernel_ms']:.4f} | {fmt(g)} | {r['s2_call_ms']:.4f} | "
+            f"{r['s2_step_ms']:.4f} | {r['sdpa_ms']:.4f} | {fmt(sg)} | "
+            f"{r['speedup_vs_sdpa']:.1f} | {fmt(sg / g if g and sg else None, '{:.1f}')} | "
+            f"{fmt(r['read_bytes'] / g / 1e6 if g else None, '{:.0f}')} | "
+            f"{r['live_mib']:.1f} | {r['needed_mib']:.1f} | {r['dense_mib']:.0f} | "
+            f"{r['rel_err']:.1e} |"
         )
     best = [r for r in rows if r["sweep_best"]]
     if best:

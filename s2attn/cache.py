@@ -157,6 +157,9 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Tensors report cuda:N; compare like with like.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.block_size = block_size
         self.max_seq_len = max_seq_len
         self.max_blocks = math.ceil(max_seq_len / block_size)

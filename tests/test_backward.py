@@ -305,9 +305,11 @@ def test_grads_empty_rows_and_unused_keys(dtype, causal):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_merge_partials_grads(dtype, causal):
     """Two patterns splitting the KV blocks in halves, merged through their LSEs, give the output
-    and the q, k, v gradients of one call on their union."""
+    and the q, k, v gradients of one call on their union; rows empty in both stay NaN-free."""
     heads, seq, bs = 2, 128, 16
-    full = _pattern(heads, seq, bs, causal=causal)
+    mask = _pattern(heads, seq, bs, causal=causal).mask.clone()
+    mask[1, 2, :] = False  # head 1, query block 2 attends nothing in either half
+    full = BlockPattern(mask, bs, causal)
     first_half = torch.arange(full.num_kv_blocks) < full.num_kv_blocks // 2
     p1 = BlockPattern(full.mask & first_half, bs, causal)
     p2 = BlockPattern(full.mask & ~first_half, bs, causal)
@@ -318,6 +320,7 @@ def test_merge_partials_grads(dtype, causal):
     if causal:  # early queries see nothing of the second half: their partial LSE is -inf
         assert torch.isinf(l2[..., :16]).all()
     merged, merged_lse = s2attn.merge_partials([o1, o2], [l1, l2])
+    assert torch.isinf(merged_lse[:, 1, 32:48]).all()
     (g,) = _upstream([merged], seed=10)
     merged.backward(g)
 

@@ -361,14 +361,14 @@ def _write_kernel(
     pos = tl.load(seq_lens + b) + t  # seq_lens: the lengths before this step
     page = tl.load(page_table + b * stride_tb + h * stride_th + (pos // PAGE_SIZE) * stride_tj)
     if page >= 0:
-        page = page.to(tl.int64)
+        page_row = page.to(tl.int64)  # a new name: compiled Triton keeps a variable's type fixed
         slot = pos % PAGE_SIZE
         offs = tl.arange(0, BLOCK_D)
         ok = offs < HEAD_DIM
         k = tl.load(K + b * stride_kb + t * stride_ks + h * stride_kh + offs * stride_kd, mask=ok)
         v = tl.load(V + b * stride_vb + t * stride_vs + h * stride_vh + offs * stride_vd, mask=ok)
-        tl.store(KPages + page * stride_kp + slot * stride_kn + offs * stride_kpd, k, mask=ok)
-        tl.store(VPages + page * stride_vp + slot * stride_vn + offs * stride_vpd, v, mask=ok)
+        tl.store(KPages + page_row * stride_kp + slot * stride_kn + offs * stride_kpd, k, mask=ok)
+        tl.store(VPages + page_row * stride_vp + slot * stride_vn + offs * stride_vpd, v, mask=ok)
 
 
 def write_pages(
