@@ -141,6 +141,11 @@ def _flex(case: Case, q, k, v, pattern, block: int):
     from torch.nn.attention.flex_attention import flex_attention
 
     if _FLEX is None:
+        # Every case (shape, block mask, GQA, backward) recompiles; past dynamo's default limit of
+        # 8 it would fall back to the unfused eager implementation, which materialises seq x seq
+        # scores: slow, or out of memory. Allow every case its own compiled kernel.
+        torch._dynamo.config.recompile_limit = 1024
+        torch._dynamo.config.accumulated_recompile_limit = 4096
         _FLEX = torch.compile(flex_attention, dynamic=False)
     mask = flex_block_mask(pattern, case.seq, block)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -317,6 +322,11 @@ def main() -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names to keep (default all)")
     ap.add_argument("--tag", default="", help="suffix for the result files")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--update", type=Path, default=None,
+        help="a results JSON whose rows this run replaces (same case, seq, pass, provider); "
+        "the merged table is written under that file's name",
+    )  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention.py times GPU kernels; no CUDA device here.", file=sys.stderr)
@@ -335,6 +345,15 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device_tag = env["device"].split()[1].lower() if " " in env["device"] else env["device"]
     stem = f"{env['date'][:10]}_{device_tag}_attention_{args.suite}{args.tag}"
+    if args.update is not None:
+        old = json.loads(args.update.read_text())
+        if old["env"]["device"] != env["device"]:
+            raise SystemExit(f"{args.update} was measured on {old['env']['device']}, not here")
+        key = lambda r: (r["case"], r["seq"], r["pass_"], r["provider"])  # noqa: E731
+        new_keys = {key(r) for r in rows}
+        rows = [r for r in old["rows"] if key(r) not in new_keys] + rows
+        env["date"] = f"{old['env']['date']}, updated {env['date']}"
+        stem = args.update.stem
     md = markdown(rows, env)
     (args.out_dir / f"{stem}.md").write_text(md)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
