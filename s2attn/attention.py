@@ -37,7 +37,9 @@ def _check_cu_seqlens(
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+        raise ValueError(
+            f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}"
+        )
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, but q is on {device}")
     values = cu.tolist()
@@ -52,7 +54,9 @@ def _check_cu_seqlens(
     return values
 
 
-def _validate(q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _validate(
+    q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+):
     """Check every user input; return (varlen, seq_q lengths, seq_k lengths, scale, head div)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -92,7 +96,9 @@ def _validate(q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_s
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_q/cu_seqlens_k are only for packed (3-D) inputs")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"k/v head dim {k.shape[-1]} differs from q's {head_dim}")
@@ -253,7 +259,7 @@ def sparse_attention(
     max_seqlen_k: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention under ``pattern``, computed by a Triton kernel that skips dropped blocks.
+    """Block-sparse attention under ``pattern``, by a Triton kernel that skips the dropped blocks.
 
     Args:
         q: (batch, seq_q, heads, dim), or packed (total_q, heads, dim) with ``cu_seqlens_q``.
@@ -264,7 +270,8 @@ def sparse_attention(
         pattern: a :class:`s2attn.BlockPattern` with ``heads`` or ``kv_heads`` heads, covering
             ``seq_k`` (its top-left corner serves shorter sequences).
         softmax_scale: defaults to ``1 / sqrt(dim)``.
-        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths for packed inputs.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths of packed
+            inputs.
         max_seqlen_q, max_seqlen_k: optional bounds on the packed lengths (checked if given).
         return_lse: also return the float32 natural-log LSE per row.
 
@@ -351,7 +358,8 @@ def merge_partials(
     """Merge attention results computed over disjoint KV chunks into the result over their union.
 
     Args:
-        outs: outputs of the chunks, each (batch, seq_q, heads, dim) or packed (total_q, heads, dim).
+        outs: outputs of the chunks, each (batch, seq_q, heads, dim) or packed
+            (total_q, heads, dim).
         lses: their float32 LSEs, each (batch, heads, seq_q) or (heads, total_q), as returned by
             ``sparse_attention(..., return_lse=True)``.
 
@@ -375,8 +383,12 @@ def merge_partials(
         )
     for i, (o, lse) in enumerate(zip(outs, lses)):
         if o.shape != outs[0].shape:
-            raise ValueError(f"outs[{i}] has shape {tuple(o.shape)}, outs[0] {tuple(outs[0].shape)}")
-        expected = (o.shape[1], o.shape[0]) if o.dim() == 3 else (o.shape[0], o.shape[2], o.shape[1])
+            raise ValueError(
+                f"outs[{i}] has shape {tuple(o.shape)}, outs[0] {tuple(outs[0].shape)}"
+            )
+        expected = (
+            (o.shape[1], o.shape[0]) if o.dim() == 3 else (o.shape[0], o.shape[2], o.shape[1])
+        )
         if o.dim() not in (3, 4) or tuple(lse.shape) != expected:
             raise ValueError(
                 f"lses[{i}] has shape {tuple(lse.shape)}; for an output of shape "
@@ -388,7 +400,5 @@ def merge_partials(
     empty = (stacked == float("-inf")).all(dim=0)
     lse = torch.logsumexp(stacked.masked_fill(empty, 0.0), dim=0).masked_fill(empty, float("-inf"))
     weights = torch.exp(stacked - lse.masked_fill(empty, 0.0))
-    out = sum(
-        w.transpose(-1, -2).unsqueeze(-1) * o.float() for w, o in zip(weights, outs)
-    )
+    out = sum(w.transpose(-1, -2).unsqueeze(-1) * o.float() for w, o in zip(weights, outs))
     return out.to(outs[0].dtype), lse

@@ -38,8 +38,8 @@ class BlockPattern:
 
     Args:
         mask: bool tensor of shape (heads, q_blocks, kv_blocks); ``mask[h, i, j]`` lets head ``h``'s
-            query block ``i`` attend KV block ``j``. Copied to the CPU; later changes to the caller's
-            tensor do not affect the pattern.
+            query block ``i`` attend KV block ``j``. Copied to the CPU; later changes to the
+            caller's tensor do not affect the pattern.
         block_size: tokens per block, a power of two >= 16.
         causal: when True the token-level rule ``q_pos >= k_pos`` is ANDed onto the blocks; entries
             above the block diagonal are then never used.
@@ -231,9 +231,7 @@ def _validate_heads(num_heads: int, num_kv_heads: int | None) -> int:
         return num_heads
     _check_positive_int("num_kv_heads", num_kv_heads)
     if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})"
-        )
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
     return num_kv_heads
 
 
@@ -265,10 +263,11 @@ def local_stride_pattern(
 
     Query block ``i`` of a sparse head keeps KV block ``j`` when ``0 <= i - j < local_blocks``
     (``|i - j| < local_blocks`` when bidirectional) or when ``(j + shift) % vert_stride == 0``
-    (and ``j <= i`` when causal). ``shift`` is ``head_offset`` plus the head's index among the sparse
-    heads (its KV group's index when ``num_kv_heads`` is given), so ``vert_stride`` consecutive
-    sparse heads (or KV groups) cover every residue: the union is complete. ``homo_head=True``
-    gives every head the same shift. The last ``num_dense_heads`` query heads are dense.
+    (and ``j <= i`` when causal). ``shift`` is ``head_offset`` plus the head's index among the
+    sparse heads (its KV group's index when ``num_kv_heads`` is given), so ``vert_stride``
+    consecutive sparse heads (or KV groups) cover every residue: the union is complete.
+    ``homo_head=True`` gives every head the same shift. The last ``num_dense_heads`` query heads
+    are dense.
 
     Because stripes sit at absolute positions, a KV block a head stops using is never used again by
     that head (the pattern is KV-efficient).

@@ -70,7 +70,10 @@ def attention_reference(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     if cu_seqlens_q is None:
         outs, lses = zip(
-            *(_attend_one(q[b], k[b], v[b], pattern, scale, compute_dtype) for b in range(q.shape[0]))
+            *(
+                _attend_one(q[b], k[b], v[b], pattern, scale, compute_dtype)
+                for b in range(q.shape[0])
+            )
         )
         out, lse = torch.stack(outs), torch.stack(lses)
     else:
@@ -78,8 +81,12 @@ def attention_reference(
         outs, lses = zip(
             *(
                 _attend_one(
-                    q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]],
-                    pattern, scale, compute_dtype,
+                    q[cq[b] : cq[b + 1]],
+                    k[ck[b] : ck[b + 1]],
+                    v[ck[b] : ck[b + 1]],
+                    pattern,
+                    scale,
+                    compute_dtype,
                 )
                 for b in range(len(cq) - 1)
             )

@@ -8,7 +8,7 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 
-# Under the Triton interpreter tl.dot on bf16 operands returns garbage, so bf16 runs on the GPU only.
+# Under the Triton interpreter tl.dot on bf16 operands returns garbage: bf16 runs on the GPU only.
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
 # Relative error (norm of the difference over the norm of the float32 reference) allowed per dtype.
