@@ -16,7 +16,6 @@ provider) with the device, versions and date to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 import triton
+from run_info import environment, result_stem, versions_line
 
 import s2attn
 from s2attn.layout import forward_layout
@@ -235,23 +235,11 @@ def run_case(case: Case, passes: list[str], providers: list[str]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------ output
-def environment() -> dict:
-    return dict(
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
-        s2attn=s2attn.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    )
-
-
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         f"# Attention benchmark — {env['device']}",
         "",
-        f"{env['date']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']} · "
-        f"s2attn {env['s2attn']}",
+        versions_line(env),
         "",
         "Batch 1, bf16, causal. Medians of `triton.testing.do_bench`. TFLOP/s: effective (the "
         "pattern's kept FLOPs) for s2attn and FlexAttention, dense causal FLOPs for SDPA. "
@@ -343,8 +331,7 @@ def main() -> int:
         print(f"[{i}/{len(selected)}] {case}", flush=True)
         rows += run_case(case, passes, providers)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    device_tag = env["device"].split()[1].lower() if " " in env["device"] else env["device"]
-    stem = f"{env['date'][:10]}_{device_tag}_attention_{args.suite}{args.tag}"
+    stem = result_stem(env, f"attention_{args.suite}{args.tag}")
     if args.update is not None:
         old = json.loads(args.update.read_text())
         if old["env"]["device"] != env["device"]:

@@ -28,7 +28,6 @@ each case and prints the best, to choose the launcher's defaults from measuremen
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from run_info import environment, result_stem, versions_line
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
@@ -202,23 +202,11 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
     return rows
 
 
-def environment() -> dict:
-    return dict(
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
-        s2attn=s2attn.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    )
-
-
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         f"# Decode benchmark — {env['device']}",
         "",
-        f"{env['date']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']} · "
-        f"s2attn {env['s2attn']}",
+        versions_line(env),
         "",
         f"One new token per sequence, {HEADS} query / {KV_HEADS} KV heads, dim {DIM}, bf16; S2 "
         f"block {BLOCK}, local_blocks {LOCAL}. Medians of `triton.testing.do_bench` (step: mean "
@@ -276,8 +264,7 @@ def main() -> int:
         rows += run(ctx, batch, strides, args.sweep)
         torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    device_tag = env["device"].split()[1].lower() if " " in env["device"] else env["device"]
-    stem = f"{env['date'][:10]}_{device_tag}_decode{args.tag}"
+    stem = result_stem(env, f"decode{args.tag}")
     md = markdown(rows, env)
     (args.out_dir / f"{stem}.md").write_text(md)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))

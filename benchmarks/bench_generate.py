@@ -20,16 +20,13 @@ Writes markdown and JSON with the device, versions and date to benchmarks/result
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-import triton
-
-import s2attn
+from run_info import environment, result_stem
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE = "cuda"
@@ -114,17 +111,6 @@ def measure(name: str, model, ids, new_tokens: int, make_cache) -> dict:
     return row
 
 
-def environment() -> dict:
-    return dict(
-        device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
-        s2attn=s2attn.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    )
-
-
 def markdown(rows: list[dict], env: dict, args, params: int) -> str:
     import transformers
 
@@ -195,8 +181,7 @@ def main() -> int:
         rows.append(measure(name, model, ids, args.new, lambda: s2hf.S2Cache(model.config)))
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    device_tag = env["device"].split()[1].lower() if " " in env["device"] else env["device"]
-    stem = f"{env['date'][:10]}_{device_tag}_generate{args.tag}"
+    stem = result_stem(env, f"generate{args.tag}")
     md = markdown(rows, env, args, params)
     (args.out_dir / f"{stem}.md").write_text(md)
     payload = dict(env=env, model=MODEL, args={k: str(v) for k, v in vars(args).items()}, rows=rows)
