@@ -28,9 +28,15 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def _check_cu_seqlens(
-    name: str, cu: torch.Tensor | None, total: int, device: torch.device
+def check_cu_seqlens(
+    name: str,
+    cu: torch.Tensor | None,
+    total: int,
+    device: torch.device,
+    batch_size: int | None = None,
 ) -> list[int]:
+    """Validate packed-sequence offsets (int32, 1-D, from 0, non-decreasing, ending at ``total``;
+    ``batch_size + 1`` of them when given) and return them as a list."""
     if cu is None:
         raise ValueError(f"{name} is required for packed (3-D) inputs")
     _check_tensor(name, cu)
@@ -40,8 +46,12 @@ def _check_cu_seqlens(
         raise ValueError(
             f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}"
         )
+    if batch_size is not None and cu.numel() != batch_size + 1:
+        raise ValueError(
+            f"{name} must hold batch + 1 = {batch_size + 1} offsets, got {cu.numel()}"
+        )
     if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device}, but q is on {device}")
+        raise ValueError(f"{name} is on {cu.device}, but the data is on {device}")
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
@@ -120,8 +130,8 @@ def _validate(
         )
 
     if varlen:
-        cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-        ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+        ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
         if len(cq) != len(ck):
             raise ValueError(
                 f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}"
@@ -183,7 +193,8 @@ class _Call:
         # A causal tile never lists KV tiles past its queries, so one layout serves every length;
         # bidirectional tiles list everything, so crop the pattern to the longest sequence.
         num_blocks = None if self.pattern.causal else self._num_blocks
-        layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks)
+        # Gathered KV tiles pack lone stride blocks smaller than block_n (forward kernel only).
+        layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks, gather=True)
         return _fwd.forward(
             q, k, v, layout, softmax_scale=self.scale, pattern_head_div=self.head_div,
             **self.lengths,

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .attention import check_cu_seqlens
 from .layout import DecodeLayout, decode_layout, dense_decode_layout, kv_last_use
 from .ops.decode import kernels_available, write_pages
 from .pattern import BlockPattern
@@ -307,18 +308,8 @@ class PagedKVCache:
             raise ValueError(
                 f"packed k must be (total, kv_heads={tail[0]}, dim={tail[1]}), got {tuple(k.shape)}"
             )
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-            raise ValueError("cu_seqlens must be a 1-D tensor of batch + 1 offsets")
-        cu = cu_seqlens.tolist()
-        if len(cu) != self.batch_size + 1 or cu[0] != 0 or cu[-1] != k.shape[0]:
-            raise ValueError(
-                f"cu_seqlens must hold batch + 1 = {self.batch_size + 1} offsets from 0 to "
-                f"{k.shape[0]}, got {cu}"
-            )
-        counts = [b - a for a, b in zip(cu, cu[1:])]
-        if min(counts) < 0:
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
-        return counts
+        cu = check_cu_seqlens("cu_seqlens", cu_seqlens, k.shape[0], k.device, self.batch_size)
+        return [b - a for a, b in zip(cu, cu[1:])]
 
     def append(
         self,

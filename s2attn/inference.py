@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .attention import sparse_attention
+from .attention import check_cu_seqlens, sparse_attention
 from .cache import PagedKVCache
 from .ops import decode as _dec
 from .pattern import BlockPattern, dense_pattern
@@ -120,16 +120,8 @@ def _new_counts(
     """New tokens per sequence."""
     if cu_seqlens_q is None:
         return [q.shape[1]] * cache.batch_size
-    cu = cu_seqlens_q.tolist()
-    if len(cu) != cache.batch_size + 1 or cu[0] != 0 or cu[-1] != q.shape[0]:
-        raise ValueError(
-            f"cu_seqlens_q must hold batch + 1 = {cache.batch_size + 1} offsets from 0 to "
-            f"{q.shape[0]}, got {cu}"
-        )
-    counts = [b - a for a, b in zip(cu, cu[1:])]
-    if min(counts) < 0:
-        raise ValueError(f"cu_seqlens_q must be non-decreasing, got {cu}")
-    return counts
+    cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, cache.batch_size)
+    return [b - a for a, b in zip(cu, cu[1:])]
 
 
 def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):

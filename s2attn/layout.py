@@ -58,11 +58,27 @@ class TileLayout:
     partial_offsets: torch.Tensor  # int32 (heads * num_groups + 1,)
     partial_cols: torch.Tensor  # int32
     partial_bits: torch.Tensor  # int64, one bit matrix per partial entry
-    max_entries: int  # the longest list (full + partial) of any group
+    max_entries: int  # the longest list (full + partial + gathered) of any group
+    # Gathered entries (forward layouts built with ``gather=True`` when block_size < block_n):
+    # each holds ``gather_width`` = block_n / block_size pattern blocks that need not be
+    # contiguous; ``gather_*_blocks`` lists their block indices, ``gather_width`` per entry (a
+    # padding slot repeats a block of its entry and has no bits). Bit matrices as for partial
+    # entries, bit column b standing for the entry's b-th block. 0 and None: no gathered entries.
+    gather_width: int = 0
+    gather_full_offsets: torch.Tensor | None = None  # int32 (heads * num_groups + 1,)
+    gather_full_blocks: torch.Tensor | None = None  # int32 (entries * gather_width,)
+    gather_partial_offsets: torch.Tensor | None = None  # int32 (heads * num_groups + 1,)
+    gather_partial_blocks: torch.Tensor | None = None  # int32 (entries * gather_width,)
+    gather_partial_bits: torch.Tensor | None = None  # int64, one bit matrix per entry
 
     @property
     def num_entries(self) -> int:
-        return self.full_cols.numel() + self.partial_cols.numel()
+        n = self.full_cols.numel() + self.partial_cols.numel()
+        if self.gather_width:
+            n += (self.gather_full_blocks.numel() + self.gather_partial_blocks.numel()) // (
+                self.gather_width
+            )
+        return n
 
 
 def _entry_geometry(block_size: int, block_m: int, block_n: int) -> tuple[int, int, int, int]:
@@ -136,6 +152,67 @@ def _csr(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     return offsets.to(torch.int32)
 
 
+def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, causal):
+    """Split the entries that use at most half their pattern blocks into single blocks and
+    pack each (head, query tile)'s blocks, ``block_n / block_size`` at a time, into gathered
+    entries: blocks every row keeps (and sees whole, when causal) apart from the others, so that
+    the former make full gathered entries.
+
+    Returns the contiguous entries kept (h, t, n, bits, full) and the gathered ones as
+    (key, blocks (entries, width), bits, full), sorted by key = head * num_q_tiles + tile.
+    """
+    device = h.device
+    width = block_n // block_size
+    rows = block_m // min(block_size, block_m)
+    shifts = torch.arange(rows * width, device=device, dtype=torch.int64)
+    bitmat = ((bits[:, None] >> shifts[None, :]) & 1).view(-1, rows, width).bool()
+    col_used = bitmat.any(dim=1)  # (entries, width)
+    # Tiles that use more than half their blocks stay contiguous (bulk copies, one entry).
+    contiguous = col_used.sum(dim=1) > width // 2
+    keep = (h[contiguous], t[contiguous], n[contiguous], bits[contiguous], full[contiguous])
+
+    sparse = (~contiguous).nonzero(as_tuple=True)[0]
+    e, b = col_used[sparse].nonzero(as_tuple=True)  # sorted by (entry, block): by (h, t, j)
+    e = sparse[e]
+    key = h[e] * num_q_tiles + t[e]
+    j = n[e] * width + b
+    row_bits = bitmat[e, :, b]  # (items, rows)
+    item_full = row_bits.all(dim=1)
+    if causal:
+        item_full &= (j + 1) * block_size - 1 <= t[e] * block_m
+    # Group (key, partial?): full-able blocks packed apart from the others.
+    gkey = key * 2 + (~item_full).to(torch.int64)
+    order = torch.argsort(gkey, stable=True)
+    gkey, j, row_bits, item_full = gkey[order], j[order], row_bits[order], item_full[order]
+    counts = torch.bincount(gkey, minlength=1) if gkey.numel() else gkey.new_zeros(1)
+    starts = torch.zeros_like(counts)
+    starts[1:] = counts.cumsum(0)[:-1]
+    rank = torch.arange(gkey.numel(), device=device) - starts[gkey]
+    entries_per = (counts + width - 1) // width
+    base = torch.zeros_like(entries_per)
+    base[1:] = entries_per.cumsum(0)[:-1]
+    ge = base[gkey] + rank // width
+    slot = rank % width
+    num_g = int(entries_per.sum().item())
+
+    blocks = torch.full((num_g, width), -1, dtype=torch.int64, device=device)
+    blocks[ge, slot] = j
+    blocks = torch.where(blocks < 0, blocks[:, :1], blocks)  # padding repeats the first block
+    a = torch.arange(rows, device=device, dtype=torch.int64)
+    contrib = (row_bits.to(torch.int64) << (a[None, :] * width + slot[:, None])).sum(dim=1)
+    gbits = torch.zeros(num_g, dtype=torch.int64, device=device).index_add_(0, ge, contrib)
+    filled = torch.zeros(num_g, dtype=torch.int64, device=device).index_add_(
+        0, ge, torch.ones_like(ge)
+    )
+    gkey_of = torch.zeros(num_g, dtype=torch.int64, device=device)
+    gkey_of[ge] = gkey
+    any_partial = torch.zeros(num_g, dtype=torch.int64, device=device).index_add_(
+        0, ge, (~item_full).to(torch.int64)
+    )
+    gfull = (filled == width) & (any_partial == 0)
+    return keep, (gkey_of // 2, blocks, gbits, gfull)
+
+
 def _build(
     pattern: BlockPattern,
     block_m: int,
@@ -143,10 +220,27 @@ def _build(
     device: torch.device,
     transpose: bool,
     num_blocks: int | None,
+    gather: bool = False,
 ) -> TileLayout:
     h, t, n, bits, full, num_q_tiles, num_kv_tiles, geometry = _tile_entries(
         pattern, block_m, block_n, device, num_blocks
     )
+    gathered = {}
+    if gather and not transpose and pattern.block_size < block_n:
+        (h, t, n, bits, full), (g_key, g_blocks, g_bits, g_full) = _gather(
+            h, t, n, bits, full, num_q_tiles, block_m, block_n, pattern.block_size,
+            pattern.causal,
+        )  # fmt: skip
+        width = block_n // pattern.block_size
+        total_g = pattern.num_heads * num_q_tiles
+        gathered = dict(
+            gather_width=width,
+            gather_full_offsets=_csr(g_key[g_full], total_g),
+            gather_full_blocks=g_blocks[g_full].to(torch.int32).reshape(-1).contiguous(),
+            gather_partial_offsets=_csr(g_key[~g_full], total_g),
+            gather_partial_blocks=g_blocks[~g_full].to(torch.int32).reshape(-1).contiguous(),
+            gather_partial_bits=g_bits[~g_full].contiguous(),
+        )
     if transpose:
         num_groups, key, col = num_kv_tiles, h * num_kv_tiles + n, t
         order = torch.argsort(key * num_q_tiles + t)  # nonzero() sorted by (h, t, n)
@@ -156,6 +250,8 @@ def _build(
     total = pattern.num_heads * num_groups
     partial = ~full
     counts = torch.bincount(key, minlength=total)
+    if gathered:
+        counts = counts + torch.bincount(g_key, minlength=total)
     return TileLayout(
         block_m=block_m,
         block_n=block_n,
@@ -170,6 +266,7 @@ def _build(
         partial_bits=bits[partial].contiguous(),
         max_entries=int(counts.max().item()) if counts.numel() else 0,
         **geometry,
+        **gathered,
     )
 
 
@@ -186,16 +283,17 @@ def _cached(
     device: torch.device | str,
     transpose: bool,
     num_blocks: int | None,
+    gather: bool = False,
 ) -> TileLayout:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     per_pattern = _CACHE.setdefault(pattern, {})
-    key = (block_m, block_n, str(device), transpose, num_blocks)
+    key = (block_m, block_n, str(device), transpose, num_blocks, gather)
     if key not in per_pattern:
         if len(per_pattern) >= _MAX_LAYOUTS_PER_PATTERN:
             per_pattern.pop(next(iter(per_pattern)))
-        per_pattern[key] = _build(pattern, block_m, block_n, device, transpose, num_blocks)
+        per_pattern[key] = _build(pattern, block_m, block_n, device, transpose, num_blocks, gather)
     return per_pattern[key]
 
 
@@ -205,6 +303,7 @@ def forward_layout(
     block_n: int,
     device: torch.device | str = "cpu",
     num_blocks: int | None = None,
+    gather: bool = False,
 ) -> TileLayout:
     """Per (head, query tile): the KV tiles to visit, full ones apart from partial ones.
 
@@ -212,8 +311,14 @@ def forward_layout(
     a causal tile never lists KV tiles past its own queries, so one layout serves every length.
     Bidirectional callers pass the blocks their longest sequence needs, so that tiles do not walk
     KV blocks past the end.
+
+    ``gather`` (block_size < block_n only; otherwise ignored): KV tiles that use at most half
+    their pattern blocks are split, and each tile's leftover blocks packed into *gathered*
+    entries of block_n / block_size blocks each (``TileLayout.gather_*``), so that lone stride
+    blocks do not drag 3/4 masked-out keys with them. Only the forward kernel reads them; the
+    dQ kernel takes the plain layout.
     """
-    return _cached(pattern, block_m, block_n, device, False, num_blocks)
+    return _cached(pattern, block_m, block_n, device, False, num_blocks, gather)
 
 
 def backward_layout(

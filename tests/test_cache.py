@@ -306,7 +306,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="kv_heads=2"):
         cache.append(k[:, :, :1], k[:, :, :1])
     with pytest.raises(ValueError, match="cu_seqlens"):
-        cache.append(k[0], k[0], cu_seqlens=torch.tensor([0, 3]))
+        cache.append(k[0], k[0], cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="keep_from"):
         cache.append(k, k, keep_from=[5])
     with pytest.raises(ValueError, match="max_seq_len"):

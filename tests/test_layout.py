@@ -190,3 +190,81 @@ def test_invalid_tile_sizes_raise(block_m, block_n, match):
     with pytest.raises(ValueError, match=match):
         backward_layout(p, block_m, block_n)
     assert MAX_ENTRY_BITS == 64
+
+
+# ------------------------------------------------------------------------------ gathered entries
+GATHER_GEOMETRIES = [g for g in GEOMETRIES if g[0] < g[2]] + [(16, 64, 64), (32, 128, 64)]
+
+
+def _rebuild_gathered(layout: TileLayout, heads: int, num_q_tiles: int, seq: int):
+    """The token mask of every entry, contiguous and gathered, and the entry count per tile.
+
+    Full gathered entries must not need a mask: every row keeps every key of every block, and
+    for causal layouts each block ends at or before the tile's first query."""
+    bm, bn, w = layout.block_m, layout.block_n, layout.gather_width
+    rg, bs = layout.row_group, layout.block_size
+    num_kv_tiles = math.ceil(seq / bn) + 1
+    m = _rebuild(layout, _entries(layout, False), heads, num_q_tiles, num_kv_tiles)
+    counts = torch.zeros(heads * num_q_tiles, dtype=torch.int64)
+    for key in range(heads * num_q_tiles):
+        counts[key] += layout.full_offsets[key + 1] - layout.full_offsets[key]
+        counts[key] += layout.partial_offsets[key + 1] - layout.partial_offsets[key]
+    for full, offsets, blocks in (
+        (True, layout.gather_full_offsets, layout.gather_full_blocks),
+        (False, layout.gather_partial_offsets, layout.gather_partial_blocks),
+    ):
+        offsets, blocks = offsets.tolist(), blocks.view(-1, w).tolist()
+        bits = layout.gather_partial_bits.tolist()
+        assert offsets[0] == 0 and offsets[-1] == len(blocks)
+        for key in range(heads * num_q_tiles):
+            h, t = divmod(key, num_q_tiles)
+            counts[key] += offsets[key + 1] - offsets[key]
+            for e in range(offsets[key], offsets[key + 1]):
+                assert full or bits[e] != 0
+                for b, j in enumerate(blocks[e]):
+                    if full and layout.causal:
+                        assert (j + 1) * bs - 1 <= t * bm
+                    for a in range(bm // rg):
+                        if full or (bits[e] >> (a * w + b)) & 1:
+                            m[h, t * bm + a * rg : t * bm + (a + 1) * rg, j * bs : (j + 1) * bs] = True
+    return m, counts
+
+
+@pytest.mark.parametrize("block_size, block_m, block_n", GATHER_GEOMETRIES)
+def test_gathered_forward_layout_rebuilds_the_token_mask(block_size, block_m, block_n):
+    for p in _patterns(block_size):
+        plain = forward_layout(p, block_m, block_n)
+        layout = forward_layout(p, block_m, block_n, gather=True)
+        assert layout is not plain and layout.gather_width == block_n // block_size
+        L = p.max_seq_len
+        nq = math.ceil(L / block_m)
+        m, counts = _rebuild_gathered(layout, p.num_heads, nq, L)
+        assert layout.max_entries == counts.max().item()
+        assert not m[:, L:].any() and not m[:, :, L:].any(), "entry past the pattern"
+        m = m[:, :L, :L]
+        if p.causal:
+            m &= torch.ones(L, L, dtype=torch.bool).tril()
+        assert torch.equal(m, p.token_mask(L)), (p, block_m, block_n)
+
+
+def test_gathered_entries_pack_lone_stride_blocks():
+    # Block 16, 128x64 tiles: the stride blocks before the local window (every 4th block) fill
+    # gathered entries of 4, full ones, instead of one 64-key tile each.
+    p = local_stride_pattern(1, 4096, 16, 8, 4)
+    plain = forward_layout(p, 128, 64)
+    layout = forward_layout(p, 128, 64, gather=True)
+    assert layout.num_entries < plain.num_entries / 2
+    blocks = layout.gather_full_blocks.view(-1, 4)
+    assert blocks.numel() and (blocks >= 0).all()
+    # The last tile's full gathered entries hold distinct blocks, all before the tile.
+    last = layout.num_groups - 1
+    o = layout.gather_full_offsets.tolist()
+    rows = blocks[o[last] : o[last + 1]]
+    assert rows.numel() and rows.unique().numel() == rows.numel()
+    assert (rows < last * 128 // 16).all()
+
+
+def test_gather_is_ignored_when_blocks_fill_the_kv_tile():
+    p = local_stride_pattern(2, 512, 64, 2, 3)
+    layout = forward_layout(p, 128, 64, gather=True)
+    assert layout.gather_width == 0 and layout.num_entries == forward_layout(p, 128, 64).num_entries

@@ -3,7 +3,9 @@
 One program computes one query tile (``BLOCK_M`` rows at absolute positions) of one (batch, head).
 It walks the tile's KV tiles from the forward layout in two loops chosen at compile time: the
 *full* entries with no mask at all, then the *partial* entries with the entry's bit mask, the
-causal rule and the key bounds. Scores live in base 2 (``exp2``), scaled once by
+causal rule and the key bounds. Layouts built with ``gather=True`` add gathered entries (several
+non-contiguous pattern blocks in one KV tile, loaded by pointer): full ones after the full loop,
+partial ones after the partial loop. Scores live in base 2 (``exp2``), scaled once by
 ``softmax_scale * log2(e)``; the LSE is written in natural log.
 
 The kernel knows layouts and strides only, never patterns.
@@ -130,9 +132,12 @@ def _attend_entries(
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
     POS_SCALE: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr, PAIR: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GATHER: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over the entries ``start..end`` of one tile's list.
+
+    GATHER entries are gathered KV tiles: ``cols_ptr`` holds BITS_PER_ROW pattern block indices
+    per entry (blocks of COL_GROUP keys), loaded by pointer at their own positions.
 
     MASKED entries apply their bit mask, causality and key bounds; the unmasked loop applies
     nothing unless CHECK_K_BOUNDS (bidirectional tiles whose last KV tile may straddle seq_k).
@@ -142,7 +147,7 @@ def _attend_entries(
     and measured slower on H100 (benchmarks/NOTES.md).
     """
     ACC = acc.dtype
-    if PAIR:
+    if PAIR and not GATHER:
         offs_2n = tl.arange(0, 2 * BLOCK_N)
         pair_end = start + (end - start) // 2 * 2
         for e in range(start, pair_end, 2):
@@ -164,16 +169,24 @@ def _attend_entries(
         start = pair_end
     offs_n = tl.arange(0, BLOCK_N)
     for e in range(start, end):
-        n = tl.load(cols_ptr + e)
-        kt, v = _kv_tile(
-            k_base, v_base, k_desc, v_desc, desc_b, desc_h, n, seq_k,
-            stride_ks, stride_kd, stride_vs, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, MASKED or CHECK_K_BOUNDS, USE_TMA, HOST_DESC,
-        )  # fmt: skip
+        if GATHER:
+            blk = tl.load(cols_ptr + e * BITS_PER_ROW + offs_n // COL_GROUP)
+            cols = blk * COL_GROUP + offs_n % COL_GROUP
+            kt, v = _kv_rows(
+                k_base, v_base, cols, seq_k, stride_ks, stride_kd, stride_vs, stride_vd,
+                HEAD_DIM, BLOCK_D, MASKED or CHECK_K_BOUNDS,
+            )  # fmt: skip
+        else:
+            n = tl.load(cols_ptr + e)
+            kt, v = _kv_tile(
+                k_base, v_base, k_desc, v_desc, desc_b, desc_h, n, seq_k,
+                stride_ks, stride_kd, stride_vs, stride_vd,
+                HEAD_DIM, BLOCK_N, BLOCK_D, MASKED or CHECK_K_BOUNDS, USE_TMA, HOST_DESC,
+            )  # fmt: skip
+            cols = n * BLOCK_N + offs_n
         s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC)
         if not POS_SCALE:
             s = s * qk_scale
-        cols = n * BLOCK_N + offs_n
         if MASKED:
             keep = entry_keep(
                 tl.load(bits_ptr + e), BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, False
@@ -201,6 +214,11 @@ def _forward_kernel(
     partial_offsets,
     partial_cols,
     partial_bits,
+    gather_full_offsets,
+    gather_full_blocks,
+    gather_partial_offsets,
+    gather_partial_blocks,
+    gather_partial_bits,
     cu_seqlens_q,
     cu_seqlens_k,
     K_desc,
@@ -249,6 +267,7 @@ def _forward_kernel(
     PAIR: tl.constexpr,
     Q_IN_REGS: tl.constexpr,
     HOST_DESC: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     bh, tile_rank = program_order(tl.program_id(0), grid_tiles, heads_per_group)
     b = bh // NUM_HEADS
@@ -312,6 +331,16 @@ def _forward_kernel(
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
         False, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, PAIR, DOT_PRECISION,
     )  # fmt: skip
+    if GATHER:
+        acc, l_i, m_i = _attend_entries(
+            acc, l_i, m_i, q, gather_full_blocks, gather_partial_bits,
+            tl.load(gather_full_offsets + group), tl.load(gather_full_offsets + group + 1),
+            k_base, v_base, k_desc, v_desc, b, kv_head, stride_ks, stride_kd, stride_vs, stride_vd,
+            rows_abs, k_len, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+            False, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
+            True,
+        )  # fmt: skip
     acc, l_i, m_i = _attend_entries(
         acc, l_i, m_i, q, partial_cols, partial_bits,
         tl.load(partial_offsets + group), tl.load(partial_offsets + group + 1),
@@ -320,6 +349,16 @@ def _forward_kernel(
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
         True, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
     )  # fmt: skip
+    if GATHER:
+        acc, l_i, m_i = _attend_entries(
+            acc, l_i, m_i, q, gather_partial_blocks, gather_partial_bits,
+            tl.load(gather_partial_offsets + group), tl.load(gather_partial_offsets + group + 1),
+            k_base, v_base, k_desc, v_desc, b, kv_head, stride_ks, stride_kd, stride_vs, stride_vd,
+            rows_abs, k_len, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+            True, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
+            True,
+        )  # fmt: skip
 
     # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
@@ -440,11 +479,19 @@ def forward(
         v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
     else:
         k_desc = v_desc = k  # not read
+    gather = layout.gather_width > 0
+    if gather:
+        gathered = (
+            layout.gather_full_offsets, layout.gather_full_blocks, layout.gather_partial_offsets,
+            layout.gather_partial_blocks, layout.gather_partial_bits,
+        )  # fmt: skip
+    else:
+        gathered = (layout.full_offsets,) * 5  # not read
     _forward_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, o4, lse,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
-        cu_q, cu_k, k_desc, v_desc,
+        *gathered, cu_q, cu_k, k_desc, v_desc,
         *q_strides, *k_strides, *v_strides, *o_strides, *lse_strides(lse, varlen),
         seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
@@ -462,6 +509,7 @@ def forward(
         CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, varlen),
         DOT_PRECISION=dot_precision(q.dtype),
         POS_SCALE=softmax_scale > 0,
+        GATHER=gather,
         **options,
     )  # fmt: skip
     return out, lse
