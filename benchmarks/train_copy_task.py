@@ -138,6 +138,7 @@ def train(
     losses: list[torch.Tensor] = []
     bar = _progress(args.steps, name)
     start = time.perf_counter()
+    first_step = 0.0
     for step in range(1, args.steps + 1):
         inputs, targets = copy_batch(args.batch, args.seq, args.vocab, gen, device)
         loss, _ = loss_of(inputs, targets)
@@ -147,6 +148,9 @@ def train(
         opt.step()
         sched.step()
         losses.append(loss.detach())
+        if step == 1:  # the first step compiles the kernels: timed apart
+            loss.item()  # waits for the device
+            first_step = time.perf_counter() - start
         if step % args.log_every == 0 or step == args.steps:
             bar(step, loss.item(), time.perf_counter() - start)
     if device.type == "cuda":
@@ -171,6 +175,7 @@ def train(
     return {
         "losses": curve,
         "seconds": seconds,
+        "first_step_seconds": first_step,
         "final_loss": sum(tail) / len(tail),
         "eval_loss": eval_loss.item(),
         "copy_accuracy": accuracy,

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .layout import backward_layout, forward_layout
 from .ops import backward as _bwd
@@ -229,6 +230,7 @@ class _SparseAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # no double backward: asking for one raises instead of giving zeros
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.call.backward(grad_out, grad_lse, q, k, v, out, lse)
@@ -249,6 +251,7 @@ class _PackedQKVFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # no double backward: asking for one raises instead of giving zeros
     def backward(ctx, grad_out, grad_lse):
         qkv, out, lse = ctx.saved_tensors
         dqkv = torch.empty_like(qkv)

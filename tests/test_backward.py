@@ -394,6 +394,16 @@ def test_module_backward():
         assert_close(t.grad, r, dtype, f"module {name}")
 
 
+def test_double_backward_raises():
+    # The kernels give first derivatives only; a second must fail loudly, never come back as 0.
+    pattern = _pattern(2, 64)
+    q, k, v = _qkv(1, 64, 64, 2, 2, 16, DTYPES[0], seed=17)
+    out = s2attn.sparse_attention(q, k, v, pattern)
+    (dq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
 # -------------------------------------------------------------------- larger shapes, GPU
 @gpu_only
 @skip_without_gpu
