@@ -80,7 +80,7 @@ class Problem:
 
     def forward(self, name):
         bm, bn, opts = FWD[name]
-        lay = forward_layout(self.pattern, bm, bn, self.q.device)
+        lay = forward_layout(self.pattern, bm, bn, self.q.device, gather=True)
         return fwd.forward(
             self.q, self.k, self.v, lay, softmax_scale=self.scale, pattern_head_div=1,
             launch_options=opts,

@@ -1,8 +1,8 @@
 """Pattern -> kernel layouts.
 
 A kernel program works on a *tile*: ``block_m`` query rows at absolute positions
-``[t * block_m, (t + 1) * block_m)`` against KV *tiles* of ``block_n`` keys. Tile sizes are independent
-of the pattern's ``block_size``:
+``[t * block_m, (t + 1) * block_m)`` against KV *tiles* of ``block_n`` keys. Tile sizes are
+independent of the pattern's ``block_size``:
 
 * ``block_m > block_size`` is Merge-Q: one tile holds several query blocks and walks the union of
   their KV blocks, loading each KV tile once.
@@ -158,8 +158,9 @@ def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, caus
     entries: blocks every row keeps (and sees whole, when causal) apart from the others, so that
     the former make full gathered entries.
 
-    Returns the contiguous entries kept (h, t, n, bits, full) and the gathered ones as
-    (key, blocks (entries, width), bits, full), sorted by key = head * num_q_tiles + tile.
+    Causal layouts gather only KV tiles wholly before the query tile, so gathered entries need
+    no causal mask. Returns the contiguous entries kept (h, t, n, bits, full) and the gathered
+    ones as (key, blocks (entries, width), bits, full), sorted by key = head * num_q_tiles + tile.
     """
     device = h.device
     width = block_n // block_size
@@ -167,8 +168,12 @@ def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, caus
     shifts = torch.arange(rows * width, device=device, dtype=torch.int64)
     bitmat = ((bits[:, None] >> shifts[None, :]) & 1).view(-1, rows, width).bool()
     col_used = bitmat.any(dim=1)  # (entries, width)
-    # Tiles that use more than half their blocks stay contiguous (bulk copies, one entry).
+    # Tiles that use more than half their blocks stay contiguous (bulk copies, one entry), and
+    # so do causal tiles that reach past the query tile's first row: gathered entries never need
+    # the causal rule, only their bits.
     contiguous = col_used.sum(dim=1) > width // 2
+    if causal:
+        contiguous |= (n + 1) * block_n - 1 > t * block_m
     keep = (h[contiguous], t[contiguous], n[contiguous], bits[contiguous], full[contiguous])
 
     sparse = (~contiguous).nonzero(as_tuple=True)[0]

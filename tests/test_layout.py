@@ -199,8 +199,8 @@ GATHER_GEOMETRIES = [g for g in GEOMETRIES if g[0] < g[2]] + [(16, 64, 64), (32,
 def _rebuild_gathered(layout: TileLayout, heads: int, num_q_tiles: int, seq: int):
     """The token mask of every entry, contiguous and gathered, and the entry count per tile.
 
-    Full gathered entries must not need a mask: every row keeps every key of every block, and
-    for causal layouts each block ends at or before the tile's first query."""
+    Gathered entries of causal layouts must not need the causal rule: each block ends at or
+    before the tile's first query."""
     bm, bn, w = layout.block_m, layout.block_n, layout.gather_width
     rg, bs = layout.row_group, layout.block_size
     num_kv_tiles = math.ceil(seq / bn) + 1
@@ -222,11 +222,12 @@ def _rebuild_gathered(layout: TileLayout, heads: int, num_q_tiles: int, seq: int
             for e in range(offsets[key], offsets[key + 1]):
                 assert full or bits[e] != 0
                 for b, j in enumerate(blocks[e]):
-                    if full and layout.causal:
+                    if layout.causal:  # wholly visible: the kernel applies no causal rule
                         assert (j + 1) * bs - 1 <= t * bm
                     for a in range(bm // rg):
                         if full or (bits[e] >> (a * w + b)) & 1:
-                            m[h, t * bm + a * rg : t * bm + (a + 1) * rg, j * bs : (j + 1) * bs] = True
+                            r0 = t * bm + a * rg
+                            m[h, r0 : r0 + rg, j * bs : (j + 1) * bs] = True
     return m, counts
 
 

@@ -5,7 +5,8 @@ It walks the tile's KV tiles from the forward layout in two loops chosen at comp
 *full* entries with no mask at all, then the *partial* entries with the entry's bit mask, the
 causal rule and the key bounds. Layouts built with ``gather=True`` add gathered entries (several
 non-contiguous pattern blocks in one KV tile, loaded by pointer): full ones after the full loop,
-partial ones after the partial loop. Scores live in base 2 (``exp2``), scaled once by
+partial ones after the partial loop; causal layouts gather only blocks wholly before the tile,
+so those need their bits but not the causal rule. Scores live in base 2 (``exp2``), scaled once by
 ``softmax_scale * log2(e)``; the LSE is written in natural log.
 
 The kernel knows layouts and strides only, never patterns.
@@ -172,9 +173,12 @@ def _attend_entries(
         if GATHER:
             blk = tl.load(cols_ptr + e * BITS_PER_ROW + offs_n // COL_GROUP)
             cols = blk * COL_GROUP + offs_n % COL_GROUP
+            # Always bounds-masked loads and scores: with unmasked loads at addresses from the
+            # loaded block indices, causal outputs came out wrong on H100 (Triton 3.6; the
+            # interpreter was exact), while the masked form of the same loop was exact.
             kt, v = _kv_rows(
                 k_base, v_base, cols, seq_k, stride_ks, stride_kd, stride_vs, stride_vd,
-                HEAD_DIM, BLOCK_D, MASKED or CHECK_K_BOUNDS,
+                HEAD_DIM, BLOCK_D, True,
             )  # fmt: skip
         else:
             n = tl.load(cols_ptr + e)
@@ -194,11 +198,12 @@ def _attend_entries(
             if CAUSAL:
                 keep = keep & (rows_abs[:, None] >= cols[None, :])
             s = tl.where(keep, s, float("-inf"))
-        elif CHECK_K_BOUNDS:
+        elif CHECK_K_BOUNDS or GATHER:
             s = tl.where((cols < seq_k)[None, :], s, float("-inf"))
         acc, l_i, m_i = _softmax_step(
-            acc, l_i, m_i, s, v, qk_scale, MASKED or CHECK_K_BOUNDS, POS_SCALE, DOT_PRECISION
-        )
+            acc, l_i, m_i, s, v, qk_scale, MASKED or CHECK_K_BOUNDS or GATHER, POS_SCALE,
+            DOT_PRECISION,
+        )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -356,7 +361,7 @@ def _forward_kernel(
             k_base, v_base, k_desc, v_desc, b, kv_head, stride_ks, stride_kd, stride_vs, stride_vd,
             rows_abs, k_len, qk_scale,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
-            True, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
+            True, False, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
             True,
         )  # fmt: skip
 
@@ -431,7 +436,8 @@ def forward(
     Batched: q (batch, seq_q, heads, dim), k/v (batch, seq_k, kv_heads, dim); returns out like q and
     lse float32 (batch, heads, seq_q). Varlen: q (total_q, heads, dim), k/v (total_k, kv_heads, dim)
     with int32 cu_seqlens and the max lengths; lse is (heads, total_q). ``pattern_head_div`` maps a
-    query head to its layout head (1 for per-query-head layouts, the GQA group for per-KV-head ones).
+    query head to its layout head (1 for per-query-head layouts, the GQA group for per-KV-head
+    ones).
     ``launch_options`` overrides the defaults (num_warps, num_stages and the keys of
     ``_loop_options``), for sweeps.
     """
