@@ -118,7 +118,9 @@ def _dkdv_entries(
                 do_base + rows[:, None] * stride_gs + offs_d[None, :] * stride_gd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0,
             )  # fmt: skip
-        lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf")) * LOG2E
+        # A literal: compiled kernels may read only constexpr globals (the interpreter reads any).
+        lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))
+        lse = lse * 1.4426950408889634
         delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :])

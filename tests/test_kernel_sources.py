@@ -1,0 +1,38 @@
+"""Static checks on the Triton kernels that the CPU interpreter cannot make.
+
+The interpreter runs kernels as Python, so a kernel reading a module-level float (say ``LOG2E``)
+works on the CPU and fails to compile on a GPU: compiled kernels may read only constexpr globals.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import triton.language as tl
+
+MODULES = ["s2attn.ops.common", "s2attn.ops.forward", "s2attn.ops.backward", "s2attn.ops.decode"]
+
+
+def _kernels(module):
+    for name, obj in vars(module).items():
+        fn = getattr(obj, "fn", None)
+        if isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
+            yield name, fn
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_kernels_read_only_constexpr_globals(module_name):
+    module = importlib.import_module(module_name)
+    kernels = dict(_kernels(module))
+    assert kernels, f"no Triton kernels found in {module_name}"
+    bad = []
+    for name, fn in kernels.items():
+        for ref in fn.__code__.co_names:
+            value = fn.__globals__.get(ref)
+            if isinstance(value, (bool, int, float, str)) and not isinstance(value, tl.constexpr):
+                bad.append(f"{name} reads {ref} = {value!r}")
+    assert not bad, "kernels read non-constexpr globals (fails to compile on a GPU): " + "; ".join(
+        bad
+    )
