@@ -77,7 +77,7 @@ def demo(args: argparse.Namespace) -> int:
             f"{i:>5} {kind:>5} {p.density(seq):>8.3f} {str(p.is_kv_efficient()):>13} "
             f"{str(p.is_union_complete()):>15}"
         )
-    kind, pattern = layers[-1]
+    _, pattern = layers[-1]
     print("\nhead 0 of the last layer, first 32 blocks ('#' kept, '.' skipped):")
     print(pattern.draw(head=0, max_blocks=32))
 
