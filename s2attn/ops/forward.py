@@ -466,12 +466,27 @@ def forward(
     else:
         num_tiles = (seqlen_k - 1) // block_m - (seqlen_k - seqlen_q) // block_m + 1
         cu_q = cu_k = lse  # not read when not varlen
+    k_bounds = check_k_bounds(layout, seqlen_k, varlen)
+    options = {**(launch_options or {})}
+    impl = options.pop("IMPL", "auto")
+    if impl != "triton" and _hopper_kernel_takes(
+        q, k, v, layout, varlen=varlen, check_k_bounds=k_bounds, softmax_scale=softmax_scale
+    ):
+        from .forward_hopper import forward_hopper
+
+        forward_hopper(
+            q, k, v, out, lse, layout, softmax_scale=softmax_scale,
+            pattern_head_div=pattern_head_div, num_tiles=num_tiles,
+            heads_per_group=heads_per_program_group(batch * num_heads, 1),
+            **{key: options.pop(key) for key in ("num_buffers",) if key in options},
+        )  # fmt: skip
+        return out, lse
     (q4, q_strides), (k4, k_strides) = as_batched(q, varlen), as_batched(k, varlen)
     (v4, v_strides), (o4, o_strides) = as_batched(v, varlen), as_batched(out, varlen)
     options = {
         **_launch_options(head_dim, block_m, q.dtype),
         **_loop_options(head_dim, q.dtype),
-        **(launch_options or {}),
+        **options,
     }
     heads_per_group = heads_per_program_group(batch * num_heads, options.pop("HEADS_PER_GROUP", 1))
     if options["USE_TMA"] and not tma_allowed(q.device, k, v):
@@ -512,13 +527,25 @@ def forward(
         BITS_PER_ROW=layout.bits_per_row,
         CAUSAL=layout.causal,
         VARLEN=varlen,
-        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, varlen),
+        CHECK_K_BOUNDS=k_bounds,
         DOT_PRECISION=dot_precision(q.dtype),
         POS_SCALE=softmax_scale > 0,
         GATHER=gather,
         **options,
     )  # fmt: skip
     return out, lse
+
+
+def _hopper_kernel_takes(q, k, v, layout, **kwargs) -> bool:
+    """Whether the warp-specialized Gluon forward (ops/forward_hopper.py) runs this call: on sm_90
+    only, imported only there (Gluon kernels do not run under the interpreter)."""
+    if INTERPRETED or q.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    from .forward_hopper import supported
+
+    return supported(q, k, v, layout, **kwargs)
 
 
 def _is_interpreted() -> bool:

@@ -1,0 +1,344 @@
+"""Warp-specialized forward for Hopper (sm_90), written in Gluon.
+
+The Triton forward (``forward.py``) serializes QK^T -> softmax -> PV inside each warpgroup and
+cannot be warp-specialized on sm_90 with Triton 3.6 (benchmarks/NOTES.md, changes 6 and 7). Gluon
+exposes what it needs: a one-warp *producer* partition walks the tile's entry list and issues the
+bulk tensor copies (TMA) of K and V into a ring of shared-memory buffers, and the *consumer*
+partition (two warpgroups, 64 query rows each) runs the MMAs asynchronously, so the softmax of
+entry i runs while the tensor cores compute PV of entry i-1.
+
+Same layouts, same results as the Triton kernel: full entries first, unmasked; then partial
+entries with their bit mask, causality and key bounds. It takes the common case only (see
+``supported``): dense 2-byte inputs on an sm_90 GPU, head dim 64 or 128, 128x64 layout tiles
+without gathered entries, no key bound to check in full entries. Everything else runs the
+Triton kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..layout import TileLayout
+
+__all__ = ["supported", "forward_hopper"]
+
+# Producer partition: one warp, few registers; the consumers get the rest.
+_PRODUCER_WARPS = gl.constexpr(1)
+_PRODUCER_REGS = gl.constexpr(24)
+_CONSUMER_WARPS = 8
+_CONSUMER_WARPS_C = gl.constexpr(_CONSUMER_WARPS)  # what the kernel reads
+_MAX_REGS = 168
+
+
+@gluon.jit
+def _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e):
+    """KV tile index of the tile's ``e``-th entry: full entries first, then partial ones."""
+    if e < n_full:
+        n = gl.load(full_cols + full_start + e)
+    else:
+        n = gl.load(partial_cols + partial_start + (e - n_full))
+    return n
+
+
+@gluon.jit
+def _producer(
+    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+    full_cols, partial_cols, full_start, partial_start, n_full, n_total,
+    b, h, kv_head, q_row, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    # With no entries the consumer never waits for q, so nothing may still be copying at exit.
+    if n_total > 0:
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, q_row, h, 0], q_bar, q_smem)
+    for e in range(n_total):
+        buf = e % num_buffers
+        # Buffers start free: the first pass waits on the phase before the barrier's first.
+        mbarrier.wait(kv_empty.index(buf), ((e // num_buffers) & 1) ^ 1)
+        n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+        mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [b, n * BLOCK_N, kv_head, 0], k_ready.index(buf), k_bufs.index(buf)
+        )
+        mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc, [b, n * BLOCK_N, kv_head, 0], v_ready.index(buf), v_bufs.index(buf)
+        )
+
+
+@gluon.jit
+def _masked_scores(
+    s, bits_ptr, e, n, rows_abs, seq_k, s_layout: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROW_GROUP: gl.constexpr,
+    COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """Scores of a partial entry with its bit mask, key bounds and (when CAUSAL) causality."""
+    bits = gl.load(bits_ptr + e)
+    cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    shift = ((gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // ROW_GROUP) * BITS_PER_ROW)
+    if BITS_PER_ROW == 1:
+        keep = (((bits >> shift.to(gl.int64)) & 1) != 0)[:, None] & (cols < seq_k)[None, :]
+    else:
+        row_bits = ((bits >> shift.to(gl.int64)) & ((1 << BITS_PER_ROW) - 1)).to(gl.int32)
+        col_bit = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) // COL_GROUP
+        keep = (((row_bits[:, None] >> col_bit[None, :]) & 1) != 0) & (cols < seq_k)[None, :]
+    if CAUSAL:
+        keep = keep & (rows_abs[:, None] >= cols[None, :])
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _consumer(
+    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+    full_cols, partial_cols, partial_bits, full_start, partial_start, n_full, n_total,
+    tile, seq_k, qk_scale,
+    s_layout: gl.constexpr, o_layout: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """Online softmax over the tile's entries; returns (acc, l, m), m in base 2, scaled."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    dtype: gl.constexpr = q_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    if n_total > 0:
+        rows_abs = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        mbarrier.wait(q_bar, 0)
+        q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+
+        # Entry 0: scores, softmax; its PV is issued with entry 1's QK^T.
+        mbarrier.wait(k_ready.index(0), 0)
+        k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, 0)
+        if n_full == 0:
+            s = _masked_scores(
+                s, partial_bits + partial_start, 0, n, rows_abs, seq_k, s_layout,
+                BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+            )  # fmt: skip
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # A row with nothing visible so far keeps m = -inf; subtract 0 instead to avoid NaN.
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - m_ref[:, None])
+        l_i = gl.sum(p, 1)
+        m_i = m_new
+
+        for e in range(1, n_total):
+            buf = e % num_buffers
+            prev = (e - 1) % num_buffers
+            mbarrier.wait(k_ready.index(buf), (e // num_buffers) & 1)
+            k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((e - 1) // num_buffers) & 1)
+            v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v, acc, is_async=True)
+            # QK^T of entry e is done when at most the PV just issued is still running.
+            s = warpgroup_mma_wait(1, deps=[s])
+            if e >= n_full:
+                n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                s = _masked_scores(
+                    s, partial_bits + partial_start, e - n_full, n, rows_abs, seq_k, s_layout,
+                    BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                )  # fmt: skip
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_ref)
+            p = gl.exp2(s * qk_scale - m_ref[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kv_empty.index(prev))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+
+        last = (n_total - 1) % num_buffers
+        mbarrier.wait(v_ready.index(last), ((n_total - 1) // num_buffers) & 1)
+        v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(kv_empty.index(last))
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _forward_kernel(
+    q_desc, k_desc, v_desc, Out, Lse,
+    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, qk_scale,
+    NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
+    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+):  # fmt: skip
+    # Program order as in the Triton kernel (ops/common.py ``program_order``): one group of heads
+    # at a time, so their K and V stay in L2; heaviest tile first.
+    pid = gl.program_id(0)
+    per_group = heads_per_group * grid_tiles
+    rank = pid % per_group
+    bh = (pid // per_group) * heads_per_group + rank % heads_per_group
+    tile_rank = rank // heads_per_group
+    b = bh // NUM_HEADS
+    h = bh % NUM_HEADS
+    q_offset = seqlen_k - seqlen_q  # queries aligned bottom-right
+    tile = (seqlen_k - 1) // BLOCK_M - tile_rank
+    if tile < q_offset // BLOCK_M:
+        return
+    kv_head = h // GQA_GROUP
+    group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
+    full_start = gl.load(full_offsets + group)
+    n_full = gl.load(full_offsets + group + 1) - full_start
+    partial_start = gl.load(partial_offsets + group)
+    n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[_CONSUMER_WARPS_C, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[_CONSUMER_WARPS_C, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(
+        dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout
+    )
+    v_bufs = gl.allocate_shared_memory(
+        dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout
+    )
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+
+    acc, l_i, m_i = gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+                    full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
+                    n_total, tile, seqlen_k, qk_scale, s_layout, o_layout,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready,
+                    kv_empty, full_cols, partial_cols, full_start, partial_start, n_full,
+                    n_total, b, h, kv_head, tile * BLOCK_M - q_offset, BLOCK_N,
+                ),
+            ),
+        ],
+        [_PRODUCER_WARPS],
+        [_PRODUCER_REGS],
+    )  # fmt: skip
+
+    # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    empty = l_i == 0.0
+    lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
+    lse = gl.where(empty, float("-inf"), lse)
+    inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
+    out = (acc * inv_l[:, None]).to(dtype)
+
+    rows = tile * BLOCK_M - q_offset + gl.arange(0, BLOCK_M, layout=row_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    row_ok = (rows >= 0) & (rows < seqlen_q)
+    o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    gl.store(
+        o_base + rows[:, None].to(gl.int64) * stride_os + offs_d[None, :],
+        out,
+        mask=row_ok[:, None],
+    )
+    l_rows = gl.convert_layout(rows, gl.SliceLayout(1, s_layout))
+    l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seqlen_q))
+
+
+_ENABLED = os.environ.get("S2ATTN_HOPPER_FORWARD", "1") != "0"
+
+
+def supported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TileLayout, *, varlen: bool,
+    check_k_bounds: bool, softmax_scale: float,
+) -> bool:  # fmt: skip
+    """Whether this kernel takes the call; the Triton kernel takes every other."""
+    if not _ENABLED or varlen or q.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
+        return False
+    if (layout.block_m, layout.block_n) != (128, 64) or layout.gather_width:
+        return False
+    if check_k_bounds or softmax_scale <= 0 or layout.bits_per_row >= 32:
+        return False
+    for t in (q, k, v):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * 2) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    block = [1, rows, 1, t.shape[-1]]
+    smem = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, smem)
+
+
+def forward_hopper(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    layout: TileLayout, *, softmax_scale: float, pattern_head_div: int, num_tiles: int,
+    heads_per_group: int, num_buffers: int = 2,
+) -> None:  # fmt: skip
+    """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs."""
+    from .common import LOG2E
+
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    _forward_kernel[(batch * num_heads * num_tiles,)](
+        _descriptor(q, layout.block_m), _descriptor(k, layout.block_n),
+        _descriptor(v, layout.block_n), out, lse,
+        layout.full_offsets, layout.full_cols,
+        layout.partial_offsets, layout.partial_cols, layout.partial_bits,
+        out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
+        seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group,
+        softmax_scale * LOG2E,
+        NUM_HEADS=num_heads,
+        GQA_GROUP=num_heads // k.shape[-2],
+        PATTERN_HEAD_DIV=pattern_head_div,
+        HEAD_DIM=head_dim,
+        BLOCK_M=layout.block_m,
+        BLOCK_N=layout.block_n,
+        ROW_GROUP=layout.row_group,
+        COL_GROUP=layout.col_group,
+        BITS_PER_ROW=layout.bits_per_row,
+        CAUSAL=layout.causal,
+        NUM_BUFFERS=num_buffers,
+        num_warps=_CONSUMER_WARPS,
+        maxnreg=_MAX_REGS,
+    )  # fmt: skip
