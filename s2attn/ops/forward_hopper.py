@@ -36,9 +36,9 @@ __all__ = ["supported", "forward_hopper"]
 # Producer partition: one warp, few registers; the consumers get the rest.
 _PRODUCER_WARPS = gl.constexpr(1)
 _PRODUCER_REGS = gl.constexpr(24)
-_CONSUMER_WARPS = 8
-_CONSUMER_WARPS_C = gl.constexpr(_CONSUMER_WARPS)  # what the kernel reads
-_MAX_REGS = 168
+# Two consumer partitions of one warpgroup each (the default one and a worker).
+_CONSUMER_REGS = gl.constexpr(240)
+_MAX_REGS = 168  # per thread over the 12 warps: 2 x 4 x 240 + 4 x 24 (the producer's warpgroup)
 
 
 @gluon.jit
@@ -80,13 +80,15 @@ def _producer(
 @gluon.jit
 def _masked_scores(
     s, bits_ptr, e, n, rows_abs, seq_k, s_layout: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROW_GROUP: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROW_START: gl.constexpr, ROW_GROUP: gl.constexpr,
     COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
 ):  # fmt: skip
-    """Scores of a partial entry with its bit mask, key bounds and (when CAUSAL) causality."""
+    """Scores of a partial entry with its bit mask, key bounds and (when CAUSAL) causality, for
+    BLOCK_M rows from row ROW_START of the layout tile."""
     bits = gl.load(bits_ptr + e)
     cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    shift = ((gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // ROW_GROUP) * BITS_PER_ROW)
+    local_rows = ROW_START + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    shift = (local_rows // ROW_GROUP) * BITS_PER_ROW
     if BITS_PER_ROW == 1:
         keep = (((bits >> shift.to(gl.int64)) & 1) != 0)[:, None] & (cols < seq_k)[None, :]
     else:
@@ -100,40 +102,55 @@ def _masked_scores(
 
 @gluon.jit
 def _consumer(
-    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, Out, Lse,
     full_cols, partial_cols, partial_bits, full_start, partial_start, n_full, n_total,
-    tile, seq_k, qk_scale,
-    s_layout: gl.constexpr, o_layout: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    b, h, tile, seq_q, seq_k, qk_scale,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+    HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the tile's entries; returns (acc, l, m), m in base 2, scaled."""
+    """One warpgroup: online softmax of query rows HALF * ROWS.. of the tile over its entries,
+    then the normalized output and LSE of those rows. The two warpgroups share the K/V buffers
+    but never wait for each other: each releases a buffer on its own (kv_empty counts two)."""
+    ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
     if n_total > 0:
-        rows_abs = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, 0)
-        q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        q_view = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
+        if Q_IN_REGS:
+            # QK^T then reads only K from shared memory (half the traffic of the 64x64 MMAs).
+            q = q_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        else:
+            q = q_view
 
         # Entry 0: scores, softmax; its PV is issued with entry 1's QK^T.
         mbarrier.wait(k_ready.index(0), 0)
         k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, 0)
         if n_full == 0:
+            n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, 0)
             s = _masked_scores(
                 s, partial_bits + partial_start, 0, n, rows_abs, seq_k, s_layout,
-                BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                ROWS, BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
             )  # fmt: skip
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row with nothing visible so far keeps m = -inf; subtract 0 instead to avoid NaN.
@@ -158,7 +175,7 @@ def _consumer(
                 n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
                 s = _masked_scores(
                     s, partial_bits + partial_start, e - n_full, n, rows_abs, seq_k, s_layout,
-                    BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    ROWS, BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
                 )  # fmt: skip
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -176,7 +193,25 @@ def _consumer(
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(kv_empty.index(last))
-    return acc, l_i, m_i
+
+    # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
+    empty = l_i == 0.0
+    lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
+    lse = gl.where(empty, float("-inf"), lse)
+    inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
+    out = (acc * inv_l[:, None]).to(dtype)
+    q_offset = seq_k - seq_q
+    rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    gl.store(
+        o_base + rows[:, None].to(gl.int64) * stride_os + offs_d[None, :],
+        out,
+        mask=((rows >= 0) & (rows < seq_q))[:, None],
+    )
+    l_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_s)
+    l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seq_q))
 
 
 @gluon.jit
@@ -188,7 +223,7 @@ def _forward_kernel(
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
-    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
 ):  # fmt: skip
     # Program order as in the Triton kernel (ops/common.py ``program_order``): one group of heads
     # at a time, so their K and V stay in L2; heaviest tile first.
@@ -210,12 +245,6 @@ def _forward_kernel(
     partial_start = gl.load(partial_offsets + group)
     n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[_CONSUMER_WARPS_C, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[_CONSUMER_WARPS_C, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(
@@ -232,17 +261,32 @@ def _forward_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one release per consumer warpgroup
 
-    acc, l_i, m_i = gl.warp_specialize(
+    # (Argument tuples are spelled out: tuples built by concatenation inside a kernel turn
+    # their constexprs into tensors.)
+    gl.warp_specialize(
         [
             (
                 _consumer,
                 (
-                    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+                    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, Out, Lse,
                     full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
-                    n_total, tile, seqlen_k, qk_scale, s_layout, o_layout,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    n_total, b, h, tile, seqlen_q, seqlen_k, qk_scale,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+                    0, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    Q_IN_REGS,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, Out, Lse,
+                    full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
+                    n_total, b, h, tile, seqlen_q, seqlen_k, qk_scale,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+                    1, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    Q_IN_REGS,
                 ),
             ),
             (
@@ -254,30 +298,9 @@ def _forward_kernel(
                 ),
             ),
         ],
-        [_PRODUCER_WARPS],
-        [_PRODUCER_REGS],
+        [4, _PRODUCER_WARPS],
+        [_CONSUMER_REGS, _PRODUCER_REGS],
     )  # fmt: skip
-
-    # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    empty = l_i == 0.0
-    lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
-    lse = gl.where(empty, float("-inf"), lse)
-    inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
-    out = (acc * inv_l[:, None]).to(dtype)
-
-    rows = tile * BLOCK_M - q_offset + gl.arange(0, BLOCK_M, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    row_ok = (rows >= 0) & (rows < seqlen_q)
-    o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    gl.store(
-        o_base + rows[:, None].to(gl.int64) * stride_os + offs_d[None, :],
-        out,
-        mask=row_ok[:, None],
-    )
-    l_rows = gl.convert_layout(rows, gl.SliceLayout(1, s_layout))
-    l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-    gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seqlen_q))
 
 
 _ENABLED = os.environ.get("S2ATTN_HOPPER_FORWARD", "1") != "0"
@@ -313,7 +336,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     layout: TileLayout, *, softmax_scale: float, pattern_head_div: int, num_tiles: int,
-    heads_per_group: int, num_buffers: int = 2,
+    heads_per_group: int, num_buffers: int = 3, q_in_regs: bool = False,
 ) -> None:  # fmt: skip
     """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs."""
     from .common import LOG2E
@@ -339,6 +362,7 @@ def forward_hopper(
         BITS_PER_ROW=layout.bits_per_row,
         CAUSAL=layout.causal,
         NUM_BUFFERS=num_buffers,
-        num_warps=_CONSUMER_WARPS,
+        Q_IN_REGS=q_in_regs,
+        num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
