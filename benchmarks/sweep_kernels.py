@@ -37,11 +37,12 @@ def _t(block_m: int, block_n: int, warps: int, stages: int, **options) -> tuple:
 
 
 FWD = {
-    "gluon nb2": (128, 64, {"num_buffers": 2}),
+    # The Gluon forward (ops/forward_hopper.py); "flat": one program per work item.
     "gluon nb3": (128, 64, {"num_buffers": 3}),
     "gluon nb4": (128, 64, {"num_buffers": 4}),
-    "gluon nb2 qreg": (128, 64, {"num_buffers": 2, "q_in_regs": True}),
-    "gluon nb3 qreg": (128, 64, {"num_buffers": 3, "q_in_regs": True}),
+    "gluon nb2": (128, 64, {"num_buffers": 2}),
+    "gluon nb3 q-smem": (128, 64, {"num_buffers": 3, "q_in_regs": False}),
+    "gluon nb3 flat": (128, 64, {"num_buffers": 3, "persistent": False}),
     "ptr 128x64 w4s2 G32": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 128x64 w4s2 G1": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
     "tma-dev 128x64 w4s2 G32": _t(128, 64, 4, 2, HOST_DESC=False, HEADS_PER_GROUP=32),

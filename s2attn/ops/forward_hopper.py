@@ -16,6 +16,7 @@ Triton kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -52,29 +53,68 @@ def _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e):
 
 
 @gluon.jit
-def _producer(
-    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-    full_cols, partial_cols, full_start, partial_start, n_full, n_total,
-    b, h, kv_head, q_row, BLOCK_N: gl.constexpr,
+def _work_item(
+    t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles, heads_per_group,
+    NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
 ):  # fmt: skip
+    """(b, h, tile, full_start, n_full, partial_start, n_total) of work item ``t``.
+
+    Items are ordered as the Triton kernel's programs (ops/common.py ``program_order``): one
+    group of heads at a time, so their K and V stay in L2, heaviest tile first."""
+    per_group = heads_per_group * grid_tiles
+    rank = t % per_group
+    bh = (t // per_group) * heads_per_group + rank % heads_per_group
+    h = bh % NUM_HEADS
+    tile = (seqlen_k - 1) // BLOCK_M - rank // heads_per_group
+    group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
+    full_start = gl.load(full_offsets + group)
+    n_full = gl.load(full_offsets + group + 1) - full_start
+    partial_start = gl.load(partial_offsets + group)
+    n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
+    return bh // NUM_HEADS, h, tile, full_start, n_full, partial_start, n_total
+
+
+@gluon.jit
+def _producer(
+    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+    full_offsets, full_cols, partial_offsets, partial_cols,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+    NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Walks the program's work items and their entries, copying q and K/V tiles into the rings
+    as soon as the consumers free a slot: the next tile's loads overlap this tile's end."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
-    # With no entries the consumer never waits for q, so nothing may still be copying at exit.
-    if n_total > 0:
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, q_row, h, 0], q_bar, q_smem)
-    for e in range(n_total):
-        buf = e % num_buffers
-        # Buffers start free: the first pass waits on the phase before the barrier's first.
-        mbarrier.wait(kv_empty.index(buf), ((e // num_buffers) & 1) ^ 1)
-        n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
-        mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    q_offset = seqlen_k - seqlen_q
+    c = 0  # K/V ring position, across work items
+    for t in range(pid, num_items, num_programs):
+        j = (t - pid) // num_programs
+        b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
+            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
+            heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
+        )  # fmt: skip
+        # Slots start free: the first pass waits on the phase before the barrier's first.
+        mbarrier.wait(q_empty.index(j % 2), ((j // 2) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(j % 2), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            k_desc, [b, n * BLOCK_N, kv_head, 0], k_ready.index(buf), k_bufs.index(buf)
+            q_desc, [b, tile * BLOCK_M - q_offset, h, 0], q_ready.index(j % 2), q_bufs.index(j % 2)
         )
-        mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            v_desc, [b, n * BLOCK_N, kv_head, 0], v_ready.index(buf), v_bufs.index(buf)
-        )
+        kv_head = h // GQA_GROUP
+        for e in range(n_total):
+            buf = c % num_buffers
+            mbarrier.wait(kv_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
+            n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+            mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [b, n * BLOCK_N, kv_head, 0], k_ready.index(buf), k_bufs.index(buf)
+            )
+            mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [b, n * BLOCK_N, kv_head, 0], v_ready.index(buf), v_bufs.index(buf)
+            )
+            c += 1
 
 
 @gluon.jit
@@ -102,20 +142,22 @@ def _masked_scores(
 
 @gluon.jit
 def _consumer(
-    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, Out, Lse,
-    full_cols, partial_cols, partial_bits, full_start, partial_start, n_full, n_total,
-    b, h, tile, seq_q, seq_k, qk_scale,
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
+    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+    HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: online softmax of query rows HALF * ROWS.. of the tile over its entries,
-    then the normalized output and LSE of those rows. The two warpgroups share the K/V buffers
-    but never wait for each other: each releases a buffer on its own (kv_empty counts two)."""
+    """One warpgroup: for each work item, the online softmax of query rows HALF * ROWS.. of the
+    tile over its entries, then the normalized output and LSE of those rows. The two warpgroups
+    share the K/V ring but never wait for each other: each frees a slot on its own (the empty
+    barriers count two)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -125,93 +167,104 @@ def _consumer(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
-    if n_total > 0:
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    q_offset = seqlen_k - seqlen_q
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    c = 0  # K/V ring position, across work items
+    for t in range(pid, num_items, num_programs):
+        j = (t - pid) // num_programs
+        b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
+            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
+            heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
+        )  # fmt: skip
+        q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
         rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        mbarrier.wait(q_bar, 0)
-        q_view = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
+        bits_ptr = partial_bits + partial_start
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready.index(j % 2), (j // 2) & 1)
+        q_view = q_bufs.index(j % 2).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
         if Q_IN_REGS:
-            # QK^T then reads only K from shared memory (half the traffic of the 64x64 MMAs).
+            # QK^T then reads only K from shared memory.
             q = q_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
             q = q_view
-
-        # Entry 0: scores, softmax; its PV is issued with entry 1's QK^T.
-        mbarrier.wait(k_ready.index(0), 0)
-        k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        if n_full == 0:
-            n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, 0)
-            s = _masked_scores(
-                s, partial_bits + partial_start, 0, n, rows_abs, seq_k, s_layout,
-                ROWS, BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-            )  # fmt: skip
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        # A row with nothing visible so far keeps m = -inf; subtract 0 instead to avoid NaN.
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * qk_scale - m_ref[:, None])
-        l_i = gl.sum(p, 1)
-        m_i = m_new
-
-        for e in range(1, n_total):
-            buf = e % num_buffers
-            prev = (e - 1) % num_buffers
-            mbarrier.wait(k_ready.index(buf), (e // num_buffers) & 1)
+        if n_total > 0:
+            # Entry 0: scores and softmax; its PV is issued with entry 1's QK^T.
+            buf = c % num_buffers
+            mbarrier.wait(k_ready.index(buf), (c // num_buffers) & 1)
             k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((e - 1) // num_buffers) & 1)
-            v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v, acc, is_async=True)
-            # QK^T of entry e is done when at most the PV just issued is still running.
-            s = warpgroup_mma_wait(1, deps=[s])
-            if e >= n_full:
-                n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+            s = warpgroup_mma_wait(0, deps=[s])
+            if n_full == 0:
+                n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, 0)
                 s = _masked_scores(
-                    s, partial_bits + partial_start, e - n_full, n, rows_abs, seq_k, s_layout,
+                    s, bits_ptr, 0, n, rows_abs, seqlen_k, s_layout,
                     ROWS, BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
                 )  # fmt: skip
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            # A row with nothing visible so far keeps m = -inf; subtract 0 instead of NaN.
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_ref)
             p = gl.exp2(s * qk_scale - m_ref[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
+            l_i = gl.sum(p, 1)
             m_i = m_new
+
+            for e in range(1, n_total):
+                prev = (c + e - 1) % num_buffers
+                buf = (c + e) % num_buffers
+                mbarrier.wait(k_ready.index(buf), ((c + e) // num_buffers) & 1)
+                k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
+                s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((c + e - 1) // num_buffers) & 1)
+                v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                # QK^T of entry e is done when at most the PV just issued is still running.
+                s = warpgroup_mma_wait(1, deps=[s])
+                if e >= n_full:
+                    n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                    s = _masked_scores(
+                        s, bits_ptr, e - n_full, n, rows_abs, seqlen_k, s_layout,
+                        ROWS, BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    )  # fmt: skip
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_ref)
+                p = gl.exp2(s * qk_scale - m_ref[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(kv_empty.index(prev))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+
+            last = (c + n_total - 1) % num_buffers
+            mbarrier.wait(v_ready.index(last), ((c + n_total - 1) // num_buffers) & 1)
+            v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(kv_empty.index(prev))
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.arrive(kv_empty.index(last))
+        mbarrier.arrive(q_empty.index(j % 2))
+        c += n_total
 
-        last = (n_total - 1) % num_buffers
-        mbarrier.wait(v_ready.index(last), ((n_total - 1) // num_buffers) & 1)
-        v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(kv_empty.index(last))
-
-    # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
-    empty = l_i == 0.0
-    lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
-    lse = gl.where(empty, float("-inf"), lse)
-    inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
-    out = (acc * inv_l[:, None]).to(dtype)
-    q_offset = seq_k - seq_q
-    rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    gl.store(
-        o_base + rows[:, None].to(gl.int64) * stride_os + offs_d[None, :],
-        out,
-        mask=((rows >= 0) & (rows < seq_q))[:, None],
-    )
-    l_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_s)
-    l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-    gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seq_q))
+        # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
+        empty = l_i == 0.0
+        lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
+        lse = gl.where(empty, float("-inf"), lse)
+        inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
+        out = (acc * inv_l[:, None]).to(dtype)
+        rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+        gl.store(
+            o_base + rows[:, None].to(gl.int64) * stride_os + offs_d[None, :],
+            out,
+            mask=((rows >= 0) & (rows < seqlen_q))[:, None],
+        )
+        l_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_s)
+        l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seqlen_q))
 
 
 @gluon.jit
@@ -219,49 +272,33 @@ def _forward_kernel(
     q_desc, k_desc, v_desc, Out, Lse,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, qk_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
 ):  # fmt: skip
-    # Program order as in the Triton kernel (ops/common.py ``program_order``): one group of heads
-    # at a time, so their K and V stay in L2; heaviest tile first.
-    pid = gl.program_id(0)
-    per_group = heads_per_group * grid_tiles
-    rank = pid % per_group
-    bh = (pid // per_group) * heads_per_group + rank % heads_per_group
-    tile_rank = rank // heads_per_group
-    b = bh // NUM_HEADS
-    h = bh % NUM_HEADS
-    q_offset = seqlen_k - seqlen_q  # queries aligned bottom-right
-    tile = (seqlen_k - 1) // BLOCK_M - tile_rank
-    if tile < q_offset // BLOCK_M:
-        return
-    kv_head = h // GQA_GROUP
-    group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
-    full_start = gl.load(full_offsets + group)
-    n_full = gl.load(full_offsets + group + 1) - full_start
-    partial_start = gl.load(partial_offsets + group)
-    n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
-
+    """Persistent: each program takes work items (head, query tile) pid, pid + grid, ..."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(
         dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout
     )
     v_bufs = gl.allocate_shared_memory(
         dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout
     )
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one release per consumer warpgroup
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one release per consumer warpgroup
+        mbarrier.init(kv_empty.index(i), count=2)
 
     # (Argument tuples are spelled out: tuples built by concatenation inside a kernel turn
     # their constexprs into tensors.)
@@ -270,31 +307,32 @@ def _forward_kernel(
             (
                 _consumer,
                 (
-                    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, Out, Lse,
-                    full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
-                    n_total, b, h, tile, seqlen_q, seqlen_k, qk_scale,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
+                    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                    0, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                    Q_IN_REGS,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    qk_scale, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS,
                 ),
             ),
             (
                 _consumer,
                 (
-                    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, Out, Lse,
-                    full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
-                    n_total, b, h, tile, seqlen_q, seqlen_k, qk_scale,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
+                    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                    1, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                    Q_IN_REGS,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    qk_scale, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS,
                 ),
             ),
             (
                 _producer,
                 (
-                    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready,
-                    kv_empty, full_cols, partial_cols, full_start, partial_start, n_full,
-                    n_total, b, h, kv_head, tile * BLOCK_M - q_offset, BLOCK_N,
+                    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                    v_ready, kv_empty, full_offsets, full_cols, partial_offsets, partial_cols,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
                 ),
             ),
         ],
@@ -336,20 +374,23 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     layout: TileLayout, *, softmax_scale: float, pattern_head_div: int, num_tiles: int,
-    heads_per_group: int, num_buffers: int = 3, q_in_regs: bool = False,
+    heads_per_group: int, num_buffers: int = 3, q_in_regs: bool = True,
+    persistent: bool = True,
 ) -> None:  # fmt: skip
     """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs."""
     from .common import LOG2E
 
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    _forward_kernel[(batch * num_heads * num_tiles,)](
+    num_items = batch * num_heads * num_tiles
+    grid = min(num_items, _num_sms(q.device)) if persistent else num_items
+    _forward_kernel[(grid,)](
         _descriptor(q, layout.block_m), _descriptor(k, layout.block_n),
         _descriptor(v, layout.block_n), out, lse,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
-        seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group,
+        seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, num_items,
         softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
@@ -366,3 +407,8 @@ def forward_hopper(
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
