@@ -367,14 +367,16 @@ def supported(
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     block = [1, rows, 1, t.shape[-1]]
-    smem = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    smem = gl.NVMMASharedLayout.get_default_for(
+        block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    )
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, smem)
 
 
 def forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     layout: TileLayout, *, softmax_scale: float, pattern_head_div: int, num_tiles: int,
-    heads_per_group: int, num_buffers: int = 3, q_in_regs: bool = True,
+    heads_per_group: int, num_buffers: int = 4, q_in_regs: bool = True,
     persistent: bool = True,
 ) -> None:  # fmt: skip
     """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs."""

@@ -1,0 +1,177 @@
+"""The Gluon forward for Hopper (ops/forward_hopper.py) against the float32 dense-mask reference.
+
+Runs only on an sm_90 GPU, the one place that kernel runs. Every case first asserts that the call
+takes the Gluon path, so none of these can pass on the Triton kernel by mistake. Outputs start as
+NaN (conftest). The other forward tests run through this kernel too on sm_90 wherever it applies;
+these add its own knobs (ring depth, persistent or one program per work item, q in registers) and
+shapes with more work items than SMs, so programs walk several tiles.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+from helpers import ON_GPU, assert_close
+
+import s2attn
+from s2attn import BlockPattern, dense_pattern, local_stride_pattern
+from s2attn.layout import forward_layout
+from s2attn.ops import forward as fwd_ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not ON_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
+    ),
+]
+
+DTYPES = [torch.bfloat16, torch.float16]
+DTYPE_IDS = ["bfloat16", "float16"]
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _randn(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to("cuda", dtype)
+
+
+def _run(q, k, v, pattern, launch_options=None):
+    """The forward through ``ops.forward`` with the launch options, after checking that the
+    Gluon kernel takes it; returns (out, lse)."""
+    block_m, block_n = fwd_ops.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
+    layout = forward_layout(pattern, block_m, block_n, q.device, gather=True)
+    scale = q.shape[-1] ** -0.5
+    takes = fwd_ops._hopper_kernel_takes(
+        q, k, v, layout, varlen=False,
+        check_k_bounds=fwd_ops.check_k_bounds(layout, k.shape[1], False), softmax_scale=scale,
+    )  # fmt: skip
+    assert takes, "this case was meant for the Gluon kernel"
+    div = q.shape[2] // pattern.num_heads
+    return fwd_ops.forward(
+        q, k, v, layout, softmax_scale=scale, pattern_head_div=div, launch_options=launch_options
+    )
+
+
+def _check(q, k, v, pattern, launch_options=None):
+    out, lse = _run(q, k, v, pattern, launch_options)
+    ref, ref_lse = s2attn.attention_reference(
+        q.float(), k.float(), v.float(), pattern, return_lse=True
+    )
+    assert_close(out, ref, q.dtype, "out")
+    assert_close(lse, ref_lse, q.dtype, "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("stride", [2, 5])
+def test_local_stride(gen, dtype, dim, causal, stride):
+    # 2 x 16 heads x 32 tiles = 1024 work items: every persistent program walks several.
+    seq, heads = 4096, 16
+    q, k, v = (_randn(gen, 2, seq, heads, dim, dtype=dtype) for _ in range(3))
+    _check(q, k, v, local_stride_pattern(heads, seq, 64, 4, stride, causal=causal))
+
+
+@pytest.mark.parametrize("options", [
+    {"num_buffers": 2}, {"num_buffers": 3}, {"num_buffers": 4},
+    {"persistent": False}, {"q_in_regs": False}, {"num_buffers": 2, "persistent": False},
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))  # fmt: skip
+def test_kernel_options(gen, options):
+    seq, heads = 3072, 8
+    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    _check(q, k, v, local_stride_pattern(heads, seq, 64, 3, 4), launch_options=options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_random_pattern(gen, dtype, causal, block_size):
+    # Random blocks give tiles with no full entries, no entries at all and rows that see nothing.
+    seq, heads = 2048, 4
+    nb = math.ceil(seq / block_size)
+    mask = torch.rand(heads, nb, nb, generator=gen) < 0.25
+    pattern = BlockPattern(mask, block_size, causal)
+    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=dtype) for _ in range(3))
+    _, lse = _check(q, k, v, pattern)
+    assert torch.isinf(lse).any(), "the pattern was meant to leave some rows empty"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_pattern(gen, causal):
+    seq, heads = 2048, 4
+    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    _check(q, k, v, dense_pattern(heads, seq, 64, causal=causal))
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_gqa(gen, per_kv_head):
+    seq, heads, kv_heads = 2048, 8, 2
+    q = _randn(gen, 2, seq, heads, 128, dtype=torch.bfloat16)
+    k, v = (_randn(gen, 2, seq, kv_heads, 128, dtype=torch.bfloat16) for _ in range(2))
+    pattern = local_stride_pattern(
+        kv_heads if per_kv_head else heads, seq, 64, 4, 3,
+        num_kv_heads=kv_heads if per_kv_head else None,
+    )  # fmt: skip
+    _check(q, k, v, pattern)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_q", [1, 700, 1984])
+def test_fewer_queries_than_keys(gen, causal, seq_q):
+    # Bottom-right aligned queries: the first tile starts mid-way and q rows before 0 are read
+    # as zeros by the bulk copy; seq_k stays a multiple of 64 so bidirectional calls qualify.
+    seq_k, heads = 2048, 4
+    q = _randn(gen, 1, seq_q, heads, 64, dtype=torch.bfloat16)
+    k, v = (_randn(gen, 1, seq_k, heads, 64, dtype=torch.bfloat16) for _ in range(2))
+    _check(q, k, v, local_stride_pattern(heads, seq_k, 64, 4, 3, causal=causal))
+
+
+def test_strided_inputs(gen):
+    # q, k, v as views into one packed (batch, seq, 3, heads, dim) tensor.
+    seq, heads = 2048, 4
+    qkv = _randn(gen, 1, seq, 3, heads, 128, dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    _check(q, k, v, local_stride_pattern(heads, seq, 64, 4, 3))
+
+
+def test_matches_the_triton_kernel(gen):
+    seq, heads = 4096, 8
+    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(3))
+    pattern = local_stride_pattern(heads, seq, 64, 4, 4)
+    out, lse = _run(q, k, v, pattern)
+    layout = forward_layout(pattern, 128, 64, q.device, gather=True)
+    ref_out, ref_lse = fwd_ops.forward(
+        q, k, v, layout, softmax_scale=128**-0.5, pattern_head_div=1,
+        launch_options={"IMPL": "triton"},
+    )  # fmt: skip
+    # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
+    assert (out.float() - ref_out.float()).abs().max().item() < 2e-3
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+
+
+def test_other_cases_fall_back():
+    """Calls the Gluon kernel does not cover go to the Triton kernel, never to a wrong result."""
+    q = torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+    pattern = local_stride_pattern(4, 1000, 64, 4, 3, causal=False)
+    layout = forward_layout(pattern, 128, 64, q.device, gather=True)
+    bounds = fwd_ops.check_k_bounds(layout, 1000, False)
+    assert bounds  # bidirectional, seq_k inside a tile
+    assert not fwd_ops._hopper_kernel_takes(
+        q, q, q, layout, varlen=False, check_k_bounds=bounds, softmax_scale=0.1
+    )
+    small = forward_layout(local_stride_pattern(4, 4096, 16, 4, 16), 128, 64, q.device, gather=True)
+    assert small.gather_width  # lone 16-token blocks share gathered KV tiles
+    assert not fwd_ops._hopper_kernel_takes(
+        q, q, q, small, varlen=False, check_k_bounds=False, softmax_scale=0.1
+    )
+    f32 = q.float()
+    assert not fwd_ops._hopper_kernel_takes(
+        f32, f32, f32, layout, varlen=False, check_k_bounds=False, softmax_scale=0.1
+    )
