@@ -43,6 +43,10 @@ FWD = {
     "gluon nb2": (128, 64, {"num_buffers": 2}),
     "gluon nb3 q-smem": (128, 64, {"num_buffers": 3, "q_in_regs": False}),
     "gluon nb3 flat": (128, 64, {"num_buffers": 3, "persistent": False}),
+    "gluon nb6": (128, 64, {"num_buffers": 6}),
+    # Two entries per softmax step (128 keys): q in shared memory, else it spills at dim 128.
+    "gluon e2 nb2": (128, 64, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}),
+    "gluon e2 nb3 qreg": (128, 64, {"entries_per_step": 2, "num_buffers": 3}),
     "ptr 128x64 w4s2 G32": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 128x64 w4s2 G1": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
     "tma-dev 128x64 w4s2 G32": _t(128, 64, 4, 2, HOST_DESC=False, HEADS_PER_GROUP=32),

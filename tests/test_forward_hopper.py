@@ -72,16 +72,21 @@ def _check(q, k, v, pattern, launch_options=None):
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("stride", [2, 5])
-def test_local_stride(gen, dtype, dim, causal, stride):
+@pytest.mark.parametrize("entries", [1, 2])
+def test_local_stride(gen, dtype, dim, causal, stride, entries):
     # 2 x 16 heads x 32 tiles = 1024 work items: every persistent program walks several.
     seq, heads = 4096, 16
     q, k, v = (_randn(gen, 2, seq, heads, dim, dtype=dtype) for _ in range(3))
-    _check(q, k, v, local_stride_pattern(heads, seq, 64, 4, stride, causal=causal))
+    options = {"entries_per_step": entries, "num_buffers": 2, "q_in_regs": dim == 64}
+    pattern = local_stride_pattern(heads, seq, 64, 4, stride, causal=causal)
+    _check(q, k, v, pattern, launch_options=options if entries == 2 else None)
 
 
 @pytest.mark.parametrize("options", [
     {"num_buffers": 2}, {"num_buffers": 3}, {"num_buffers": 4},
     {"persistent": False}, {"q_in_regs": False}, {"num_buffers": 2, "persistent": False},
+    {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False},
+    {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False, "persistent": False},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))  # fmt: skip
 def test_kernel_options(gen, options):
     seq, heads = 3072, 8
@@ -97,10 +102,12 @@ def test_random_pattern(gen, dtype, causal, block_size):
     seq, heads = 2048, 4
     nb = math.ceil(seq / block_size)
     mask = torch.rand(heads, nb, nb, generator=gen) < 0.25
+    mask[:, 3] = False  # a block of rows that attends nothing
     pattern = BlockPattern(mask, block_size, causal)
     q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=dtype) for _ in range(3))
-    _, lse = _check(q, k, v, pattern)
-    assert torch.isinf(lse).any(), "the pattern was meant to leave some rows empty"
+    for options in ({}, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}):
+        _, lse = _check(q, k, v, pattern, launch_options=options)
+        assert torch.isinf(lse[:, :, 3 * block_size : 4 * block_size]).all()
 
 
 @pytest.mark.parametrize("causal", [True, False])

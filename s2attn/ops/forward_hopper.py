@@ -80,10 +80,12 @@ def _producer(
     full_offsets, full_cols, partial_offsets, partial_cols,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr,
 ):  # fmt: skip
     """Walks the program's work items and their entries, copying q and K/V tiles into the rings
-    as soon as the consumers free a slot: the next tile's loads overlap this tile's end."""
+    as soon as the consumers free a slot: the next tile's loads overlap this tile's end. A slot
+    holds ENTRIES consecutive entries; past the list's end it repeats the last one (finite data,
+    masked out by the consumers)."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
@@ -102,39 +104,70 @@ def _producer(
             q_desc, [b, tile * BLOCK_M - q_offset, h, 0], q_ready.index(j % 2), q_bufs.index(j % 2)
         )
         kv_head = h // GQA_GROUP
-        for e in range(n_total):
+        for step in range(gl.cdiv(n_total, ENTRIES)):
             buf = c % num_buffers
             mbarrier.wait(kv_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
-            n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
-            mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [b, n * BLOCK_N, kv_head, 0], k_ready.index(buf), k_bufs.index(buf)
-            )
-            mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [b, n * BLOCK_N, kv_head, 0], v_ready.index(buf), v_bufs.index(buf)
-            )
+            mbarrier.expect(k_ready.index(buf), ENTRIES * k_desc.block_type.nbytes)
+            mbarrier.expect(v_ready.index(buf), ENTRIES * v_desc.block_type.nbytes)
+            for sub in gl.static_range(ENTRIES):
+                e = gl.minimum(step * ENTRIES + sub, n_total - 1)
+                n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                tma.async_copy_global_to_shared(
+                    k_desc, [b, n * BLOCK_N, kv_head, 0], k_ready.index(buf),
+                    k_bufs.index(buf).slice(sub * BLOCK_N, BLOCK_N, dim=1),
+                )  # fmt: skip
+                tma.async_copy_global_to_shared(
+                    v_desc, [b, n * BLOCK_N, kv_head, 0], v_ready.index(buf),
+                    v_bufs.index(buf).slice(sub * BLOCK_N, BLOCK_N, dim=1),
+                )  # fmt: skip
             c += 1
 
 
 @gluon.jit
+def _entry_bits(partial_bits, partial_start, n_full, n_total, e):
+    """An entry's bit matrix: all ones for a full entry, none past the list's end."""
+    if e < n_full:
+        bits = gl.full([], -1, gl.int64)
+    elif e < n_total:
+        bits = gl.load(partial_bits + partial_start + (e - n_full))
+    else:
+        bits = gl.full([], 0, gl.int64)
+    return bits
+
+
+@gluon.jit
 def _masked_scores(
-    s, bits_ptr, e, n, rows_abs, seq_k, s_layout: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROW_START: gl.constexpr, ROW_GROUP: gl.constexpr,
+    s, step, full_cols, partial_cols, partial_bits, full_start, partial_start, n_full, n_total,
+    rows_abs, seq_k, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+    ENTRIES: gl.constexpr, ROW_START: gl.constexpr, ROW_GROUP: gl.constexpr,
     COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
 ):  # fmt: skip
-    """Scores of a partial entry with its bit mask, key bounds and (when CAUSAL) causality, for
-    BLOCK_M rows from row ROW_START of the layout tile."""
-    bits = gl.load(bits_ptr + e)
-    cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    local_rows = ROW_START + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    shift = (local_rows // ROW_GROUP) * BITS_PER_ROW
-    if BITS_PER_ROW == 1:
-        keep = (((bits >> shift.to(gl.int64)) & 1) != 0)[:, None] & (cols < seq_k)[None, :]
+    """Scores of a step holding a partial entry (or running past the list's end): each entry's
+    bit mask, key bounds and (when CAUSAL) causality, for ROWS rows from row ROW_START of the
+    layout tile. Column c belongs to the step's (c // BLOCK_N)-th entry."""
+    offs_c = gl.arange(0, ENTRIES * BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    local_rows = ROW_START + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    # Each row's bits are shifted out once per row, so the per-element test is 32-bit.
+    shift = ((local_rows // ROW_GROUP) * BITS_PER_ROW).to(gl.int64)
+    row_mask: gl.constexpr = (1 << BITS_PER_ROW) - 1
+    col_bit = (offs_c % BLOCK_N) // COL_GROUP
+    e0 = step * ENTRIES
+    n0 = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e0)
+    bits0 = _entry_bits(partial_bits, partial_start, n_full, n_total, e0)
+    row_bits = (((bits0 >> shift) & row_mask).to(gl.int32))[:, None]
+    if ENTRIES == 1:
+        n_c = n0
     else:
-        row_bits = ((bits >> shift.to(gl.int64)) & ((1 << BITS_PER_ROW) - 1)).to(gl.int32)
-        col_bit = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) // COL_GROUP
-        keep = (((row_bits[:, None] >> col_bit[None, :]) & 1) != 0) & (cols < seq_k)[None, :]
+        last = gl.minimum(e0 + 1, n_total - 1)
+        n1 = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, last)
+        bits1 = _entry_bits(partial_bits, partial_start, n_full, n_total, e0 + 1)
+        first = offs_c < BLOCK_N
+        n_c = gl.where(first, n0, n1)
+        row_bits1 = (((bits1 >> shift) & row_mask).to(gl.int32))[:, None]
+        row_bits = gl.where(first[None, :], row_bits, row_bits1)
+    cols = n_c * BLOCK_N + offs_c % BLOCK_N
+    keep = ((row_bits >> col_bit[None, :]) & 1) != 0
+    keep = keep & (cols < seq_k)[None, :]
     if CAUSAL:
         keep = keep & (rows_abs[:, None] >= cols[None, :])
     return gl.where(keep, s, float("-inf"))
@@ -149,17 +182,18 @@ def _consumer(
     HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
-    CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr, ENTRIES: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: for each work item, the online softmax of query rows HALF * ROWS.. of the
-    tile over its entries, then the normalized output and LSE of those rows. The two warpgroups
-    share the K/V ring but never wait for each other: each frees a slot on its own (the empty
-    barriers count two)."""
+    tile over its entries, ENTRIES at a step, then the normalized output and LSE of those rows.
+    The two warpgroups share the K/V ring but never wait for each other: each frees a slot on
+    its own (the empty barriers count two)."""
     ROWS: gl.constexpr = BLOCK_M // 2
+    KEYS: gl.constexpr = ENTRIES * BLOCK_N  # keys per step
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
@@ -170,7 +204,7 @@ def _consumer(
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     q_offset = seqlen_k - seqlen_q
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout)
     c = 0  # K/V ring position, across work items
     for t in range(pid, num_items, num_programs):
         j = (t - pid) // num_programs
@@ -178,9 +212,9 @@ def _consumer(
             t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
             heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
         )  # fmt: skip
+        n_steps = gl.cdiv(n_total, ENTRIES)
         q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
         rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
-        bits_ptr = partial_bits + partial_start
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -191,18 +225,18 @@ def _consumer(
             q = q_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
             q = q_view
-        if n_total > 0:
-            # Entry 0: scores and softmax; its PV is issued with entry 1's QK^T.
+        if n_steps > 0:
+            # Step 0: scores and softmax; its PV is issued with step 1's QK^T.
             buf = c % num_buffers
             mbarrier.wait(k_ready.index(buf), (c // num_buffers) & 1)
-            k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
+            k = k_bufs.index(buf).reshape([KEYS, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
-            if n_full == 0:
-                n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, 0)
+            if ENTRIES > n_full:
                 s = _masked_scores(
-                    s, bits_ptr, 0, n, rows_abs, seqlen_k, s_layout,
-                    ROWS, BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    s, 0, full_cols, partial_cols, partial_bits, full_start, partial_start,
+                    n_full, n_total, rows_abs, seqlen_k, s_layout, ROWS, BLOCK_N, ENTRIES,
+                    HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
                 )  # fmt: skip
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             # A row with nothing visible so far keeps m = -inf; subtract 0 instead of NaN.
@@ -211,23 +245,24 @@ def _consumer(
             l_i = gl.sum(p, 1)
             m_i = m_new
 
-            for e in range(1, n_total):
-                prev = (c + e - 1) % num_buffers
-                buf = (c + e) % num_buffers
-                mbarrier.wait(k_ready.index(buf), ((c + e) // num_buffers) & 1)
-                k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
+            for step in range(1, n_steps):
+                prev = (c + step - 1) % num_buffers
+                buf = (c + step) % num_buffers
+                mbarrier.wait(k_ready.index(buf), ((c + step) // num_buffers) & 1)
+                k = k_bufs.index(buf).reshape([KEYS, HEAD_DIM])
                 s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((c + e - 1) // num_buffers) & 1)
-                v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(v_ready.index(prev), ((c + step - 1) // num_buffers) & 1)
+                v = v_bufs.index(prev).reshape([KEYS, HEAD_DIM])
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                # QK^T of entry e is done when at most the PV just issued is still running.
+                # QK^T of this step is done when at most the PV just issued is still running.
                 s = warpgroup_mma_wait(1, deps=[s])
-                if e >= n_full:
-                    n = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                if (step + 1) * ENTRIES > n_full:
                     s = _masked_scores(
-                        s, bits_ptr, e - n_full, n, rows_abs, seqlen_k, s_layout,
-                        ROWS, BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                        s, step, full_cols, partial_cols, partial_bits, full_start,
+                        partial_start, n_full, n_total, rows_abs, seqlen_k, s_layout, ROWS,
+                        BLOCK_N, ENTRIES, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+                        CAUSAL,
                     )  # fmt: skip
                 m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
                 m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -239,14 +274,14 @@ def _consumer(
                 mbarrier.arrive(kv_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
-            last = (c + n_total - 1) % num_buffers
-            mbarrier.wait(v_ready.index(last), ((c + n_total - 1) // num_buffers) & 1)
-            v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
+            last = (c + n_steps - 1) % num_buffers
+            mbarrier.wait(v_ready.index(last), ((c + n_steps - 1) // num_buffers) & 1)
+            v = v_bufs.index(last).reshape([KEYS, HEAD_DIM])
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
         mbarrier.arrive(q_empty.index(j % 2))
-        c += n_total
+        c += n_steps
 
         # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
         empty = l_i == 0.0
@@ -277,16 +312,15 @@ def _forward_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
+    ENTRIES: gl.constexpr,
 ):  # fmt: skip
     """Persistent: each program takes work items (head, query tile) pid, pid + grid, ..."""
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(
-        dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout
-    )
-    v_bufs = gl.allocate_shared_memory(
-        dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout
-    )
+    # A ring slot holds ENTRIES KV tiles one after another: (1, ENTRIES * BLOCK_N, 1, dim).
+    kv_shape: gl.constexpr = [NUM_BUFFERS, 1, ENTRIES * BLOCK_N, 1, HEAD_DIM]
+    k_bufs = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -312,7 +346,7 @@ def _forward_kernel(
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
             ),
             (
@@ -323,7 +357,7 @@ def _forward_kernel(
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
             ),
             (
@@ -332,7 +366,7 @@ def _forward_kernel(
                     q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                     v_ready, kv_empty, full_offsets, full_cols, partial_offsets, partial_cols,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
-                    NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
+                    NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, ENTRIES,
                 ),
             ),
         ],
@@ -377,7 +411,7 @@ def forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     layout: TileLayout, *, softmax_scale: float, pattern_head_div: int, num_tiles: int,
     heads_per_group: int, num_buffers: int = 4, q_in_regs: bool = True,
-    persistent: bool = True,
+    persistent: bool = True, entries_per_step: int = 1,
 ) -> None:  # fmt: skip
     """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs."""
     from .common import LOG2E
@@ -406,6 +440,7 @@ def forward_hopper(
         CAUSAL=layout.causal,
         NUM_BUFFERS=num_buffers,
         Q_IN_REGS=q_in_regs,
+        ENTRIES=entries_per_step,
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
