@@ -478,7 +478,7 @@ def forward(
             q, k, v, out, lse, layout, softmax_scale=softmax_scale,
             pattern_head_div=pattern_head_div, num_tiles=num_tiles,
             heads_per_group=heads_per_program_group(batch * num_heads, 1),
-            **{key: options.pop(key) for key in ("num_buffers", "q_in_regs", "persistent", "entries_per_step") if key in options},
+            **{key: options.pop(key) for key in _HOPPER_OPTIONS if key in options},
         )  # fmt: skip
         return out, lse
     (q4, q_strides), (k4, k_strides) = as_batched(q, varlen), as_batched(k, varlen)
@@ -534,6 +534,10 @@ def forward(
         **options,
     )  # fmt: skip
     return out, lse
+
+
+# Launch options of the Gluon kernel (ops/forward_hopper.py ``forward_hopper``), for sweeps.
+_HOPPER_OPTIONS = ("num_buffers", "q_in_regs", "persistent", "entries_per_step")
 
 
 def _hopper_kernel_takes(q, k, v, layout, **kwargs) -> bool:
