@@ -74,8 +74,8 @@ def _check(q, k, v, pattern, launch_options=None):
 @pytest.mark.parametrize("stride", [2, 5])
 @pytest.mark.parametrize("entries", [1, 2])
 def test_local_stride(gen, dtype, dim, causal, stride, entries):
-    # 2 x 16 heads x 32 tiles = 1024 work items: every persistent program walks several.
-    seq, heads = 4096, 16
+    # 2 x 8 heads x 24 tiles = 384 work items: every persistent program walks several.
+    seq, heads = 3072, 8
     q, k, v = (_randn(gen, 2, seq, heads, dim, dtype=dtype) for _ in range(3))
     options = {"entries_per_step": entries, "num_buffers": 2, "q_in_regs": dim == 64}
     pattern = local_stride_pattern(heads, seq, 64, 4, stride, causal=causal)
@@ -85,6 +85,8 @@ def test_local_stride(gen, dtype, dim, causal, stride, entries):
 @pytest.mark.parametrize("options", [
     {"num_buffers": 2}, {"num_buffers": 3}, {"num_buffers": 4},
     {"persistent": False}, {"q_in_regs": False}, {"num_buffers": 2, "persistent": False},
+    {"pingpong": True}, {"pingpong": True, "num_buffers": 2, "persistent": False},
+    {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False, "pingpong": True},
     {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False},
     {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False, "persistent": False},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))  # fmt: skip

@@ -175,7 +175,7 @@ def _masked_scores(
 
 @gluon.jit
 def _consumer(
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, Out, Lse,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
@@ -183,6 +183,7 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr, ENTRIES: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: for each work item, the online softmax of query rows HALF * ROWS.. of the
     tile over its entries, ENTRIES at a step, then the normalized output and LSE of those rows.
@@ -206,6 +207,11 @@ def _consumer(
     q_offset = seqlen_k - seqlen_q
     s_zero = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout)
     c = 0  # K/V ring position, across work items
+    # PINGPONG: the warpgroups take turns to issue their MMAs, so that one's softmax runs under
+    # the other's MMAs (FlashAttention-3's schedule). Warpgroup 0 goes first.
+    turns = 0
+    if PINGPONG and HALF == 1:
+        mbarrier.arrive(turn.index(0))
     for t in range(pid, num_items, num_programs):
         j = (t - pid) // num_programs
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
@@ -249,12 +255,17 @@ def _consumer(
                 prev = (c + step - 1) % num_buffers
                 buf = (c + step) % num_buffers
                 mbarrier.wait(k_ready.index(buf), ((c + step) // num_buffers) & 1)
+                mbarrier.wait(v_ready.index(prev), ((c + step - 1) // num_buffers) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(HALF), turns & 1)
                 k = k_bufs.index(buf).reshape([KEYS, HEAD_DIM])
                 s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((c + step - 1) // num_buffers) & 1)
                 v = v_bufs.index(prev).reshape([KEYS, HEAD_DIM])
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - HALF))
+                    turns += 1
                 # QK^T of this step is done when at most the PV just issued is still running.
                 s = warpgroup_mma_wait(1, deps=[s])
                 if (step + 1) * ENTRIES > n_full:
@@ -312,7 +323,7 @@ def _forward_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
-    ENTRIES: gl.constexpr,
+    ENTRIES: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Persistent: each program takes work items (head, query tile) pid, pid + grid, ..."""
     dtype: gl.constexpr = q_desc.dtype
@@ -326,7 +337,9 @@ def _forward_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one release per consumer warpgroup
     for i in gl.static_range(NUM_BUFFERS):
@@ -341,23 +354,23 @@ def _forward_kernel(
             (
                 _consumer,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
-                    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                    Out, Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES, PINGPONG,
                 ),
             ),
             (
                 _consumer,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
-                    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                    Out, Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES, PINGPONG,
                 ),
             ),
             (
@@ -407,19 +420,35 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, smem)
 
 
+def default_options(head_dim: int) -> dict[str, int | bool]:
+    """Launch options per head dim, measured on H100 (benchmarks/NOTES.md, change 11).
+
+    Dim 128: one entry per step, q in registers, a ring of 4 KV tiles. Dim 64: the MMAs are half
+    as long against the same softmax work, so two entries (128 keys) per step win (+9% at 32k);
+    at dim 128 those spill or slow down.
+    """
+    if head_dim <= 64:
+        return {"entries_per_step": 2, "num_buffers": 3, "q_in_regs": True}
+    return {"entries_per_step": 1, "num_buffers": 4, "q_in_regs": True}
+
+
 def forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     layout: TileLayout, *, softmax_scale: float, pattern_head_div: int, num_tiles: int,
-    heads_per_group: int, num_buffers: int = 4, q_in_regs: bool = True,
-    persistent: bool = True, entries_per_step: int = 1,
+    heads_per_group: int, **options: int | bool,
 ) -> None:  # fmt: skip
-    """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs."""
+    """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs.
+
+    ``options`` override ``default_options``: num_buffers (ring slots), entries_per_step,
+    q_in_regs, persistent (one program per SM, else one per work item) and pingpong.
+    """
     from .common import LOG2E
 
+    options = {"persistent": True, "pingpong": False, **default_options(q.shape[-1]), **options}
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     num_items = batch * num_heads * num_tiles
-    grid = min(num_items, _num_sms(q.device)) if persistent else num_items
+    grid = min(num_items, _num_sms(q.device)) if options["persistent"] else num_items
     _forward_kernel[(grid,)](
         _descriptor(q, layout.block_m), _descriptor(k, layout.block_n),
         _descriptor(v, layout.block_n), out, lse,
@@ -438,9 +467,10 @@ def forward_hopper(
         COL_GROUP=layout.col_group,
         BITS_PER_ROW=layout.bits_per_row,
         CAUSAL=layout.causal,
-        NUM_BUFFERS=num_buffers,
-        Q_IN_REGS=q_in_regs,
-        ENTRIES=entries_per_step,
+        NUM_BUFFERS=options["num_buffers"],
+        Q_IN_REGS=options["q_in_regs"],
+        ENTRIES=options["entries_per_step"],
+        PINGPONG=options["pingpong"],
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
