@@ -38,17 +38,15 @@ def _t(block_m: int, block_n: int, warps: int, stages: int, **options) -> tuple:
 
 FWD = {
     # The Gluon forward (ops/forward_hopper.py): ring slots (nb), entries per step (e2: 128 keys),
-    # "flat": one program per work item (else one per SM), "pp": warpgroups take turns.
+    # "flat": one program per work item (else one per SM).
     "gluon nb3": (128, 64, {"num_buffers": 3}),
     "gluon nb4": (128, 64, {"num_buffers": 4}),
-    "gluon nb4 pp": (128, 64, {"num_buffers": 4, "pingpong": True}),
     "gluon nb3 q-smem": (128, 64, {"num_buffers": 3, "q_in_regs": False}),
     "gluon nb4 flat": (128, 64, {"num_buffers": 4, "persistent": False}),
     "gluon e2 nb2": (128, 64, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}),
     # dim 64 only (shared memory):
     "gluon d64 nb6": (128, 64, {"num_buffers": 6, "entries_per_step": 1}),
     "gluon d64 e2 nb3": (128, 64, {"entries_per_step": 2, "num_buffers": 3}),
-    "gluon d64 e2 nb3 pp": (128, 64, {"entries_per_step": 2, "num_buffers": 3, "pingpong": True}),
     "gluon d64 e2 nb4": (128, 64, {"entries_per_step": 2, "num_buffers": 4}),
     "ptr 128x64 w4s2 G32": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 128x64 w4s2 G1": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),

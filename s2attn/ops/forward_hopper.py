@@ -175,7 +175,7 @@ def _masked_scores(
 
 @gluon.jit
 def _consumer(
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, Out, Lse,
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
@@ -183,7 +183,6 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr, ENTRIES: gl.constexpr,
-    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: for each work item, the online softmax of query rows HALF * ROWS.. of the
     tile over its entries, ENTRIES at a step, then the normalized output and LSE of those rows.
@@ -207,11 +206,6 @@ def _consumer(
     q_offset = seqlen_k - seqlen_q
     s_zero = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout)
     c = 0  # K/V ring position, across work items
-    # PINGPONG: the warpgroups take turns to issue their MMAs, so that one's softmax runs under
-    # the other's MMAs (FlashAttention-3's schedule). Warpgroup 0 goes first.
-    turns = 0
-    if PINGPONG and HALF == 1:
-        mbarrier.arrive(turn.index(0))
     for t in range(pid, num_items, num_programs):
         j = (t - pid) // num_programs
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
@@ -220,6 +214,18 @@ def _consumer(
         )  # fmt: skip
         n_steps = gl.cdiv(n_total, ENTRIES)
         q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
+        # Causal: partial entries that start after this warpgroup's last row (the upper diagonal
+        # KV tile, for the first half of the rows) are wholly masked for it: it skips the steps
+        # made only of those, and just frees their slots.
+        n_mine = n_total
+        if CAUSAL:
+            more = n_mine > n_full
+            while more:
+                n = gl.load(partial_cols + partial_start + (n_mine - 1 - n_full))
+                above = n * BLOCK_N > q_row0 + ROWS - 1
+                n_mine = gl.where(above, n_mine - 1, n_mine)
+                more = above & (n_mine > n_full)
+        my_steps = gl.cdiv(n_mine, ENTRIES)
         rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
@@ -231,7 +237,7 @@ def _consumer(
             q = q_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
             q = q_view
-        if n_steps > 0:
+        if my_steps > 0:
             # Step 0: scores and softmax; its PV is issued with step 1's QK^T.
             buf = c % num_buffers
             mbarrier.wait(k_ready.index(buf), (c // num_buffers) & 1)
@@ -251,21 +257,16 @@ def _consumer(
             l_i = gl.sum(p, 1)
             m_i = m_new
 
-            for step in range(1, n_steps):
+            for step in range(1, my_steps):
                 prev = (c + step - 1) % num_buffers
                 buf = (c + step) % num_buffers
                 mbarrier.wait(k_ready.index(buf), ((c + step) // num_buffers) & 1)
                 mbarrier.wait(v_ready.index(prev), ((c + step - 1) // num_buffers) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                if PINGPONG:
-                    mbarrier.wait(turn.index(HALF), turns & 1)
                 k = k_bufs.index(buf).reshape([KEYS, HEAD_DIM])
                 s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 v = v_bufs.index(prev).reshape([KEYS, HEAD_DIM])
                 acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - HALF))
-                    turns += 1
                 # QK^T of this step is done when at most the PV just issued is still running.
                 s = warpgroup_mma_wait(1, deps=[s])
                 if (step + 1) * ENTRIES > n_full:
@@ -285,12 +286,18 @@ def _consumer(
                 mbarrier.arrive(kv_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
-            last = (c + n_steps - 1) % num_buffers
-            mbarrier.wait(v_ready.index(last), ((c + n_steps - 1) // num_buffers) & 1)
+            last = (c + my_steps - 1) % num_buffers
+            mbarrier.wait(v_ready.index(last), ((c + my_steps - 1) // num_buffers) & 1)
             v = v_bufs.index(last).reshape([KEYS, HEAD_DIM])
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
+        for step in range(my_steps, n_steps):
+            # Skipped steps: a slot may be freed only once its copies have landed.
+            buf = (c + step) % num_buffers
+            mbarrier.wait(k_ready.index(buf), ((c + step) // num_buffers) & 1)
+            mbarrier.wait(v_ready.index(buf), ((c + step) // num_buffers) & 1)
+            mbarrier.arrive(kv_empty.index(buf))
         mbarrier.arrive(q_empty.index(j % 2))
         c += n_steps
 
@@ -323,7 +330,7 @@ def _forward_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
-    ENTRIES: gl.constexpr, PINGPONG: gl.constexpr,
+    ENTRIES: gl.constexpr,
 ):  # fmt: skip
     """Persistent: each program takes work items (head, query tile) pid, pid + grid, ..."""
     dtype: gl.constexpr = q_desc.dtype
@@ -337,9 +344,7 @@ def _forward_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one release per consumer warpgroup
     for i in gl.static_range(NUM_BUFFERS):
@@ -354,23 +359,23 @@ def _forward_kernel(
             (
                 _consumer,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                    Out, Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out,
+                    Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES, PINGPONG,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
             ),
             (
                 _consumer,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                    Out, Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out,
+                    Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES, PINGPONG,
+                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
             ),
             (
@@ -440,11 +445,11 @@ def forward_hopper(
     """Fill ``out`` (like q) and ``lse`` (batch, heads, seq_q) for batched inputs.
 
     ``options`` override ``default_options``: num_buffers (ring slots), entries_per_step,
-    q_in_regs, persistent (one program per SM, else one per work item) and pingpong.
+    q_in_regs and persistent (one program per SM, else one per work item).
     """
     from .common import LOG2E
 
-    options = {"persistent": True, "pingpong": False, **default_options(q.shape[-1]), **options}
+    options = {"persistent": True, **default_options(q.shape[-1]), **options}
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     num_items = batch * num_heads * num_tiles
@@ -470,7 +475,6 @@ def forward_hopper(
         NUM_BUFFERS=options["num_buffers"],
         Q_IN_REGS=options["q_in_regs"],
         ENTRIES=options["entries_per_step"],
-        PINGPONG=options["pingpong"],
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
