@@ -545,8 +545,6 @@ def _hopper_kernel_takes(q, k, v, layout, **kwargs) -> bool:
     only, imported only there (Gluon kernels do not run under the interpreter)."""
     if INTERPRETED or q.device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
     from .forward_hopper import supported
 
     return supported(q, k, v, layout, **kwargs)
