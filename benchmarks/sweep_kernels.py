@@ -70,6 +70,11 @@ DKDV = {
     "tma+areg 64x64 w4s2 G4": _v(64, 64, 4, 2, A_IN_REGS=True, HEADS_PER_GROUP=4),
 }
 DQ = {
+    # The Gluon dQ (ops/backward_hopper.py), on the forward's 128x64 tiles; "flat": one program
+    # per work item.
+    "gluon nb2": (128, 64, {"num_buffers": 2}),
+    "gluon nb3": (128, 64, {"num_buffers": 3}),
+    "gluon nb2 flat": (128, 64, {"num_buffers": 2, "persistent": False}),
     "ptr 64x64 w4s2 G32": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 64x64 w4s2 G1": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
     "tma 64x64 w4s2 G1": _v(64, 64, 4, 2, HEADS_PER_GROUP=1),

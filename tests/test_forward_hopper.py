@@ -1,4 +1,5 @@
-"""The Gluon forward for Hopper (ops/forward_hopper.py) against the float32 dense-mask reference.
+"""The Gluon kernels for Hopper (ops/forward_hopper.py, ops/backward_hopper.py's dQ) against the
+float32 dense-mask reference.
 
 Runs only on an sm_90 GPU, the one place that kernel runs. Every case first asserts that the call
 takes the Gluon path, so none of these can pass on the Triton kernel by mistake. Outputs start as
@@ -19,6 +20,7 @@ from helpers import ON_GPU, assert_close
 import s2attn
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
 from s2attn.layout import forward_layout
+from s2attn.ops import backward as bwd_ops
 from s2attn.ops import forward as fwd_ops
 
 pytestmark = [
@@ -182,3 +184,55 @@ def test_other_cases_fall_back():
     assert not fwd_ops._hopper_kernel_takes(
         f32, f32, f32, layout, varlen=False, check_k_bounds=False, softmax_scale=0.1
     )
+
+
+# ------------------------------------------------------------------------------------ dQ kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["local-stride", "random", "gqa"])
+def test_gradients_through_the_dq_kernel(gen, dtype, dim, causal, case):
+    seq, heads, kv_heads = 2048, 8, 8
+    if case == "gqa":
+        kv_heads = 2
+    if case == "random":
+        mask = torch.rand(heads, seq // 64, seq // 64, generator=gen) < 0.25
+        mask[:, 3] = False  # rows that attend nothing: zero gradient, never NaN
+        pattern = BlockPattern(mask, 64, causal)
+    else:
+        pattern = local_stride_pattern(heads, seq, 64, 4, 3, causal=causal)
+    q = _randn(gen, 2, seq, heads, dim, dtype=dtype).requires_grad_()
+    k, v = (_randn(gen, 2, seq, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
+    (_, _), (dq_m, dq_n) = bwd_ops.backward_tile_sizes(dim, dtype, q.device)
+    layout = forward_layout(pattern, dq_m, dq_n, q.device, None if causal else seq // 64)
+    bounds = fwd_ops.check_k_bounds(layout, seq, False)
+    assert bwd_ops._hopper_dq_takes(
+        q, q, k, v, q, layout, varlen=False, check_k_bounds=bounds, softmax_scale=dim**-0.5
+    ), "this case was meant for the Gluon dQ kernel"
+
+    out = s2attn.sparse_attention(q, k, v, pattern)
+    grad = _randn(gen, *out.shape, dtype=dtype)
+    out.backward(grad)
+    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    s2attn.attention_reference(ref_q, ref_k, ref_v, pattern).backward(grad.float())
+    for name, got, ref in (("dq", q.grad, ref_q.grad), ("dk", k.grad, ref_k.grad),
+                           ("dv", v.grad, ref_v.grad)):  # fmt: skip
+        assert_close(got, ref, dtype, name)
+
+
+def test_dq_kernel_matches_the_triton_one(gen):
+    seq, heads = 2048, 4
+    q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
+    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    out, lse = _run(q, k, v, pattern)
+    layout_kv = s2attn.layout.backward_layout(pattern, 64, 64, q.device, seq // 64)
+    results = []
+    for dq_tiles, options in (((128, 64), {}), ((64, 64), {"IMPL": "triton"})):
+        layout_q = forward_layout(pattern, *dq_tiles, q.device)
+        results.append(bwd_ops.backward(
+            g, q, k, v, out, lse, None, layout_kv, layout_q, softmax_scale=128**-0.5,
+            pattern_head_div=1, launch_options=({}, options),
+        )[0])  # fmt: skip
+    # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
+    scale = results[1].float().abs().max().item()
+    assert (results[0].float() - results[1].float()).abs().max().item() < 2e-3 * scale

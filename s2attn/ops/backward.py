@@ -37,6 +37,7 @@ from .common import (
     sequence_bounds,
     tma_allowed,
 )
+from .forward import INTERPRETED
 
 __all__ = ["backward", "backward_tile_sizes"]
 
@@ -396,6 +397,9 @@ def backward_tile_sizes(
         return (32, 64), (64, 32)
     if dtype.itemsize > 2 or head_dim > 128:
         return (32, 64), (64, 32)
+    if head_dim in (64, 128) and torch.cuda.get_device_capability(device) == (9, 0):
+        # The Gluon dQ kernel (ops/backward_hopper.py) walks the forward's 128x64 tiles.
+        return (64, 64), (128, 64)
     # Measured on H100 (benchmarks/sweep_tiles.py, 32k, V16, dim 128, bf16): 64x64 tiles with
     # 4 warps and 2 stages were best for both kernels among 20 and 16 configurations.
     return (64, 64), (64, 64)
@@ -526,6 +530,23 @@ def backward(
         num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
     else:
         num_tiles = (seqlen_k - 1) // lay.block_m - (seqlen_k - seqlen_q) // lay.block_m + 1
+    k_bounds = check_k_bounds(lay, seqlen_k, varlen)
+    if dq_options.pop("IMPL", "auto") != "triton" and _hopper_dq_takes(
+        grad_out, q, k, v, dq, lay, varlen=varlen, check_k_bounds=k_bounds,
+        softmax_scale=softmax_scale,
+    ):  # fmt: skip
+        from .backward_hopper import dq_hopper
+
+        dq_hopper(
+            grad_out, q, k, v, lse, delta, dq, lay, softmax_scale=softmax_scale,
+            pattern_head_div=pattern_head_div, num_tiles=num_tiles,
+            **{key: dq_options[key] for key in ("num_buffers", "persistent") if key in dq_options},
+        )  # fmt: skip
+        return dq, dk, dv
+    if lay.block_m > 64 and "num_warps" not in (launch_options or ({}, {}))[1]:
+        dq_options["num_warps"] = 8  # 128-row tiles (sm_90 layouts) spill at 4 warps
+    for key in ("num_buffers", "persistent"):
+        dq_options.pop(key, None)
     group = heads_per_program_group(batch * num_heads, dq_options.pop("HEADS_PER_GROUP", 1))
     _dq_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, g4, lse, delta, dq4,
@@ -534,7 +555,17 @@ def backward(
         seqlen_q, seqlen_k, lay.num_groups, num_tiles, group, softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads, GQA_GROUP=num_heads // num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        VARLEN=varlen, CHECK_K_BOUNDS=check_k_bounds(lay, seqlen_k, varlen),
+        VARLEN=varlen, CHECK_K_BOUNDS=k_bounds,
         DOT_PRECISION=dot, **geometry(lay), **dq_options,
     )  # fmt: skip
     return dq, dk, dv
+
+
+def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:
+    """Whether the Gluon dQ kernel (ops/backward_hopper.py) runs this call: the Gluon forward's
+    cases (``forward_hopper.supported``), with dO fit for bulk copies and dQ's last dim dense."""
+    if INTERPRETED or q.device.type != "cuda" or dq.stride(-1) != 1:
+        return False
+    from .forward_hopper import supported
+
+    return supported(q, k, v, layout, **kwargs) and supported(grad_out, k, v, layout, **kwargs)

@@ -81,11 +81,12 @@ def _producer(
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr,
+    do_desc=None, do_bufs=None, WITH_DO: gl.constexpr = False,
 ):  # fmt: skip
-    """Walks the program's work items and their entries, copying q and K/V tiles into the rings
-    as soon as the consumers free a slot: the next tile's loads overlap this tile's end. A slot
-    holds ENTRIES consecutive entries; past the list's end it repeats the last one (finite data,
-    masked out by the consumers)."""
+    """Walks the program's work items and their entries, copying q (and dO, WITH_DO: the dQ
+    kernel) and K/V tiles into the rings as soon as the consumers free a slot: the next tile's
+    loads overlap this tile's end. A slot holds ENTRIES consecutive entries; past the list's end
+    it repeats the last one (finite data, masked out by the consumers)."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
@@ -99,9 +100,16 @@ def _producer(
         )  # fmt: skip
         # Slots start free: the first pass waits on the phase before the barrier's first.
         mbarrier.wait(q_empty.index(j % 2), ((j // 2) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(j % 2), q_desc.block_type.nbytes)
+        q_row = tile * BLOCK_M - q_offset
+        if WITH_DO:
+            mbarrier.expect(q_ready.index(j % 2), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                do_desc, [b, q_row, h, 0], q_ready.index(j % 2), do_bufs.index(j % 2)
+            )
+        else:
+            mbarrier.expect(q_ready.index(j % 2), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            q_desc, [b, tile * BLOCK_M - q_offset, h, 0], q_ready.index(j % 2), q_bufs.index(j % 2)
+            q_desc, [b, q_row, h, 0], q_ready.index(j % 2), q_bufs.index(j % 2)
         )
         kv_head = h // GQA_GROUP
         for step in range(gl.cdiv(n_total, ENTRIES)):
@@ -121,6 +129,24 @@ def _producer(
                     v_bufs.index(buf).slice(sub * BLOCK_N, BLOCK_N, dim=1),
                 )  # fmt: skip
             c += 1
+
+
+@gluon.jit
+def _entries_reaching(
+    partial_cols, partial_start, n_full, n_total, last_row, BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """The length of the tile's list once trailing causal entries that start after ``last_row``
+    (wholly masked for rows up to it) are dropped."""
+    n_mine = n_total
+    if CAUSAL:
+        more = n_mine > n_full
+        while more:
+            n = gl.load(partial_cols + partial_start + (n_mine - 1 - n_full))
+            above = n * BLOCK_N > last_row
+            n_mine = gl.where(above, n_mine - 1, n_mine)
+            more = above & (n_mine > n_full)
+    return n_mine
 
 
 @gluon.jit
@@ -217,14 +243,9 @@ def _consumer(
         # Causal: partial entries that start after this warpgroup's last row (the upper diagonal
         # KV tile, for the first half of the rows) are wholly masked for it: it skips the steps
         # made only of those, and just frees their slots.
-        n_mine = n_total
-        if CAUSAL:
-            more = n_mine > n_full
-            while more:
-                n = gl.load(partial_cols + partial_start + (n_mine - 1 - n_full))
-                above = n * BLOCK_N > q_row0 + ROWS - 1
-                n_mine = gl.where(above, n_mine - 1, n_mine)
-                more = above & (n_mine > n_full)
+        n_mine = _entries_reaching(
+            partial_cols, partial_start, n_full, n_total, q_row0 + ROWS - 1, BLOCK_N, CAUSAL
+        )
         my_steps = gl.cdiv(n_mine, ENTRIES)
         rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
