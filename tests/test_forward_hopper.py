@@ -19,7 +19,7 @@ from helpers import ON_GPU, assert_close
 
 import s2attn
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
-from s2attn.layout import forward_layout
+from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import backward as bwd_ops
 from s2attn.ops import forward as fwd_ops
 
@@ -225,7 +225,7 @@ def test_dq_kernel_matches_the_triton_one(gen):
     q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
     pattern = local_stride_pattern(heads, seq, 64, 4, 3)
     out, lse = _run(q, k, v, pattern)
-    layout_kv = s2attn.layout.backward_layout(pattern, 64, 64, q.device, seq // 64)
+    layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
     results = []
     for dq_tiles, options in (((128, 64), {}), ((64, 64), {"IMPL": "triton"})):
         layout_q = forward_layout(pattern, *dq_tiles, q.device)
