@@ -240,7 +240,7 @@ def _dq_kernel(
 def dq_hopper(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, layout: TileLayout, *,
-    softmax_scale: float, pattern_head_div: int, num_tiles: int, num_buffers: int = 2,
+    softmax_scale: float, pattern_head_div: int, num_tiles: int, num_buffers: int = 3,
     persistent: bool = True,
 ) -> None:  # fmt: skip
     """Fill ``dq`` (like q) for batched inputs; ``lse`` and ``delta`` are (batch, heads, seq_q)."""
