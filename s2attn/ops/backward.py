@@ -397,8 +397,9 @@ def backward_tile_sizes(
         return (32, 64), (64, 32)
     if dtype.itemsize > 2 or head_dim > 128:
         return (32, 64), (64, 32)
-    if head_dim in (64, 128) and torch.cuda.get_device_capability(device) == (9, 0):
-        # The Gluon dQ kernel (ops/backward_hopper.py) walks the forward's 128x64 tiles.
+    if head_dim == 128 and torch.cuda.get_device_capability(device) == (9, 0):
+        # The Gluon dQ kernel (ops/backward_hopper.py) walks the forward's 128x64 tiles. At dim
+        # 64 it measured no faster than the Triton one (H100, 8k fwd+bwd 1.16 vs 1.11 ms).
         return (64, 64), (128, 64)
     # Measured on H100 (benchmarks/sweep_tiles.py, 32k, V16, dim 128, bf16): 64x64 tiles with
     # 4 warps and 2 stages were best for both kernels among 20 and 16 configurations.
@@ -563,8 +564,9 @@ def backward(
 
 def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:
     """Whether the Gluon dQ kernel (ops/backward_hopper.py) runs this call: the Gluon forward's
-    cases (``forward_hopper.supported``), with dO fit for bulk copies and dQ's last dim dense."""
-    if INTERPRETED or q.device.type != "cuda" or dq.stride(-1) != 1:
+    cases (``forward_hopper.supported``) at head dim 128, with dO fit for bulk copies and dQ's
+    last dim dense."""
+    if INTERPRETED or q.device.type != "cuda" or dq.stride(-1) != 1 or q.shape[-1] != 128:
         return False
     from .forward_hopper import supported
 

@@ -10,8 +10,9 @@ rows each) compute, per entry,
 
 with the two score MMAs of entry i issued right after dQ's MMA of entry i-1, so the elementwise
 work of one entry runs under the tensor-core work of the next. No softmax rescaling: the LSE is
-known. Same cases as the Gluon forward (``forward_hopper.supported``), plus a dO that qualifies for
-bulk copies; the Triton dQ kernel takes the rest.
+known. Same cases as the Gluon forward (``forward_hopper.supported``) at head dim 128, plus a dO
+that qualifies for bulk copies; the Triton dQ kernel takes the rest (at dim 64 this kernel measured
+no faster).
 """
 
 from __future__ import annotations
