@@ -22,6 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -34,13 +35,14 @@ from .forward_hopper import (
     _PRODUCER_WARPS,
     _descriptor,
     _entries_reaching,
+    _entry_col,
     _masked_scores,
     _num_sms,
     _producer,
     _work_item,
 )
 
-__all__ = ["dq_hopper"]
+__all__ = ["dq_hopper", "dkdv_hopper"]
 
 
 @gluon.jit
@@ -267,6 +269,284 @@ def dq_hopper(
         ROW_GROUP=layout.row_group,
         COL_GROUP=layout.col_group,
         BITS_PER_ROW=layout.bits_per_row,
+        CAUSAL=layout.causal,
+        NUM_BUFFERS=num_buffers,
+        num_warps=4,
+        maxnreg=_MAX_REGS,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- dK/dV
+# One work item is (batch, KV head, KV tile of 128 keys); each consumer warpgroup owns 64 of the
+# keys. The item's entries are the query tiles (64 rows) of the backward layout, for every query
+# head of the KV head's GQA group in turn, so the group's sum stays in registers.
+
+
+@gluon.jit
+def _dkdv_item(
+    t, seqlen_k, grid_tiles, heads_per_group, NUM_KV_HEADS: gl.constexpr,
+):  # fmt: skip
+    """(b, kv_head, kv_tile) of work item ``t``: one group of heads at a time, tiles in order."""
+    per_group = heads_per_group * grid_tiles
+    rank = t % per_group
+    bh = (t // per_group) * heads_per_group + rank % heads_per_group
+    return bh // NUM_KV_HEADS, bh % NUM_KV_HEADS, rank // heads_per_group
+
+
+@gluon.jit
+def _dkdv_list(full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV: gl.constexpr):
+    group = (h // PATTERN_HEAD_DIV) * layout_tiles + n
+    full_start = gl.load(full_offsets + group)
+    n_full = gl.load(full_offsets + group + 1) - full_start
+    partial_start = gl.load(partial_offsets + group)
+    n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
+    return full_start, n_full, partial_start, n_total
+
+
+@gluon.jit
+def _dkdv_producer(
+    q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+    kv_ready, kv_empty, qd_ready, qd_empty,
+    full_offsets, full_cols, partial_offsets, partial_cols,
+    seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+    NUM_KV_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Copies each item's K/V tile (two slots, one per item in flight), then q and dO of every
+    query tile in its lists into a ring."""
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    c = 0
+    for t in range(pid, num_items, num_programs):
+        j = (t - pid) // num_programs
+        b, kv_head, n = _dkdv_item(t, seqlen_k, grid_tiles, heads_per_group, NUM_KV_HEADS)
+        mbarrier.wait(kv_empty.index(j % 2), ((j // 2) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(j % 2), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [b, n * BLOCK_N, kv_head, 0], kv_ready.index(j % 2), k_bufs.index(j % 2)
+        )
+        tma.async_copy_global_to_shared(
+            v_desc, [b, n * BLOCK_N, kv_head, 0], kv_ready.index(j % 2), v_bufs.index(j % 2)
+        )
+        for g in range(GQA_GROUP):
+            h = kv_head * GQA_GROUP + g
+            full_start, n_full, partial_start, n_total = _dkdv_list(
+                full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
+            )
+            for e in range(n_total):
+                buf = c % num_buffers
+                mbarrier.wait(qd_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
+                m = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                mbarrier.expect(qd_ready.index(buf), 2 * q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [b, m * BLOCK_M, h, 0], qd_ready.index(buf), q_bufs.index(buf)
+                )
+                tma.async_copy_global_to_shared(
+                    do_desc, [b, m * BLOCK_M, h, 0], qd_ready.index(buf), do_bufs.index(buf)
+                )
+                c += 1
+
+
+@gluon.jit
+def _dkdv_consumer(
+    q_bufs, do_bufs, k_bufs, v_bufs, kv_ready, kv_empty, qd_ready, qd_empty, dK, dV, Lse, Delta,
+    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+    stride_kb, stride_ks, stride_kh, stride_lb, stride_lh, stride_ls,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+    softmax_scale,
+    HALF: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr,
+    PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, COL_GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup: dK and dV of keys HALF * KEYS.. of each of the program's KV tiles, on
+    transposed scores (keys x queries) so both come out row-major. A partial entry's bit for
+    this warpgroup's keys is one bit (query tiles are one pattern block tall, the keys one or
+    two blocks wide): without it the warpgroup skips the entry."""
+    KEYS: gl.constexpr = BLOCK_N // 2
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    my_bit = (HALF * KEYS) // COL_GROUP
+    c = 0
+    for t in range(pid, num_items, num_programs):
+        j = (t - pid) // num_programs
+        b, kv_head, n = _dkdv_item(t, seqlen_k, grid_tiles, heads_per_group, NUM_KV_HEADS)
+        kv_abs = n * BLOCK_N + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
+        k = k_bufs.index(j % 2).reshape([BLOCK_N, HEAD_DIM]).slice(HALF * KEYS, KEYS)
+        v = v_bufs.index(j % 2).reshape([BLOCK_N, HEAD_DIM]).slice(HALF * KEYS, KEYS)
+        for g in range(GQA_GROUP):
+            h = kv_head * GQA_GROUP + g
+            full_start, n_full, partial_start, n_total = _dkdv_list(
+                full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
+            )
+            l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            for e in range(n_total):
+                m = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                mine = e < n_full
+                if e >= n_full:
+                    bits = gl.load(partial_bits + partial_start + (e - n_full))
+                    mine = ((bits >> my_bit) & 1) != 0
+                if CAUSAL:
+                    # Query tiles wholly before these keys see none of them.
+                    mine = mine & (m * BLOCK_M + BLOCK_M - 1 >= n * BLOCK_N + HALF * KEYS)
+                buf = c % num_buffers
+                mbarrier.wait(qd_ready.index(buf), (c // num_buffers) & 1)
+                if mine:
+                    q_abs = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+                    q_ok = q_abs < seqlen_q
+                    # Rows past the sequence or attending nothing: LSE +inf, so P = 0.
+                    lse = gl.load(Lse + l_base + q_abs * stride_ls, mask=q_ok, other=float("inf"))
+                    lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+                    delta = gl.load(Delta + l_base + q_abs * stride_ls, mask=q_ok, other=0.0)
+                    q = q_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
+                    do = do_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
+                    s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    dp_t = warpgroup_mma(
+                        v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True
+                    )
+                    s_t, dp_t = warpgroup_mma_wait(0, deps=[s_t, dp_t])
+                    p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+                    if CAUSAL:
+                        if e >= n_full:
+                            p_t = gl.where(q_abs[None, :] >= kv_abs[:, None], p_t, 0.0)
+                    ds_t = p_t * (dp_t - delta[None, :])
+                    dv = warpgroup_mma(
+                        gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True
+                    )
+                    dk = warpgroup_mma(
+                        gl.convert_layout(ds_t.to(dtype), a_layout), q, dk, is_async=True
+                    )
+                    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                mbarrier.arrive(qd_empty.index(buf))
+                c += 1
+        mbarrier.arrive(kv_empty.index(j % 2))
+
+        rows = n * BLOCK_N + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        offs = (
+            b.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
+            + rows[:, None].to(gl.int64) * stride_ks + offs_d[None, :]
+        )  # fmt: skip
+        ok = (rows < seqlen_k)[:, None]
+        gl.store(dK + offs, (dk * softmax_scale).to(dtype), mask=ok)
+        gl.store(dV + offs, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _dkdv_kernel(
+    q_desc, do_desc, k_desc, v_desc, dK, dV, Lse, Delta,
+    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+    stride_kb, stride_ks, stride_kh, stride_lb, stride_lh, stride_ls,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+    softmax_scale,
+    NUM_KV_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    COL_GROUP: gl.constexpr, CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+):  # fmt: skip
+    """Persistent: each program takes work items (batch, KV head, KV tile) pid, pid + grid, ..."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(
+        dtype, [NUM_BUFFERS] + q_desc.block_type.shape, q_desc.layout
+    )
+    do_bufs = gl.allocate_shared_memory(
+        dtype, [NUM_BUFFERS] + do_desc.block_type.shape, do_desc.layout
+    )
+    k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one release per consumer warpgroup
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(qd_ready.index(i), count=1)
+        mbarrier.init(qd_empty.index(i), count=2)
+
+    # (Argument tuples spelled out: see ops/forward_hopper.py.)
+    gl.warp_specialize(
+        [
+            (
+                _dkdv_consumer,
+                (
+                    q_bufs, do_bufs, k_bufs, v_bufs, kv_ready, kv_empty, qd_ready, qd_empty, dK,
+                    dV, Lse, Delta, full_offsets, full_cols, partial_offsets, partial_cols,
+                    partial_bits, stride_kb, stride_ks, stride_kh, stride_lb, stride_lh,
+                    stride_ls, seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group,
+                    num_items, qk_scale, softmax_scale, 0, NUM_KV_HEADS, GQA_GROUP,
+                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, COL_GROUP, CAUSAL,
+                ),
+            ),
+            (
+                _dkdv_consumer,
+                (
+                    q_bufs, do_bufs, k_bufs, v_bufs, kv_ready, kv_empty, qd_ready, qd_empty, dK,
+                    dV, Lse, Delta, full_offsets, full_cols, partial_offsets, partial_cols,
+                    partial_bits, stride_kb, stride_ks, stride_kh, stride_lb, stride_lh,
+                    stride_ls, seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group,
+                    num_items, qk_scale, softmax_scale, 1, NUM_KV_HEADS, GQA_GROUP,
+                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, COL_GROUP, CAUSAL,
+                ),
+            ),
+            (
+                _dkdv_producer,
+                (
+                    q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_ready,
+                    kv_empty, qd_ready, qd_empty, full_offsets, full_cols, partial_offsets,
+                    partial_cols, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    NUM_KV_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
+                ),
+            ),
+        ],
+        [4, _PRODUCER_WARPS],
+        [_CONSUMER_REGS, _PRODUCER_REGS],
+    )  # fmt: skip
+
+
+def dkdv_hopper(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    layout: TileLayout, *, softmax_scale: float, pattern_head_div: int, num_buffers: int = 3,
+    heads_per_group: int = 1,
+) -> None:  # fmt: skip
+    """Fill ``dk`` and ``dv`` (like k, v; same strides) for batched inputs on a backward layout of
+    64-row query tiles and 128-key KV tiles."""
+    from .common import LOG2E
+
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    kv_tiles = -(-seqlen_k // layout.block_n)
+    num_items = batch * num_kv_heads * kv_tiles
+    _dkdv_kernel[(min(num_items, _num_sms(q.device)),)](
+        _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
+        _descriptor(k, layout.block_n), _descriptor(v, layout.block_n), dk, dv, lse, delta,
+        layout.full_offsets, layout.full_cols,
+        layout.partial_offsets, layout.partial_cols, layout.partial_bits,
+        dk.stride(0), dk.stride(1), dk.stride(2), *lse.stride(),
+        seqlen_q, seqlen_k, layout.num_groups, kv_tiles, heads_per_group, num_items,
+        softmax_scale * LOG2E, softmax_scale,
+        NUM_KV_HEADS=num_kv_heads,
+        GQA_GROUP=num_heads // num_kv_heads,
+        PATTERN_HEAD_DIV=pattern_head_div,
+        HEAD_DIM=head_dim,
+        BLOCK_M=layout.block_m,
+        BLOCK_N=layout.block_n,
+        COL_GROUP=layout.col_group,
         CAUSAL=layout.causal,
         NUM_BUFFERS=num_buffers,
         num_warps=4,
