@@ -62,9 +62,6 @@ FWD = {
     "tma 64x64 w4s2 G1": _t(64, 64, 4, 2),
 }
 DKDV = {
-    # The Gluon dK/dV (ops/backward_hopper.py): 128-key KV tiles over two warpgroups.
-    "gluon nb2": (64, 128, {"num_buffers": 2}),
-    "gluon nb3": (64, 128, {"num_buffers": 3}),
     "ptr 64x64 w4s2 G32": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 64x64 w4s2 G1": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
     "tma 64x64 w4s2 G1": _v(64, 64, 4, 2, HEADS_PER_GROUP=1),

@@ -203,11 +203,6 @@ class _Call:
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
         (dkdv_m, dkdv_n), (dq_m, dq_n) = _bwd.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
-        if grad_out is not None and _bwd.hopper_dkdv_applies(
-            q, k, grad_out, block_size=self.pattern.block_size,
-            varlen=self.cu_seqlens_q is not None, softmax_scale=self.scale,
-        ):  # fmt: skip
-            dkdv_m, dkdv_n = 64, 128  # the Gluon dK/dV kernel's tiles (ops/backward_hopper.py)
         # The per-KV-tile lists run to the end of the pattern even when causal: crop them.
         dkdv_layout = backward_layout(self.pattern, dkdv_m, dkdv_n, q.device, self._num_blocks)
         num_blocks = None if self.pattern.causal else self._num_blocks

@@ -1,5 +1,5 @@
-"""The Gluon kernels for Hopper (ops/forward_hopper.py; ops/backward_hopper.py's dQ and dK/dV)
-against the float32 dense-mask reference.
+"""The Gluon kernels for Hopper (ops/forward_hopper.py, ops/backward_hopper.py's dQ) against the
+float32 dense-mask reference.
 
 Runs only on an sm_90 GPU, the one place that kernel runs. Every case first asserts that the call
 takes the Gluon path, so none of these can pass on the Triton kernel by mistake. Outputs start as
@@ -236,41 +236,3 @@ def test_dq_kernel_matches_the_triton_one(gen):
     # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
     scale = results[1].float().abs().max().item()
     assert (results[0].float() - results[1].float()).abs().max().item() < 2e-3 * scale
-
-
-# --------------------------------------------------------------------------------- dK/dV kernel
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", ["local-stride", "random-64", "random-128", "gqa", "packed"])
-def test_gradients_through_the_dkdv_kernel(gen, dtype, causal, case):
-    seq, heads, kv_heads, dim = 2048, 8, 8, 128
-    if case == "gqa":
-        kv_heads = 2
-    if case.startswith("random"):
-        block = int(case.split("-")[1])
-        mask = torch.rand(heads, seq // block, seq // block, generator=gen) < 0.25
-        mask[:, :, 2] = False  # keys that no query reads: zero dK, dV
-        pattern = BlockPattern(mask, block, causal)
-    else:
-        pattern = local_stride_pattern(heads, seq, 64, 4, 3, causal=causal)
-    if case == "packed":
-        qkv = _randn(gen, 2, seq, 3, heads, dim, dtype=dtype).requires_grad_()
-        q, k, v = qkv.unbind(2)
-    else:
-        q = _randn(gen, 2, seq, heads, dim, dtype=dtype).requires_grad_()
-        k, v = (_randn(gen, 2, seq, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
-    assert bwd_ops.hopper_dkdv_applies(
-        q, k, q, block_size=pattern.block_size, varlen=False, softmax_scale=dim**-0.5
-    ), "this case was meant for the Gluon dK/dV kernel"
-
-    out = s2attn.sparse_attention(q, k, v, pattern)
-    grad = _randn(gen, *out.shape, dtype=dtype)
-    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
-    s2attn.attention_reference(ref_q, ref_k, ref_v, pattern).backward(grad.float())
-    if case == "packed":
-        (dqkv,) = torch.autograd.grad(out, qkv, grad)
-        got = dqkv.unbind(2)
-    else:
-        got = torch.autograd.grad(out, (q, k, v), grad)
-    for name, g, ref in zip(("dq", "dk", "dv"), got, (ref_q.grad, ref_k.grad, ref_v.grad)):
-        assert_close(g, ref, dtype, name)

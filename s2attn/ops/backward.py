@@ -127,18 +127,9 @@ def _dkdv_entries(
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
             # Built transposed (KV rows x query columns) to skip a register shuffle.
-            keep_t = (
-                entry_keep(
-                    tl.load(bits_ptr + e),
-                    BLOCK_M,
-                    BLOCK_N,
-                    ROW_GROUP,
-                    COL_GROUP,
-                    BITS_PER_ROW,
-                    True,
-                )
-                & k_ok[:, None]
-            )
+            keep_t = entry_keep(
+                tl.load(bits_ptr + e), BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, True
+            ) & k_ok[:, None]
             if CAUSAL:
                 keep_t = keep_t & (q_abs[None, :] >= kv_abs[:, None])
             # Rows that attend nothing have LSE -inf, so p_t may be inf where keep_t is False.
@@ -284,18 +275,9 @@ def _dq_entries(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            keep = (
-                entry_keep(
-                    tl.load(bits_ptr + e),
-                    BLOCK_M,
-                    BLOCK_N,
-                    ROW_GROUP,
-                    COL_GROUP,
-                    BITS_PER_ROW,
-                    False,
-                )
-                & k_ok[None, :]
-            )
+            keep = entry_keep(
+                tl.load(bits_ptr + e), BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, False
+            ) & k_ok[None, :]
             if CAUSAL:
                 keep = keep & (rows_abs[:, None] >= cols[None, :])
             p = tl.where(keep, p, 0.0)
@@ -533,40 +515,17 @@ def backward(
         COL_GROUP=lay.col_group, BITS_PER_ROW=lay.bits_per_row, CAUSAL=lay.causal,
     )  # fmt: skip
     lay = dkdv_layout
-    if (
-        (lay.block_m, lay.block_n) == (64, 128)
-        and dk.stride() == dv.stride()
-        and dkdv_options.get("IMPL", "auto") != "triton"
-        and hopper_dkdv_applies(
-            q, k, grad_out, block_size=lay.block_size, varlen=varlen, softmax_scale=softmax_scale
-        )
-        and tma_allowed(q.device, v)
-    ):
-        from .backward_hopper import dkdv_hopper
-
-        dkdv_hopper(
-            grad_out, q, k, v, lse, delta, dk, dv, lay, softmax_scale=softmax_scale,
-            pattern_head_div=pattern_head_div,
-            **{key: dkdv_options[key] for key in ("num_buffers",) if key in dkdv_options},
-        )  # fmt: skip
-    else:
-        dkdv_options.pop("IMPL", None)
-        dkdv_options.pop("num_buffers", None)
-        kv_tiles = math.ceil(seqlen_k / lay.block_n)
-        group = heads_per_program_group(
-            batch * num_kv_heads, dkdv_options.pop("HEADS_PER_GROUP", 1)
-        )
-        _dkdv_kernel[(batch * num_kv_heads * kv_tiles,)](
-            q4, k4, v4, g4, lse, delta, dk4, dv4,
-            lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols,
-            lay.partial_bits, cu_q, cu_k, q_desc, do_desc,
-            *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
-            seqlen_q, seqlen_k, lay.num_groups, kv_tiles, group, softmax_scale * LOG2E,
-            softmax_scale,
-            NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
-            PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **dkdv_options,
-        )  # fmt: skip
+    kv_tiles = math.ceil(seqlen_k / lay.block_n)
+    group = heads_per_program_group(batch * num_kv_heads, dkdv_options.pop("HEADS_PER_GROUP", 1))
+    _dkdv_kernel[(batch * num_kv_heads * kv_tiles,)](
+        q4, k4, v4, g4, lse, delta, dk4, dv4,
+        lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols, lay.partial_bits,
+        cu_q, cu_k, q_desc, do_desc, *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
+        seqlen_q, seqlen_k, lay.num_groups, kv_tiles, group, softmax_scale * LOG2E, softmax_scale,
+        NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
+        PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **dkdv_options,
+    )  # fmt: skip
     lay = dq_layout
     if varlen:
         num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
@@ -612,26 +571,3 @@ def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:
     from .forward_hopper import supported
 
     return supported(q, k, v, layout, **kwargs) and supported(grad_out, k, v, layout, **kwargs)
-
-
-def hopper_dkdv_applies(
-    q: torch.Tensor, k: torch.Tensor, grad_out: torch.Tensor, *, block_size: int, varlen: bool,
-    softmax_scale: float,
-) -> bool:  # fmt: skip
-    """Whether the Gluon dK/dV kernel (ops/backward_hopper.py) can run this call, on a backward
-    layout of 64-row query tiles and 128-key KV tiles: sm_90, fp16/bf16, head dim 128, equal
-    query and key lengths that are a multiple of 128, pattern blocks of 64 or more."""
-    if INTERPRETED or q.device.type != "cuda" or varlen or softmax_scale <= 0:
-        return False
-    from .forward_hopper import _ENABLED, _capability, tma_ok
-
-    if (
-        not _ENABLED
-        or _capability(q.device) != (9, 0)
-        or q.dtype not in (torch.float16, torch.bfloat16)
-    ):
-        return False
-    seq = q.shape[1]
-    if q.shape[-1] != 128 or k.shape[1] != seq or seq % 128 or block_size < 64:
-        return False
-    return tma_ok(q, k, grad_out)

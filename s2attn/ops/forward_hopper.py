@@ -432,13 +432,7 @@ def supported(
         return False
     if check_k_bounds or softmax_scale <= 0 or layout.bits_per_row >= 32:
         return False
-    return tma_ok(q, k, v)
-
-
-def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether bulk copies (2-byte elements) can read these: 16-byte aligned base and strides,
-    a dense last dim."""
-    for t in tensors:
+    for t in (q, k, v):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * 2) % 16 for s in t.stride()[:-1]):
             return False
     return True
