@@ -41,18 +41,12 @@ FWD = {
     # "flat": one program per work item (else one per SM).
     "gluon nb3": (128, 64, {"num_buffers": 3}),
     "gluon nb4": (128, 64, {"num_buffers": 4}),
-    "gluon nb4 ptr": (128, 64, {"num_buffers": 4, "per_thread_release": True}),
     "gluon nb3 q-smem": (128, 64, {"num_buffers": 3, "q_in_regs": False}),
     "gluon nb4 flat": (128, 64, {"num_buffers": 4, "persistent": False}),
     "gluon e2 nb2": (128, 64, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}),
     # dim 64 only (shared memory):
     "gluon d64 nb6": (128, 64, {"num_buffers": 6, "entries_per_step": 1}),
     "gluon d64 e2 nb3": (128, 64, {"entries_per_step": 2, "num_buffers": 3}),
-    "gluon d64 e2 nb3 ptr": (
-        128,
-        64,
-        {"entries_per_step": 2, "num_buffers": 3, "per_thread_release": True},
-    ),
     "gluon d64 e2 nb4": (128, 64, {"entries_per_step": 2, "num_buffers": 4}),
     "ptr 128x64 w4s2 G32": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 128x64 w4s2 G1": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),

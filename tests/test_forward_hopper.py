@@ -89,7 +89,6 @@ def test_local_stride(gen, dtype, dim, causal, stride, entries):
     {"persistent": False}, {"q_in_regs": False}, {"num_buffers": 2, "persistent": False},
     {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False},
     {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False, "persistent": False},
-    {"per_thread_release": True}, {"per_thread_release": True, "entries_per_step": 2},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))  # fmt: skip
 def test_kernel_options(gen, options):
     seq, heads = 3072, 8

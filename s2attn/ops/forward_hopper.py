@@ -23,7 +23,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -41,25 +40,6 @@ _PRODUCER_REGS = gl.constexpr(24)
 # Two consumer partitions of one warpgroup each (the default one and a worker).
 _CONSUMER_REGS = gl.constexpr(240)
 _MAX_REGS = 168  # per thread over the 12 warps: 2 x 4 x 240 + 4 x 24 (the producer's warpgroup)
-
-
-@gluon.jit
-def _release(slot, PER_THREAD: gl.constexpr):
-    """Free a K/V ring slot. A partition's ``mbarrier.arrive`` first makes the warpgroup's warps
-    meet at a barrier, then one thread arrives: one of the two barriers per step that took 35% of
-    the forward's stall cycles (benchmarks/NOTES.md). PER_THREAD: every consumer thread arrives
-    on its own through ``cp.async.mbarrier.arrive.noinc`` (no copies pending, so at once), and
-    the slot's barrier counts ``_slot_arrivals`` arrivals."""
-    if PER_THREAD:
-        async_copy.mbarrier_arrive(slot, increment_count=False)
-    else:
-        mbarrier.arrive(slot)
-
-
-@gluon.constexpr_function
-def _slot_arrivals(per_thread):
-    # Both consumer warpgroups release every slot: 2 x 128 threads, or one thread each.
-    return 256 if per_thread else 2
 
 
 @gluon.jit
@@ -229,7 +209,6 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr, ENTRIES: gl.constexpr,
-    PER_THREAD_RELEASE: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: for each work item, the online softmax of query rows HALF * ROWS.. of the
     tile over its entries, ENTRIES at a step, then the normalized output and LSE of those rows.
@@ -325,7 +304,7 @@ def _consumer(
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
                 acc = warpgroup_mma_wait(0, deps=[acc])
-                _release(kv_empty.index(prev), PER_THREAD_RELEASE)
+                mbarrier.arrive(kv_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
             last = (c + my_steps - 1) % num_buffers
@@ -333,13 +312,13 @@ def _consumer(
             v = v_bufs.index(last).reshape([KEYS, HEAD_DIM])
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            _release(kv_empty.index(last), PER_THREAD_RELEASE)
+            mbarrier.arrive(kv_empty.index(last))
         for step in range(my_steps, n_steps):
             # Skipped steps: a slot may be freed only once its copies have landed.
             buf = (c + step) % num_buffers
             mbarrier.wait(k_ready.index(buf), ((c + step) // num_buffers) & 1)
             mbarrier.wait(v_ready.index(buf), ((c + step) // num_buffers) & 1)
-            _release(kv_empty.index(buf), PER_THREAD_RELEASE)
+            mbarrier.arrive(kv_empty.index(buf))
         mbarrier.arrive(q_empty.index(j % 2))
         c += n_steps
 
@@ -372,7 +351,7 @@ def _forward_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
-    ENTRIES: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr,
+    ENTRIES: gl.constexpr,
 ):  # fmt: skip
     """Persistent: each program takes work items (head, query tile) pid, pid + grid, ..."""
     dtype: gl.constexpr = q_desc.dtype
@@ -392,7 +371,7 @@ def _forward_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=_slot_arrivals(PER_THREAD_RELEASE))
+        mbarrier.init(kv_empty.index(i), count=2)
 
     # (Argument tuples are spelled out: tuples built by concatenation inside a kernel turn
     # their constexprs into tensors.)
@@ -407,7 +386,6 @@ def _forward_kernel(
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
                     ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
-                    PER_THREAD_RELEASE,
                 ),
             ),
             (
@@ -419,7 +397,6 @@ def _forward_kernel(
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
                     qk_scale, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
                     ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
-                    PER_THREAD_RELEASE,
                 ),
             ),
             (
@@ -505,12 +482,7 @@ def forward_hopper(
     """
     from .common import LOG2E
 
-    options = {
-        "persistent": True,
-        "per_thread_release": False,
-        **default_options(q.shape[-1]),
-        **options,
-    }
+    options = {"persistent": True, **default_options(q.shape[-1]), **options}
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     num_items = batch * num_heads * num_tiles
@@ -536,7 +508,6 @@ def forward_hopper(
         NUM_BUFFERS=options["num_buffers"],
         Q_IN_REGS=options["q_in_regs"],
         ENTRIES=options["entries_per_step"],
-        PER_THREAD_RELEASE=options["per_thread_release"],
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
