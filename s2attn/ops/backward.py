@@ -541,12 +541,12 @@ def backward(
         dq_hopper(
             grad_out, q, k, v, lse, delta, dq, lay, softmax_scale=softmax_scale,
             pattern_head_div=pattern_head_div, num_tiles=num_tiles,
-            **{key: dq_options[key] for key in ("num_buffers", "persistent") if key in dq_options},
+            **{key: dq_options[key] for key in _HOPPER_DQ_OPTIONS if key in dq_options},
         )  # fmt: skip
         return dq, dk, dv
     if lay.block_m > 64 and "num_warps" not in (launch_options or ({}, {}))[1]:
         dq_options["num_warps"] = 8  # 128-row tiles (sm_90 layouts) spill at 4 warps
-    for key in ("num_buffers", "persistent"):
+    for key in _HOPPER_DQ_OPTIONS:
         dq_options.pop(key, None)
     group = heads_per_program_group(batch * num_heads, dq_options.pop("HEADS_PER_GROUP", 1))
     _dq_kernel[(batch * num_heads * num_tiles,)](
@@ -560,6 +560,10 @@ def backward(
         DOT_PRECISION=dot, **geometry(lay), **dq_options,
     )  # fmt: skip
     return dq, dk, dv
+
+
+# Launch options of the Gluon dQ kernel (ops/backward_hopper.py ``dq_hopper``), for sweeps.
+_HOPPER_DQ_OPTIONS = ("num_buffers", "persistent", "snake")
 
 
 def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:

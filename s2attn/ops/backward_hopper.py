@@ -37,6 +37,7 @@ from .forward_hopper import (
     _masked_scores,
     _num_sms,
     _producer,
+    _snake_order,
     _work_item,
 )
 
@@ -48,7 +49,7 @@ def _dq_consumer(
     q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, dQ, Lse, Delta,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
     softmax_scale,
     HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -75,8 +76,9 @@ def _dq_consumer(
     c = 0  # K/V ring position, across work items
     for t in range(pid, num_items, num_programs):
         j = (t - pid) // num_programs
+        item = _snake_order(t, num_programs, num_items, snake)
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
-            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
+            item, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
             heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
         )  # fmt: skip
         q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
@@ -168,7 +170,7 @@ def _dq_kernel(
     q_desc, do_desc, k_desc, v_desc, dQ, Lse, Delta,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
     softmax_scale,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -205,7 +207,7 @@ def _dq_kernel(
                     kv_empty, dQ, Lse, Delta, full_offsets, full_cols, partial_offsets,
                     partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb,
                     stride_lh, stride_ls, seqlen_q, seqlen_k, layout_tiles, grid_tiles,
-                    heads_per_group, num_items, qk_scale, softmax_scale, 0, NUM_HEADS,
+                    heads_per_group, num_items, snake, qk_scale, softmax_scale, 0, NUM_HEADS,
                     PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP,
                     BITS_PER_ROW, CAUSAL,
                 ),
@@ -217,7 +219,7 @@ def _dq_kernel(
                     kv_empty, dQ, Lse, Delta, full_offsets, full_cols, partial_offsets,
                     partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb,
                     stride_lh, stride_ls, seqlen_q, seqlen_k, layout_tiles, grid_tiles,
-                    heads_per_group, num_items, qk_scale, softmax_scale, 1, NUM_HEADS,
+                    heads_per_group, num_items, snake, qk_scale, softmax_scale, 1, NUM_HEADS,
                     PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP,
                     BITS_PER_ROW, CAUSAL,
                 ),
@@ -227,7 +229,7 @@ def _dq_kernel(
                 (
                     q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                     v_ready, kv_empty, full_offsets, full_cols, partial_offsets, partial_cols,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
                     NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, 1, do_desc,
                     do_bufs, True,
                 ),
@@ -242,7 +244,7 @@ def dq_hopper(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, layout: TileLayout, *,
     softmax_scale: float, pattern_head_div: int, num_tiles: int, num_buffers: int = 3,
-    persistent: bool = True,
+    persistent: bool = True, snake: bool = True,
 ) -> None:  # fmt: skip
     """Fill ``dq`` (like q) for batched inputs; ``lse`` and ``delta`` are (batch, heads, seq_q)."""
     from .common import LOG2E
@@ -256,7 +258,7 @@ def dq_hopper(
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         dq.stride(0), dq.stride(1), dq.stride(2), *lse.stride(),
-        seqlen_q, k.shape[1], layout.num_groups, num_tiles, 1, num_items,
+        seqlen_q, k.shape[1], layout.num_groups, num_tiles, 1, num_items, int(snake),
         softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],

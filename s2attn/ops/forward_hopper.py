@@ -53,6 +53,19 @@ def _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e):
 
 
 @gluon.jit
+def _snake_order(t, num_programs, num_items, snake):
+    """Work item of a persistent program's ``t``-th slot (t = pid + round * num_programs).
+
+    Items come heaviest first within a head, so with plain striding program 0 takes the
+    heaviest item of every round: with a dense causal pattern that left programs 50% apart in
+    work. ``snake`` reverses every other full round (program p takes the p-th heaviest, then the
+    p-th lightest), which evens the sums."""
+    rnd = t // num_programs
+    flip = (snake != 0) & (rnd % 2 == 1) & ((rnd + 1) * num_programs <= num_items)
+    return gl.where(flip, rnd * num_programs + (num_programs - 1 - t % num_programs), t)
+
+
+@gluon.jit
 def _work_item(
     t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles, heads_per_group,
     NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -78,7 +91,7 @@ def _work_item(
 def _producer(
     q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
     full_offsets, full_cols, partial_offsets, partial_cols,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr,
     do_desc=None, do_bufs=None, WITH_DO: gl.constexpr = False,
@@ -94,8 +107,9 @@ def _producer(
     c = 0  # K/V ring position, across work items
     for t in range(pid, num_items, num_programs):
         j = (t - pid) // num_programs
+        item = _snake_order(t, num_programs, num_items, snake)
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
-            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
+            item, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
             heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
         )  # fmt: skip
         # Slots start free: the first pass waits on the phase before the barrier's first.
@@ -204,7 +218,7 @@ def _consumer(
     q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
     HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
@@ -234,8 +248,9 @@ def _consumer(
     c = 0  # K/V ring position, across work items
     for t in range(pid, num_items, num_programs):
         j = (t - pid) // num_programs
+        item = _snake_order(t, num_programs, num_items, snake)
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
-            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
+            item, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
             heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
         )  # fmt: skip
         n_steps = gl.cdiv(n_total, ENTRIES)
@@ -346,7 +361,7 @@ def _forward_kernel(
     q_desc, k_desc, v_desc, Out, Lse,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
@@ -383,7 +398,7 @@ def _forward_kernel(
                     q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out,
                     Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
                     qk_scale, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
                     ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
@@ -394,7 +409,7 @@ def _forward_kernel(
                     q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out,
                     Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
                     qk_scale, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
                     ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
@@ -404,7 +419,7 @@ def _forward_kernel(
                 (
                     q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                     v_ready, kv_empty, full_offsets, full_cols, partial_offsets, partial_cols,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
                     NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, ENTRIES,
                 ),
             ),
@@ -482,7 +497,7 @@ def forward_hopper(
     """
     from .common import LOG2E
 
-    options = {"persistent": True, **default_options(q.shape[-1]), **options}
+    options = {"persistent": True, "snake": True, **default_options(q.shape[-1]), **options}
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     num_items = batch * num_heads * num_tiles
@@ -494,6 +509,7 @@ def forward_hopper(
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
         seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, num_items,
+        int(options["snake"]),
         softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
