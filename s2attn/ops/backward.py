@@ -574,4 +574,4 @@ def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:
         return False
     from .forward_hopper import supported
 
-    return supported(q, k, v, layout, **kwargs) and supported(grad_out, k, v, layout, **kwargs)
+    return supported(q, k, v, layout, **kwargs) and tma_allowed(q.device, grad_out)

@@ -34,10 +34,13 @@ from .forward_hopper import (
     _PRODUCER_WARPS,
     _descriptor,
     _entries_reaching,
+    _free_slots,
     _masked_scores,
     _num_sms,
     _producer,
     _snake_order,
+    _store_rows,
+    _wgmma_layout,
     _work_item,
 )
 
@@ -46,26 +49,24 @@ __all__ = ["dq_hopper"]
 
 @gluon.jit
 def _dq_consumer(
-    q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, dQ, Lse, Delta,
-    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-    stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
-    softmax_scale,
-    HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    work, HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dQ of query rows HALF * ROWS.. of each of the program's query tiles."""
+    (
+        q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, dQ, Lse,
+        Delta, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+        stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
+        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
+        softmax_scale,
+    ) = work  # fmt: skip
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -146,23 +147,13 @@ def _dq_consumer(
             acc = warpgroup_mma(ds_op, k_last, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
-        for e in range(n_mine, n_total):
-            # Skipped entries: a slot may be freed only once its copies have landed.
-            buf = (c + e) % num_buffers
-            mbarrier.wait(k_ready.index(buf), ((c + e) // num_buffers) & 1)
-            mbarrier.wait(v_ready.index(buf), ((c + e) // num_buffers) & 1)
-            mbarrier.arrive(kv_empty.index(buf))
+        _free_slots(k_ready, v_ready, kv_empty, c + n_mine, c + n_total)
         mbarrier.arrive(q_empty.index(j % 2))
         c += n_total
 
         out_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         base = dQ + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-        gl.store(
-            base + out_rows[:, None].to(gl.int64) * stride_qs + offs_d[None, :],
-            (acc * softmax_scale).to(dtype),
-            mask=((out_rows >= 0) & (out_rows < seqlen_q))[:, None],
-        )
+        _store_rows(base, out_rows, (acc * softmax_scale).to(dtype), stride_qs, seqlen_q, o_layout)
 
 
 @gluon.jit
@@ -197,31 +188,28 @@ def _dq_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
 
-    # (Argument tuples spelled out: see ops/forward_hopper.py.)
+    # One tuple of shared arguments, constexprs apart (see ops/forward_hopper.py).
+    work = (
+        q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, dQ, Lse,
+        Delta, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+        stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
+        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
+        softmax_scale,
+    )  # fmt: skip
     gl.warp_specialize(
         [
             (
                 _dq_consumer,
                 (
-                    q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, dQ, Lse, Delta, full_offsets, full_cols, partial_offsets,
-                    partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb,
-                    stride_lh, stride_ls, seqlen_q, seqlen_k, layout_tiles, grid_tiles,
-                    heads_per_group, num_items, snake, qk_scale, softmax_scale, 0, NUM_HEADS,
-                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP,
-                    BITS_PER_ROW, CAUSAL,
+                    work, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL,
                 ),
             ),
             (
                 _dq_consumer,
                 (
-                    q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, dQ, Lse, Delta, full_offsets, full_cols, partial_offsets,
-                    partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb,
-                    stride_lh, stride_ls, seqlen_q, seqlen_k, layout_tiles, grid_tiles,
-                    heads_per_group, num_items, snake, qk_scale, softmax_scale, 1, NUM_HEADS,
-                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP,
-                    BITS_PER_ROW, CAUSAL,
+                    work, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL,
                 ),
             ),
             (

@@ -541,8 +541,9 @@ _HOPPER_OPTIONS = ("num_buffers", "q_in_regs", "persistent", "entries_per_step",
 
 
 def _hopper_kernel_takes(q, k, v, layout, **kwargs) -> bool:
-    """Whether the warp-specialized Gluon forward (ops/forward_hopper.py) runs this call: on sm_90
-    only, imported only there (Gluon kernels do not run under the interpreter)."""
+    """Whether the warp-specialized Gluon forward (ops/forward_hopper.py) runs this call (sm_90
+    only; ``supported`` decides). Imported only for CUDA tensors: Gluon kernels do not run under
+    the interpreter."""
     if INTERPRETED or q.device.type != "cuda":
         return False
     from .forward_hopper import supported

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layout import TileLayout
+from .common import tma_allowed
 
 __all__ = ["supported", "forward_hopper"]
 
@@ -40,6 +41,35 @@ _PRODUCER_REGS = gl.constexpr(24)
 # Two consumer partitions of one warpgroup each (the default one and a worker).
 _CONSUMER_REGS = gl.constexpr(240)
 _MAX_REGS = 168  # per thread over the 12 warps: 2 x 4 x 240 + 4 x 24 (the producer's warpgroup)
+
+
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """Accumulator layout of one warpgroup's 64-row MMAs with n columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _free_slots(k_ready, v_ready, kv_empty, first, last):
+    """Release ring positions first..last-1 that this warpgroup skips: a slot may be freed only
+    once its copies have landed."""
+    num_buffers: gl.constexpr = k_ready.type.shape[0]
+    for c in range(first, last):
+        buf = c % num_buffers
+        mbarrier.wait(k_ready.index(buf), (c // num_buffers) & 1)
+        mbarrier.wait(v_ready.index(buf), (c // num_buffers) & 1)
+        mbarrier.arrive(kv_empty.index(buf))
+
+
+@gluon.jit
+def _store_rows(base, rows, values, stride_s, seqlen, layout: gl.constexpr):
+    """Store (len(rows), dim) ``values`` at ``base + rows * stride_s``, rows in [0, seqlen)."""
+    offs_d = gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(
+        base + rows[:, None].to(gl.int64) * stride_s + offs_d[None, :],
+        values,
+        mask=((rows >= 0) & (rows < seqlen))[:, None],
+    )
 
 
 @gluon.jit
@@ -215,11 +245,7 @@ def _masked_scores(
 
 @gluon.jit
 def _consumer(
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
-    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
-    HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    work, HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr, ENTRIES: gl.constexpr,
@@ -228,16 +254,18 @@ def _consumer(
     tile over its entries, ENTRIES at a step, then the normalized output and LSE of those rows.
     The two warpgroups share the K/V ring but never wait for each other: each frees a slot on
     its own (the empty barriers count two)."""
+    (
+        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
+        full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
+    ) = work  # fmt: skip
     ROWS: gl.constexpr = BLOCK_M // 2
     KEYS: gl.constexpr = ENTRIES * BLOCK_N  # keys per step
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    s_layout: gl.constexpr = _wgmma_layout(KEYS)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -328,12 +356,7 @@ def _consumer(
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
-        for step in range(my_steps, n_steps):
-            # Skipped steps: a slot may be freed only once its copies have landed.
-            buf = (c + step) % num_buffers
-            mbarrier.wait(k_ready.index(buf), ((c + step) // num_buffers) & 1)
-            mbarrier.wait(v_ready.index(buf), ((c + step) // num_buffers) & 1)
-            mbarrier.arrive(kv_empty.index(buf))
+        _free_slots(k_ready, v_ready, kv_empty, c + my_steps, c + n_steps)
         mbarrier.arrive(q_empty.index(j % 2))
         c += n_steps
 
@@ -344,13 +367,8 @@ def _consumer(
         inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
         out = (acc * inv_l[:, None]).to(dtype)
         rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        gl.store(
-            o_base + rows[:, None].to(gl.int64) * stride_os + offs_d[None, :],
-            out,
-            mask=((rows >= 0) & (rows < seqlen_q))[:, None],
-        )
+        _store_rows(o_base, rows, out, stride_os, seqlen_q, o_layout)
         l_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_s)
         l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seqlen_q))
@@ -388,30 +406,28 @@ def _forward_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
 
-    # (Argument tuples are spelled out: tuples built by concatenation inside a kernel turn
-    # their constexprs into tensors.)
+    # The consumers' shared arguments travel as one tuple, their constexprs apart: a tuple built
+    # by concatenation inside a kernel turns its constexprs into tensors.
+    work = (
+        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out, Lse,
+        full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
+    )  # fmt: skip
     gl.warp_specialize(
         [
             (
                 _consumer,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out,
-                    Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
-                    qk_scale, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
+                    work, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
             ),
             (
                 _consumer,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, Out,
-                    Lse, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
-                    qk_scale, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
+                    work, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
                 ),
             ),
             (
@@ -447,10 +463,7 @@ def supported(
         return False
     if check_k_bounds or softmax_scale <= 0 or layout.bits_per_row >= 32:
         return False
-    for t in (q, k, v):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * 2) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return tma_allowed(q.device, q, k, v)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
