@@ -1,0 +1,52 @@
+"""Per-kernel GPU time of one forward+backward (dev aid): torch.profiler's CUDA kernel times,
+averaged over a few calls, for the benchmark shapes (batch 1, 32 heads, bf16, causal, block 64,
+local 16).
+
+    python scripts/time_kernels.py --seq 131072 --strides 16,64 --dim 128
+"""
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import s2attn
+from s2attn import local_stride_pattern
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--seq", type=int, default=32768)
+ap.add_argument("--strides", default="16,64")
+ap.add_argument("--dim", type=int, default=128)
+ap.add_argument("--calls", type=int, default=3)
+args = ap.parse_args()
+print(torch.cuda.get_device_name(), torch.__version__)
+for stride in (int(s) for s in args.strides.split(",")):
+    p = local_stride_pattern(32, args.seq, 64, 16, stride)
+    q, k, v = (
+        torch.randn(1, args.seq, 32, args.dim, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+        for _ in range(3)
+    )  # fmt: skip
+    g = torch.randn_like(q)
+
+    def step():
+        out = s2attn.sparse_attention(q, k, v, p)
+        out.backward(g)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            step()
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name[:60]] += ev.device_time / 1e3 / args.calls
+    total = sum(per_kernel.values())
+    print(f"\nseq {args.seq} V{stride} dim {args.dim}: {total:.3f} ms of kernels per fwd+bwd")
+    for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+        if ms > 0.01:
+            print(f"  {ms:8.3f} ms  {name}")
+    del q, k, v, g
+    torch.cuda.empty_cache()
