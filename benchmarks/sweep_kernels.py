@@ -32,7 +32,7 @@ def _v(block_m: int, block_n: int, warps: int, stages: int, **options) -> tuple:
 # HEADS_PER_GROUP (32: every head's tiles side by side, the order before 2026-11-22); "tma" uses
 # host-made descriptors unless "dev" (made per program).
 def _t(block_m: int, block_n: int, warps: int, stages: int, **options) -> tuple:
-    """A variant of the Triton forward, never the Gluon one that sm_90 runs by default."""
+    """A variant of a Triton kernel, never the Gluon one that sm_90 runs by default."""
     return _v(block_m, block_n, warps, stages, IMPL="triton", **options)
 
 
@@ -63,12 +63,17 @@ FWD = {
     "tma 64x64 w4s2 G1": _t(64, 64, 4, 2),
 }
 DKDV = {
-    "ptr 64x64 w4s2 G32": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
-    "ptr 64x64 w4s2 G1": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
-    "tma 64x64 w4s2 G1": _v(64, 64, 4, 2, HEADS_PER_GROUP=1),
-    "tma 64x64 w4s2 G4": _v(64, 64, 4, 2, HEADS_PER_GROUP=4),
-    "tma 64x64 w8s2 G1": _v(64, 64, 8, 2, HEADS_PER_GROUP=1),
-    "tma+areg 64x64 w4s2 G4": _v(64, 64, 4, 2, A_IN_REGS=True, HEADS_PER_GROUP=4),
+    # The Gluon dK/dV (ops/backward_hopper.py): ring slots per stream (nb), "stride": items
+    # dealt out without the snake order.
+    "gluon nb2": (64, 64, {"num_buffers": 2}),
+    "gluon nb2 stride": (64, 64, {"num_buffers": 2, "snake": False}),
+    "gluon d64 nb4": (64, 64, {"num_buffers": 4}),
+    "ptr 64x64 w4s2 G32": _t(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
+    "ptr 64x64 w4s2 G1": _t(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
+    "tma 64x64 w4s2 G1": _t(64, 64, 4, 2, HEADS_PER_GROUP=1),
+    "tma 64x64 w4s2 G4": _t(64, 64, 4, 2, HEADS_PER_GROUP=4),
+    "tma 64x64 w8s2 G1": _t(64, 64, 8, 2, HEADS_PER_GROUP=1),
+    "tma+areg 64x64 w4s2 G4": _t(64, 64, 4, 2, A_IN_REGS=True, HEADS_PER_GROUP=4),
 }
 DQ = {
     # The Gluon dQ (ops/backward_hopper.py), on the forward's 128x64 tiles; "flat": one program

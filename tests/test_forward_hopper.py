@@ -1,5 +1,5 @@
-"""The Gluon kernels for Hopper (ops/forward_hopper.py, ops/backward_hopper.py's dQ) against the
-float32 dense-mask reference.
+"""The Gluon kernels for Hopper (ops/forward_hopper.py, ops/backward_hopper.py's dQ and dK/dV)
+against the float32 dense-mask reference.
 
 Runs only on an sm_90 GPU, the one place that kernel runs. Every case first asserts that the call
 takes the Gluon path, so none of these can pass on the Triton kernel by mistake. Outputs start as
@@ -237,3 +237,113 @@ def test_dq_kernel_matches_the_triton_one(gen):
     # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
     scale = results[1].float().abs().max().item()
     assert (results[0].float() - results[1].float()).abs().max().item() < 2e-3 * scale
+
+
+# --------------------------------------------------------------------------------- dK/dV kernel
+@pytest.fixture
+def dkdv_calls(monkeypatch) -> list:
+    """Counts calls of the Gluon dK/dV launcher, so a case can assert that it ran."""
+    from s2attn.ops import backward_hopper
+
+    calls = []
+    launch = backward_hopper.dkdv_hopper
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(backward_hopper, "dkdv_hopper", spy)
+    return calls
+
+
+def _check_gradients(gen, q, k, v, pattern, dtype):
+    out = s2attn.sparse_attention(q, k, v, pattern)
+    grad = _randn(gen, *out.shape, dtype=dtype)
+    out.backward(grad)
+    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    s2attn.attention_reference(ref_q, ref_k, ref_v, pattern).backward(grad.float())
+    for name, got, ref in (("dq", q.grad, ref_q.grad), ("dk", k.grad, ref_k.grad),
+                           ("dv", v.grad, ref_v.grad)):  # fmt: skip
+        assert_close(got, ref, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["local-stride", "random", "gqa", "block16", "ragged"])
+def test_gradients_through_the_dkdv_kernel(gen, dkdv_calls, dtype, dim, causal, case):
+    # 2 x 8 heads x 32 KV tiles = 512 work items over 2 streams per SM: streams walk several.
+    seq, heads, kv_heads = 2048, 8, 8
+    if case == "gqa":
+        kv_heads = 2
+    if case == "ragged":
+        seq = 1001  # a partial last tile, and rows that are not a multiple of 4 (padded stats)
+    if case == "random":
+        mask = torch.rand(heads, seq // 64, seq // 64, generator=gen) < 0.25
+        mask[:, 3] = False  # rows that attend nothing: zero gradient, never NaN
+        mask[:, :, 5] = False  # keys nothing attends: a KV tile with an empty list
+        pattern = BlockPattern(mask, 64, causal)
+    elif case == "block16":
+        pattern = local_stride_pattern(heads, seq, 16, 6, 5, causal=causal)
+    else:
+        pattern = local_stride_pattern(heads, seq, 64, 4, 3, causal=causal)
+    q = _randn(gen, 2, seq, heads, dim, dtype=dtype).requires_grad_()
+    k, v = (_randn(gen, 2, seq, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
+    _check_gradients(gen, q, k, v, pattern, dtype)
+    assert len(dkdv_calls) == 1, "this case was meant for the Gluon dK/dV kernel"
+
+
+@pytest.mark.parametrize("options", [
+    {"num_buffers": 2, "snake": False},
+    {"num_buffers": 3},  # dim 64 only (shared memory)
+    {"num_buffers": 4},
+])  # fmt: skip
+def test_dkdv_kernel_options(gen, options):
+    seq, heads, dim = 2048, 4, 128 if options["num_buffers"] == 2 else 64
+    q, k, v, g = (_randn(gen, 2, seq, heads, dim, dtype=torch.float16) for _ in range(4))
+    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    out, lse = _run(q, k, v, pattern)
+    layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
+    (_, _), dq_tiles = bwd_ops.backward_tile_sizes(dim, q.dtype, q.device)
+    layout_q = forward_layout(pattern, *dq_tiles, q.device)
+    grads = bwd_ops.backward(
+        g, q, k, v, out, lse, None, layout_kv, layout_q, softmax_scale=dim**-0.5,
+        pattern_head_div=1, launch_options=(options, {}),
+    )  # fmt: skip
+    ref = [t.float().requires_grad_() for t in (q, k, v)]
+    s2attn.attention_reference(*ref, pattern).backward(g.float())
+    for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close(got, r.grad, q.dtype, name)
+
+
+def test_dkdv_strided_outputs(gen, dkdv_calls):
+    # q, k, v and their gradients as views into one packed (seq, 3, heads, dim) tensor.
+    seq, heads, dim = 1536, 4, 128
+    qkv = _randn(gen, 1, seq, 3, heads, dim, dtype=torch.bfloat16).requires_grad_()
+    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    out = s2attn.sparse_attention_qkvpacked(qkv, pattern)
+    grad = _randn(gen, *out.shape, dtype=torch.bfloat16)
+    out.backward(grad)
+    ref = qkv.detach().float().requires_grad_()
+    s2attn.attention_reference(*ref.unbind(2), pattern).backward(grad.float())
+    assert_close(qkv.grad, ref.grad, torch.bfloat16, "dqkv")
+    assert len(dkdv_calls) == 1, "this case was meant for the Gluon dK/dV kernel"
+
+
+def test_dkdv_kernel_matches_the_triton_one(gen):
+    seq, heads = 2048, 4
+    q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
+    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    out, lse = _run(q, k, v, pattern)
+    layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
+    layout_q = forward_layout(pattern, 128, 64, q.device)
+    results = []
+    for options in ({}, {"IMPL": "triton"}):
+        results.append(bwd_ops.backward(
+            g, q, k, v, out, lse, None, layout_kv, layout_q, softmax_scale=128**-0.5,
+            pattern_head_div=1, launch_options=(options, {}),
+        )[1:])  # fmt: skip
+    # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
+    for gluon, triton in zip(*results):
+        scale = triton.float().abs().max().item()
+        assert (gluon.float() - triton.float()).abs().max().item() < 2e-3 * scale

@@ -44,14 +44,17 @@ __all__ = ["backward", "backward_tile_sizes"]
 
 @triton.jit
 def _row_delta_kernel(
-    Out, dOut, dLse, Delta,
+    Out, dOut, Lse, dLse, Delta, Stats,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_gb, stride_gs, stride_gh, stride_gd,
     stride_lb, stride_lh, stride_ls,
     stride_dlb, stride_dlh, stride_dls,
-    seqlen, num_heads,
+    seqlen, num_heads, stats_seq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HAS_STATS: tl.constexpr,
 ):  # fmt: skip
+    """delta per query row; with HAS_STATS also the Gluon dK/dV kernel's row statistics: rows
+    (LSE * log2(e), delta) of a (batch * heads, 2, stats_seq) tensor it reads by bulk copies."""
     bh = tl.program_id(0)
     b = bh // num_heads
     h = bh % num_heads
@@ -75,6 +78,11 @@ def _row_delta_kernel(
         dl_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + rows.to(tl.int64) * stride_dls
         delta -= tl.load(dLse + dl_off, mask=rows < seqlen, other=0.0)
     tl.store(Delta + l_off, delta, mask=rows < seqlen)
+    if HAS_STATS:
+        lse = tl.load(Lse + l_off, mask=rows < seqlen, other=0.0) * 1.4426950408889634
+        s_off = bh.to(tl.int64) * 2 * stats_seq + rows
+        tl.store(Stats + s_off, lse, mask=rows < seqlen)
+        tl.store(Stats + stats_seq + s_off, delta, mask=rows < seqlen)
 
 
 @triton.jit
@@ -501,13 +509,23 @@ def backward(
     k_desc, v_desc = _host_descriptors(dq_options["HOST_DESC"], k, v, dq_layout.block_n)
     dot = dot_precision(q.dtype)
 
+    gluon_dkdv = dkdv_options.pop("IMPL", "auto") != "triton" and _hopper_dkdv_takes(
+        grad_out, q, k, v, dk, dv, dkdv_layout, varlen=varlen
+    )
     delta = torch.empty_like(lse)
     rows_total = q.shape[0] if varlen else seqlen_q
+    # Row statistics of the Gluon dK/dV kernel: rows padded to 16 bytes for its bulk copies.
+    stats_seq = -(-rows_total // 4) * 4
+    stats = torch.empty(
+        (q4.shape[0] * num_heads, 2, stats_seq) if gluon_dkdv else (1,),
+        dtype=torch.float32, device=q.device,
+    )  # fmt: skip
     _row_delta_kernel[(q4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
-        o4, g4, grad_lse if grad_lse is not None else lse, delta,
+        o4, g4, lse, grad_lse if grad_lse is not None else lse, delta, stats,
         *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
-        rows_total, num_heads,
+        rows_total, num_heads, stats_seq,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, HAS_DLSE=grad_lse is not None,
+        HAS_STATS=gluon_dkdv,
     )  # fmt: skip
 
     geometry = lambda lay: dict(  # noqa: E731
@@ -517,15 +535,28 @@ def backward(
     lay = dkdv_layout
     kv_tiles = math.ceil(seqlen_k / lay.block_n)
     group = heads_per_program_group(batch * num_kv_heads, dkdv_options.pop("HEADS_PER_GROUP", 1))
-    _dkdv_kernel[(batch * num_kv_heads * kv_tiles,)](
-        q4, k4, v4, g4, lse, delta, dk4, dv4,
-        lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols, lay.partial_bits,
-        cu_q, cu_k, q_desc, do_desc, *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
-        seqlen_q, seqlen_k, lay.num_groups, kv_tiles, group, softmax_scale * LOG2E, softmax_scale,
-        NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
-        PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **dkdv_options,
-    )  # fmt: skip
+    hopper_dkdv_options = {
+        key: dkdv_options.pop(key) for key in _HOPPER_DKDV_OPTIONS if key in dkdv_options
+    }
+    if gluon_dkdv:
+        from .backward_hopper import dkdv_hopper
+
+        dkdv_hopper(
+            grad_out, q, k, v, stats, dk, dv, lay, softmax_scale=softmax_scale,
+            pattern_head_div=pattern_head_div, **hopper_dkdv_options,
+        )  # fmt: skip
+    else:
+        _dkdv_kernel[(batch * num_kv_heads * kv_tiles,)](
+            q4, k4, v4, g4, lse, delta, dk4, dv4,
+            lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols,
+            lay.partial_bits, cu_q, cu_k, q_desc, do_desc,
+            *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
+            seqlen_q, seqlen_k, lay.num_groups, kv_tiles, group, softmax_scale * LOG2E,
+            softmax_scale,
+            NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
+            PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **dkdv_options,
+        )  # fmt: skip
     lay = dq_layout
     if varlen:
         num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
@@ -562,8 +593,27 @@ def backward(
     return dq, dk, dv
 
 
-# Launch options of the Gluon dQ kernel (ops/backward_hopper.py ``dq_hopper``), for sweeps.
+# Launch options of the Gluon kernels (ops/backward_hopper.py ``dq_hopper``, ``dkdv_hopper``),
+# for sweeps.
 _HOPPER_DQ_OPTIONS = ("num_buffers", "persistent", "snake")
+_HOPPER_DKDV_OPTIONS = ("num_buffers", "snake")
+
+
+def _hopper_dkdv_takes(grad_out, q, k, v, dk, dv, layout, *, varlen) -> bool:
+    """Whether the Gluon dK/dV kernel (ops/backward_hopper.py) runs this call: sm_90, 2-byte
+    dense inputs fit for bulk copies, head dim 64 or 128, as many queries as keys, 64x64 tiles,
+    and dK, dV with the same strides."""
+    if INTERPRETED or q.device.type != "cuda" or varlen or q.shape[1] != k.shape[1]:
+        return False
+    if dk.stride() != dv.stride() or dk.stride(-1) != 1 or q.shape[-1] not in (64, 128):
+        return False
+    if (layout.block_m, layout.block_n) != (64, 64) or layout.bits_per_row >= 32:
+        return False
+    from .forward_hopper import _ENABLED, _capability
+
+    if not _ENABLED or _capability(q.device) != (9, 0):
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16) and tma_allowed(q.device, q, k, v, grad_out)
 
 
 def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:

@@ -17,14 +17,18 @@ no faster).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layout import TileLayout
 from .forward_hopper import (
@@ -34,6 +38,7 @@ from .forward_hopper import (
     _PRODUCER_WARPS,
     _descriptor,
     _entries_reaching,
+    _entry_col,
     _free_slots,
     _masked_scores,
     _num_sms,
@@ -44,7 +49,7 @@ from .forward_hopper import (
     _work_item,
 )
 
-__all__ = ["dq_hopper"]
+__all__ = ["dkdv_hopper", "dq_hopper"]
 
 
 @gluon.jit
@@ -250,6 +255,336 @@ def dq_hopper(
         softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
+        PATTERN_HEAD_DIV=pattern_head_div,
+        HEAD_DIM=head_dim,
+        BLOCK_M=layout.block_m,
+        BLOCK_N=layout.block_n,
+        ROW_GROUP=layout.row_group,
+        COL_GROUP=layout.col_group,
+        BITS_PER_ROW=layout.bits_per_row,
+        CAUSAL=layout.causal,
+        NUM_BUFFERS=num_buffers,
+        num_warps=4,
+        maxnreg=_MAX_REGS,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- dK/dV
+# A work item is (batch, KV head, KV tile of BLOCK_N keys) of the backward layout; its entries are
+# the query tiles that read the KV tile, for every query head of the KV head's GQA group in turn,
+# so the group's sum stays in registers. Each program runs two independent *streams* of items,
+# each a one-warp producer and a one-warpgroup consumer with their own buffers: the two consumers
+# share the tensor cores, one's MMAs running while the other does elementwise work. Items come
+# longest list first (``dkdv_order``), dealt out in snake order over the streams.
+
+
+@gluon.jit
+def _dkdv_item(t, order, num_streams, num_items, snake, kv_tiles, NUM_KV_HEADS: gl.constexpr):
+    """(b, kv_head, kv_tile) of a stream's ``t``-th slot."""
+    item = gl.load(order + _snake_order(t, num_streams, num_items, snake))
+    bkv = item // kv_tiles
+    return bkv // NUM_KV_HEADS, bkv % NUM_KV_HEADS, item % kv_tiles
+
+
+@gluon.jit
+def _dkdv_list(full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV: gl.constexpr):
+    """(full_start, n_full, partial_start, n_total) of head ``h``'s list for KV tile ``n``."""
+    group = (h // PATTERN_HEAD_DIV) * layout_tiles + n
+    full_start = gl.load(full_offsets + group)
+    n_full = gl.load(full_offsets + group + 1) - full_start
+    partial_start = gl.load(partial_offsets + group)
+    n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
+    return full_start, n_full, partial_start, n_total
+
+
+@gluon.jit
+def _dkdv_producer(
+    q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs,
+    kv_ready, kv_empty, qd_ready, qd_empty, order, full_offsets, full_cols, partial_offsets,
+    partial_cols, kv_tiles, layout_tiles, num_items, snake,
+    STREAM: gl.constexpr, NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+    GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Copies each item's K and V tiles, then q, dO and the row statistics (LSE * log2(e),
+    delta) of every query tile in its lists into the stream's ring."""
+    num_buffers: gl.constexpr = q_bufs.type.shape[0] // 2
+    num_streams = 2 * gl.num_programs(0)
+    sid = 2 * gl.program_id(0) + STREAM
+    c = 0
+    for t in range(sid, num_items, num_streams):
+        j = (t - sid) // num_streams
+        b, kv_head, n = _dkdv_item(t, order, num_streams, num_items, snake, kv_tiles, NUM_KV_HEADS)
+        # The K/V slot starts free: the first wait is on the phase before the barrier's first.
+        mbarrier.wait(kv_empty.index(STREAM), (j & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(STREAM), 2 * k_desc.block_type.nbytes)
+        kv_at = [b, n * BLOCK_N, kv_head, 0]
+        tma.async_copy_global_to_shared(k_desc, kv_at, kv_ready.index(STREAM), k_bufs.index(STREAM))
+        tma.async_copy_global_to_shared(v_desc, kv_at, kv_ready.index(STREAM), v_bufs.index(STREAM))
+        for g in range(GQA_GROUP):
+            h = kv_head * GQA_GROUP + g
+            full_start, n_full, partial_start, n_total = _dkdv_list(
+                full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
+            )
+            for e in range(n_total):
+                buf = STREAM * num_buffers + c % num_buffers
+                mbarrier.wait(qd_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
+                m = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                mbarrier.expect(
+                    qd_ready.index(buf),
+                    2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes,
+                )  # fmt: skip
+                q_at = [b, m * BLOCK_M, h, 0]
+                tma.async_copy_global_to_shared(
+                    q_desc, q_at, qd_ready.index(buf), q_bufs.index(buf)
+                )
+                tma.async_copy_global_to_shared(
+                    do_desc, q_at, qd_ready.index(buf), do_bufs.index(buf)
+                )
+                tma.async_copy_global_to_shared(
+                    stats_desc, [b * NUM_HEADS + h, 0, m * BLOCK_M], qd_ready.index(buf),
+                    stats_bufs.index(buf),
+                )  # fmt: skip
+                c += 1
+
+
+@gluon.jit
+def _stat_row(stats, i: gl.constexpr, s_layout: gl.constexpr):
+    """Row ``i`` of a (2, BLOCK_M) statistics tile in shared memory, as a vector along the
+    columns of ``s_layout`` (a shared-memory view cannot drop to rank 1: load one row as a
+    (1, BLOCK_M) tile and reduce the unit axis)."""
+    return gl.sum(stats.slice(i, 1, dim=0).load(s_layout), 0)
+
+
+@gluon.jit
+def _masked_probs_t(
+    p_t, bits, kv_abs, q_abs, s_layout: gl.constexpr, ROW_GROUP: gl.constexpr,
+    COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """Transposed probabilities (keys x queries) of a partial entry, zero where its bit mask or
+    causality drops the pair (LSE may be -inf there, so p_t may be inf: never multiplied)."""
+    BLOCK_N: gl.constexpr = p_t.shape[0]
+    BLOCK_M: gl.constexpr = p_t.shape[1]
+    shift = ((gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)) // ROW_GROUP)
+             * BITS_PER_ROW).to(gl.int64)  # fmt: skip
+    row_bits = ((bits >> shift) & ((1 << BITS_PER_ROW) - 1)).to(gl.int32)
+    col_bit = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)) // COL_GROUP
+    keep = ((row_bits[None, :] >> col_bit[:, None]) & 1) != 0
+    if CAUSAL:
+        keep = keep & (q_abs[None, :] >= kv_abs[:, None])
+    return gl.where(keep, p_t, 0.0)
+
+
+@gluon.jit
+def _dkdv_consumer(
+    work, STREAM: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr,
+    PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr,
+    BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup: dK and dV of each of its stream's KV tiles, on transposed scores (keys x
+    queries) so both come out row-major. Per entry, the two score MMAs run together; P is
+    computed while dP^T runs, and dS while dV's MMA runs."""
+    (
+        q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty,
+        dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items, snake,
+        qk_scale, softmax_scale,
+    ) = work  # fmt: skip
+    num_buffers: gl.constexpr = q_bufs.type.shape[0] // 2
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    num_streams = 2 * gl.num_programs(0)
+    sid = 2 * gl.program_id(0) + STREAM
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    c = 0
+    for t in range(sid, num_items, num_streams):
+        j = (t - sid) // num_streams
+        b, kv_head, n = _dkdv_item(t, order, num_streams, num_items, snake, kv_tiles, NUM_KV_HEADS)
+        kv_abs = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(kv_ready.index(STREAM), j & 1)
+        k = k_bufs.index(STREAM).reshape([BLOCK_N, HEAD_DIM])
+        v = v_bufs.index(STREAM).reshape([BLOCK_N, HEAD_DIM])
+        for g in range(GQA_GROUP):
+            h = kv_head * GQA_GROUP + g
+            full_start, n_full, partial_start, n_total = _dkdv_list(
+                full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
+            )
+            for e in range(n_total):
+                buf = STREAM * num_buffers + c % num_buffers
+                mbarrier.wait(qd_ready.index(buf), (c // num_buffers) & 1)
+                q = q_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
+                do = do_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
+                stats = stats_bufs.index(buf).reshape([2, BLOCK_M])
+                s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s_t = warpgroup_mma_wait(1, deps=[s_t])
+                lse = _stat_row(stats, 0, s_layout)
+                p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+                if e >= n_full:
+                    m = gl.load(partial_cols + partial_start + (e - n_full))
+                    q_abs = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+                    p_t = _masked_probs_t(
+                        p_t, gl.load(partial_bits + partial_start + (e - n_full)), kv_abs,
+                        q_abs, s_layout, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    )  # fmt: skip
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv,
+                                   is_async=True)  # fmt: skip
+                # dP^T is done when at most dV's MMA, issued after it, still runs.
+                dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+                delta = _stat_row(stats, 1, s_layout)
+                ds_t = gl.convert_layout((p_t * (dp_t - delta[None, :])).to(dtype), op_layout)
+                dk = warpgroup_mma(ds_t, q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                mbarrier.arrive(qd_empty.index(buf))
+                c += 1
+        # Free K/V before the stores, so the next item's copies overlap them.
+        mbarrier.arrive(kv_empty.index(STREAM))
+        rows = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
+        base = b.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
+        _store_rows(dK + base, rows, (dk * softmax_scale).to(dtype), stride_ks, seqlen_k, o_layout)
+        _store_rows(dV + base, rows, dv.to(dtype), stride_ks, seqlen_k, o_layout)
+
+
+@gluon.jit
+def _dkdv_kernel(
+    q_desc, do_desc, k_desc, v_desc, stats_desc, dK, dV, order,
+    full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+    stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items, snake,
+    qk_scale, softmax_scale,
+    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
+    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+):  # fmt: skip
+    """Persistent: stream s of program p takes slots 2p + s, 2p + s + 2 * grid, ..."""
+    dtype: gl.constexpr = q_desc.dtype
+    GQA_GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    # Stream s owns K/V slot s and ring slots s * NUM_BUFFERS ...
+    ring: gl.constexpr = 2 * NUM_BUFFERS
+    q_bufs = gl.allocate_shared_memory(dtype, [ring] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [ring] + do_desc.block_type.shape, do_desc.layout)
+    stats_bufs = gl.allocate_shared_memory(
+        gl.float32, [ring] + stats_desc.block_type.shape, stats_desc.layout
+    )
+    k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    qd_ready = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+    for i in gl.static_range(ring):
+        mbarrier.init(qd_ready.index(i), count=1)
+        mbarrier.init(qd_empty.index(i), count=1)
+
+    # One tuple of shared arguments, constexprs apart (see ops/forward_hopper.py).
+    work = (
+        q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty,
+        dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
+        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items, snake,
+        qk_scale, softmax_scale,
+    )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (
+                _dkdv_consumer,
+                (
+                    work, 0, NUM_KV_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                ),
+            ),
+            (
+                _dkdv_consumer,
+                (
+                    work, 1, NUM_KV_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                ),
+            ),
+            (
+                _dkdv_producer,
+                (
+                    q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs,
+                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, order,
+                    full_offsets, full_cols, partial_offsets, partial_cols, kv_tiles,
+                    layout_tiles, num_items, snake, 0, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
+                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
+                ),
+            ),
+            (
+                _dkdv_producer,
+                (
+                    q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs,
+                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, order,
+                    full_offsets, full_cols, partial_offsets, partial_cols, kv_tiles,
+                    layout_tiles, num_items, snake, 1, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
+                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
+                ),
+            ),
+        ],
+        [4, _PRODUCER_WARPS, _PRODUCER_WARPS],
+        [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS],
+    )  # fmt: skip
+
+
+def dkdv_order(layout: TileLayout, batch: int, num_heads: int, num_kv_heads: int,
+               kv_tiles: int, pattern_head_div: int) -> torch.Tensor:  # fmt: skip
+    """dK/dV work items ((b * kv_heads + kv_head) * kv_tiles + tile), longest list first: dealt
+    out in snake order, this keeps persistent streams within about one list of each other."""
+    full = layout.full_offsets.diff().view(-1, layout.num_groups)
+    partial = layout.partial_offsets.diff().view(-1, layout.num_groups)
+    heads = torch.arange(num_heads, device=full.device) // pattern_head_div
+    lengths = (full + partial)[heads, :kv_tiles].view(num_kv_heads, -1, kv_tiles).sum(1)
+    order = lengths.repeat(batch, 1).flatten().argsort(descending=True, stable=True)
+    return order.to(torch.int32)
+
+
+@functools.cache
+def _stats_layout() -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def row_stats_descriptor(stats: torch.Tensor, seqlen: int, block_m: int) -> TensorDescriptor:
+    """Bulk-copy descriptor of the (batch * heads, 2, padded seq) float32 row statistics, with
+    (1, 2, block_m) blocks; rows past ``seqlen`` read as zeros."""
+    return TensorDescriptor(
+        stats, [stats.shape[0], 2, seqlen], list(stats.stride()), [1, 2, block_m],
+        _stats_layout(),
+    )  # fmt: skip
+
+
+def dkdv_hopper(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    stats: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, layout: TileLayout, *,
+    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2, snake: bool = True,
+) -> None:  # fmt: skip
+    """Fill ``dk`` and ``dv`` (like k; dk's strides for both) for batched inputs, on a backward
+    layout; ``stats`` as ``row_stats_descriptor`` takes it."""
+    from .common import LOG2E
+
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    kv_tiles = -(-seqlen_k // layout.block_n)
+    num_items = batch * num_kv_heads * kv_tiles
+    order = dkdv_order(layout, batch, num_heads, num_kv_heads, kv_tiles, pattern_head_div)
+    grid = min(-(-num_items // 2), _num_sms(q.device))
+    _dkdv_kernel[(grid,)](
+        _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
+        _descriptor(k, layout.block_n), _descriptor(v, layout.block_n),
+        row_stats_descriptor(stats, seqlen_q, layout.block_m), dk, dv, order,
+        layout.full_offsets, layout.full_cols,
+        layout.partial_offsets, layout.partial_cols, layout.partial_bits,
+        dk.stride(0), dk.stride(1), dk.stride(2), seqlen_k, kv_tiles, layout.num_groups,
+        num_items, int(snake), softmax_scale * LOG2E, softmax_scale,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div,
         HEAD_DIM=head_dim,
         BLOCK_M=layout.block_m,
