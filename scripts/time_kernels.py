@@ -30,6 +30,7 @@ for stride in (int(s) for s in args.strides.split(",")):
     g = torch.randn_like(q)
 
     def step():
+        q.grad = k.grad = v.grad = None  # no gradient accumulation kernels in the profile
         out = s2attn.sparse_attention(q, k, v, p)
         out.backward(g)
 
