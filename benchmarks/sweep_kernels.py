@@ -63,10 +63,12 @@ FWD = {
     "tma 64x64 w4s2 G1": _t(64, 64, 4, 2),
 }
 DKDV = {
-    # The Gluon dK/dV (ops/backward_hopper.py): ring slots per stream (nb), "stride": items
-    # dealt out without the snake order.
-    "gluon nb2": (64, 64, {"num_buffers": 2}),
-    "gluon nb2 stride": (64, 64, {"num_buffers": 2, "snake": False}),
+    # The Gluon dK/dV (ops/backward_hopper.py): ring slots per stream (nb), (batch, KV head)
+    # pairs per group of the item order (G).
+    "gluon nb2 G1": (64, 64, {"num_buffers": 2, "heads_per_group": 1}),
+    "gluon nb2 G2": (64, 64, {"num_buffers": 2, "heads_per_group": 2}),
+    "gluon nb2 G4": (64, 64, {"num_buffers": 2, "heads_per_group": 4}),
+    "gluon nb2 G32": (64, 64, {"num_buffers": 2, "heads_per_group": 32}),
     "gluon d64 nb4": (64, 64, {"num_buffers": 4}),
     "ptr 64x64 w4s2 G32": _t(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 64x64 w4s2 G1": _t(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),

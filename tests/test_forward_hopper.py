@@ -294,7 +294,7 @@ def test_gradients_through_the_dkdv_kernel(gen, dkdv_calls, dtype, dim, causal, 
 
 
 @pytest.mark.parametrize("options", [
-    {"num_buffers": 2, "snake": False},
+    {"num_buffers": 2, "heads_per_group": 3},
     {"num_buffers": 3},  # dim 64 only (shared memory)
     {"num_buffers": 4},
 ])  # fmt: skip

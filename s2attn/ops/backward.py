@@ -596,7 +596,7 @@ def backward(
 # Launch options of the Gluon kernels (ops/backward_hopper.py ``dq_hopper``, ``dkdv_hopper``),
 # for sweeps.
 _HOPPER_DQ_OPTIONS = ("num_buffers", "persistent", "snake")
-_HOPPER_DKDV_OPTIONS = ("num_buffers", "snake")
+_HOPPER_DKDV_OPTIONS = ("num_buffers", "heads_per_group")
 
 
 def _hopper_dkdv_takes(grad_out, q, k, v, dk, dv, layout, *, varlen) -> bool:

@@ -274,16 +274,35 @@ def dq_hopper(
 # the query tiles that read the KV tile, for every query head of the KV head's GQA group in turn,
 # so the group's sum stays in registers. Each program runs two independent *streams* of items,
 # each a one-warp producer and a one-warpgroup consumer with their own buffers: the two consumers
-# share the tensor cores, one's MMAs running while the other does elementwise work. Items come
-# longest list first (``dkdv_order``), dealt out in snake order over the streams.
+# share the tensor cores, one's MMAs running while the other does elementwise work.
+#
+# Lists are very uneven (a stride tile's list spans the sequence, a local tile's is a window), so
+# streams take items from a global counter as they finish, in ``dkdv_order``: a group of heads at
+# a time, longest list first. Full entries are walked from the last query tile down: the long
+# lists of a head all end at its last tile, so items started together read the same q and dO
+# tiles at about the same time, from L2.
 
 
 @gluon.jit
-def _dkdv_item(t, order, num_streams, num_items, snake, kv_tiles, NUM_KV_HEADS: gl.constexpr):
-    """(b, kv_head, kv_tile) of a stream's ``t``-th slot."""
-    item = gl.load(order + _snake_order(t, num_streams, num_items, snake))
+def _dkdv_item(order, t, kv_tiles, NUM_KV_HEADS: gl.constexpr):
+    """(b, kv_head, kv_tile) of the ``t``-th item in ``order``."""
+    item = gl.load(order + t)
     bkv = item // kv_tiles
     return bkv // NUM_KV_HEADS, bkv % NUM_KV_HEADS, item % kv_tiles
+
+
+@gluon.jit
+def _put_item(item_slots, STREAM: gl.constexpr, t):
+    """Hand item ``t`` from a stream's producer (one warp) to its consumer, through shared
+    memory; the mbarrier arrival that follows publishes it."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    item_slots.index(STREAM).store(gl.full([1], t, gl.int32, layout=one))
+
+
+@gluon.jit
+def _get_item(item_slots, STREAM: gl.constexpr):
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(item_slots.index(STREAM).load(one), 0)
 
 
 @gluon.jit
@@ -300,23 +319,24 @@ def _dkdv_list(full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_D
 @gluon.jit
 def _dkdv_producer(
     q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs,
-    kv_ready, kv_empty, qd_ready, qd_empty, order, full_offsets, full_cols, partial_offsets,
-    partial_cols, kv_tiles, layout_tiles, num_items, snake,
+    kv_ready, kv_empty, qd_ready, qd_empty, item_slots, counter, order, full_offsets, full_cols,
+    partial_offsets, partial_cols, kv_tiles, layout_tiles, num_items,
     STREAM: gl.constexpr, NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
     GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """Copies each item's K and V tiles, then q, dO and the row statistics (LSE * log2(e),
-    delta) of every query tile in its lists into the stream's ring."""
+    """Takes items from the counter; copies each item's K and V tiles, then q, dO and the row
+    statistics (LSE * log2(e), delta) of every query tile in its lists into the stream's ring.
+    Past the last item it hands the consumer an index >= num_items."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0] // 2
-    num_streams = 2 * gl.num_programs(0)
-    sid = 2 * gl.program_id(0) + STREAM
     c = 0
-    for t in range(sid, num_items, num_streams):
-        j = (t - sid) // num_streams
-        b, kv_head, n = _dkdv_item(t, order, num_streams, num_items, snake, kv_tiles, NUM_KV_HEADS)
+    j = 0
+    t = gl.atomic_add(counter, 1)
+    while t < num_items:
+        b, kv_head, n = _dkdv_item(order, t, kv_tiles, NUM_KV_HEADS)
         # The K/V slot starts free: the first wait is on the phase before the barrier's first.
         mbarrier.wait(kv_empty.index(STREAM), (j & 1) ^ 1)
+        _put_item(item_slots, STREAM, t)
         mbarrier.expect(kv_ready.index(STREAM), 2 * k_desc.block_type.nbytes)
         kv_at = [b, n * BLOCK_N, kv_head, 0]
         tma.async_copy_global_to_shared(k_desc, kv_at, kv_ready.index(STREAM), k_bufs.index(STREAM))
@@ -329,7 +349,9 @@ def _dkdv_producer(
             for e in range(n_total):
                 buf = STREAM * num_buffers + c % num_buffers
                 mbarrier.wait(qd_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
-                m = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e)
+                # Full entries from the last one down (see above), then the partial ones.
+                at = gl.where(e < n_full, n_full - 1 - e, e)
+                m = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, at)
                 mbarrier.expect(
                     qd_ready.index(buf),
                     2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes,
@@ -346,6 +368,11 @@ def _dkdv_producer(
                     stats_bufs.index(buf),
                 )  # fmt: skip
                 c += 1
+        j += 1
+        t = gl.atomic_add(counter, 1)
+    mbarrier.wait(kv_empty.index(STREAM), (j & 1) ^ 1)
+    _put_item(item_slots, STREAM, t)
+    mbarrier.arrive(kv_ready.index(STREAM))
 
 
 @gluon.jit
@@ -388,8 +415,8 @@ def _dkdv_consumer(
     (
         q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty,
         dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items, snake,
-        qk_scale, softmax_scale,
+        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
+        qk_scale, softmax_scale, item_slots,
     ) = work  # fmt: skip
     num_buffers: gl.constexpr = q_bufs.type.shape[0] // 2
     dtype: gl.constexpr = q_bufs.dtype
@@ -397,17 +424,16 @@ def _dkdv_consumer(
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    num_streams = 2 * gl.num_programs(0)
-    sid = 2 * gl.program_id(0) + STREAM
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     c = 0
-    for t in range(sid, num_items, num_streams):
-        j = (t - sid) // num_streams
-        b, kv_head, n = _dkdv_item(t, order, num_streams, num_items, snake, kv_tiles, NUM_KV_HEADS)
+    j = 0
+    mbarrier.wait(kv_ready.index(STREAM), 0)
+    t = _get_item(item_slots, STREAM)
+    while t < num_items:
+        b, kv_head, n = _dkdv_item(order, t, kv_tiles, NUM_KV_HEADS)
         kv_abs = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(kv_ready.index(STREAM), j & 1)
         k = k_bufs.index(STREAM).reshape([BLOCK_N, HEAD_DIM])
         v = v_bufs.index(STREAM).reshape([BLOCK_N, HEAD_DIM])
         for g in range(GQA_GROUP):
@@ -449,20 +475,23 @@ def _dkdv_consumer(
         base = b.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
         _store_rows(dK + base, rows, (dk * softmax_scale).to(dtype), stride_ks, seqlen_k, o_layout)
         _store_rows(dV + base, rows, dv.to(dtype), stride_ks, seqlen_k, o_layout)
+        j += 1
+        mbarrier.wait(kv_ready.index(STREAM), j & 1)
+        t = _get_item(item_slots, STREAM)
 
 
 @gluon.jit
 def _dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, stats_desc, dK, dV, order,
+    q_desc, do_desc, k_desc, v_desc, stats_desc, dK, dV, counter, order,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-    stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items, snake,
+    stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
     qk_scale, softmax_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
 ):  # fmt: skip
-    """Persistent: stream s of program p takes slots 2p + s, 2p + s + 2 * grid, ..."""
+    """Persistent: two streams per program, taking items from ``counter`` (zero at launch)."""
     dtype: gl.constexpr = q_desc.dtype
     GQA_GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
     # Stream s owns K/V slot s and ring slots s * NUM_BUFFERS ...
@@ -478,6 +507,9 @@ def _dkdv_kernel(
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     qd_ready = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
     qd_empty = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
+    item_slots = gl.allocate_shared_memory(
+        gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
@@ -489,8 +521,8 @@ def _dkdv_kernel(
     work = (
         q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty,
         dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items, snake,
-        qk_scale, softmax_scale,
+        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
+        qk_scale, softmax_scale, item_slots,
     )  # fmt: skip
     gl.warp_specialize(
         [
@@ -512,9 +544,9 @@ def _dkdv_kernel(
                 _dkdv_producer,
                 (
                     q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs,
-                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, order,
-                    full_offsets, full_cols, partial_offsets, partial_cols, kv_tiles,
-                    layout_tiles, num_items, snake, 0, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
+                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, item_slots,
+                    counter, order, full_offsets, full_cols, partial_offsets, partial_cols,
+                    kv_tiles, layout_tiles, num_items, 0, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
                     PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
                 ),
             ),
@@ -522,9 +554,9 @@ def _dkdv_kernel(
                 _dkdv_producer,
                 (
                     q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs,
-                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, order,
-                    full_offsets, full_cols, partial_offsets, partial_cols, kv_tiles,
-                    layout_tiles, num_items, snake, 1, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
+                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, item_slots,
+                    counter, order, full_offsets, full_cols, partial_offsets, partial_cols,
+                    kv_tiles, layout_tiles, num_items, 1, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
                     PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
                 ),
             ),
@@ -535,15 +567,18 @@ def _dkdv_kernel(
 
 
 def dkdv_order(layout: TileLayout, batch: int, num_heads: int, num_kv_heads: int,
-               kv_tiles: int, pattern_head_div: int) -> torch.Tensor:  # fmt: skip
-    """dK/dV work items ((b * kv_heads + kv_head) * kv_tiles + tile), longest list first: dealt
-    out in snake order, this keeps persistent streams within about one list of each other."""
+               kv_tiles: int, pattern_head_div: int, heads_per_group: int) -> torch.Tensor:  # fmt: skip
+    """dK/dV work items ((b * kv_heads + kv_head) * kv_tiles + tile) in the order streams take
+    them: ``heads_per_group`` (batch, KV head) pairs at a time, so their q and dO stay in L2, and
+    within a group the longest lists first, so no stream starts one near the end."""
     full = layout.full_offsets.diff().view(-1, layout.num_groups)
     partial = layout.partial_offsets.diff().view(-1, layout.num_groups)
     heads = torch.arange(num_heads, device=full.device) // pattern_head_div
     lengths = (full + partial)[heads, :kv_tiles].view(num_kv_heads, -1, kv_tiles).sum(1)
-    order = lengths.repeat(batch, 1).flatten().argsort(descending=True, stable=True)
-    return order.to(torch.int32)
+    lengths = lengths.repeat(batch, 1).long()
+    group = torch.arange(lengths.shape[0], device=full.device)[:, None] // heads_per_group
+    key = group * (lengths.max() + 1) - lengths
+    return key.flatten().argsort(stable=True).to(torch.int32)
 
 
 @functools.cache
@@ -563,7 +598,7 @@ def row_stats_descriptor(stats: torch.Tensor, seqlen: int, block_m: int) -> Tens
 def dkdv_hopper(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stats: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, layout: TileLayout, *,
-    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2, snake: bool = True,
+    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2, heads_per_group: int = 1,
 ) -> None:  # fmt: skip
     """Fill ``dk`` and ``dv`` (like k; dk's strides for both) for batched inputs, on a backward
     layout; ``stats`` as ``row_stats_descriptor`` takes it."""
@@ -573,16 +608,19 @@ def dkdv_hopper(
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     kv_tiles = -(-seqlen_k // layout.block_n)
     num_items = batch * num_kv_heads * kv_tiles
-    order = dkdv_order(layout, batch, num_heads, num_kv_heads, kv_tiles, pattern_head_div)
+    order = dkdv_order(
+        layout, batch, num_heads, num_kv_heads, kv_tiles, pattern_head_div, heads_per_group
+    )
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     grid = min(-(-num_items // 2), _num_sms(q.device))
     _dkdv_kernel[(grid,)](
         _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
         _descriptor(k, layout.block_n), _descriptor(v, layout.block_n),
-        row_stats_descriptor(stats, seqlen_q, layout.block_m), dk, dv, order,
+        row_stats_descriptor(stats, seqlen_q, layout.block_m), dk, dv, counter, order,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         dk.stride(0), dk.stride(1), dk.stride(2), seqlen_k, kv_tiles, layout.num_groups,
-        num_items, int(snake), softmax_scale * LOG2E, softmax_scale,
+        num_items, softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div,
