@@ -566,8 +566,10 @@ def _dkdv_kernel(
     )  # fmt: skip
 
 
-def dkdv_order(layout: TileLayout, batch: int, num_heads: int, num_kv_heads: int,
-               kv_tiles: int, pattern_head_div: int, heads_per_group: int) -> torch.Tensor:  # fmt: skip
+def dkdv_order(
+    layout: TileLayout, batch: int, num_heads: int, num_kv_heads: int, kv_tiles: int,
+    pattern_head_div: int, heads_per_group: int,
+) -> torch.Tensor:  # fmt: skip
     """dK/dV work items ((b * kv_heads + kv_head) * kv_tiles + tile) in the order streams take
     them: ``heads_per_group`` (batch, KV head) pairs at a time, so their q and dO stay in L2, and
     within a group the longest lists first, so no stream starts one near the end."""
