@@ -600,10 +600,14 @@ def row_stats_descriptor(stats: torch.Tensor, seqlen: int, block_m: int) -> Tens
 def dkdv_hopper(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stats: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, layout: TileLayout, *,
-    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2, heads_per_group: int = 1,
+    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2, heads_per_group: int = 4,
 ) -> None:  # fmt: skip
     """Fill ``dk`` and ``dv`` (like k; dk's strides for both) for batched inputs, on a backward
-    layout; ``stats`` as ``row_stats_descriptor`` takes it."""
+    layout; ``stats`` as ``row_stats_descriptor`` takes it.
+
+    Defaults measured on H100 (benchmarks/NOTES.md, change 15): two ring slots per stream (three
+    do not fit at dim 128; at dim 64 four were slower), and groups of 4 (batch, KV head) pairs
+    (128k, whole backward: V16 68.5 ms vs 67.0 with 1, V64 28.7 vs 29.9)."""
     from .common import LOG2E
 
     batch, seqlen_q, num_heads, head_dim = q.shape
