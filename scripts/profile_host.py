@@ -1,21 +1,47 @@
-"""Host-side profile of sparse_attention's forward launch (dev aid)."""
+"""Host-side profile of sparse_attention's launches (dev aid): the forward, or with
+--backward one forward+backward per call, at 8k (where host time can exceed kernel time)."""
+import argparse
 import cProfile
 import pstats
+import time
 
 import torch
 
 import s2attn
 from s2attn import local_stride_pattern
 
-p = local_stride_pattern(32, 8192, 64, 16, 16)
-q, k, v = (torch.randn(1, 8192, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+ap = argparse.ArgumentParser()
+ap.add_argument("--backward", action="store_true")
+ap.add_argument("--seq", type=int, default=8192)
+args = ap.parse_args()
+p = local_stride_pattern(32, args.seq, 64, 16, 16)
+q, k, v = (
+    torch.randn(1, args.seq, 32, 128, device="cuda", dtype=torch.bfloat16,
+                requires_grad=args.backward)
+    for _ in range(3)
+)  # fmt: skip
+g = torch.randn_like(q)
+
+
+def call():
+    out = s2attn.sparse_attention(q, k, v, p)
+    if args.backward:
+        torch.autograd.grad(out, (q, k, v), g)
+
+
 for _ in range(5):
-    s2attn.sparse_attention(q, k, v, p)
+    call()
 torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(50):
+    call()
+host = (time.perf_counter() - t0) / 50 * 1e3
+torch.cuda.synchronize()
+print(f"host time per call: {host:.3f} ms (returns before the GPU is done unless it syncs)")
 prof = cProfile.Profile()
 prof.enable()
-for _ in range(200):
-    s2attn.sparse_attention(q, k, v, p)
+for _ in range(100):
+    call()
 prof.disable()
 torch.cuda.synchronize()
 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
