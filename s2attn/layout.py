@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,6 +70,9 @@ class TileLayout:
     gather_partial_offsets: torch.Tensor | None = None  # int32 (heads * num_groups + 1,)
     gather_partial_blocks: torch.Tensor | None = None  # int32 (entries * gather_width,)
     gather_partial_bits: torch.Tensor | None = None  # int64, one bit matrix per entry
+    # Tensors kernels derive from the layout (e.g. the Gluon dK/dV kernel's item order), kept
+    # here so they are computed once per layout, not per call.
+    derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def num_entries(self) -> int:

@@ -591,10 +591,12 @@ def _stats_layout() -> gl.NVMMASharedLayout:
 def row_stats_descriptor(stats: torch.Tensor, seqlen: int, block_m: int) -> TensorDescriptor:
     """Bulk-copy descriptor of the (batch * heads, 2, padded seq) float32 row statistics, with
     (1, 2, block_m) blocks; rows past ``seqlen`` read as zeros."""
-    return TensorDescriptor(
-        stats, [stats.shape[0], 2, seqlen], list(stats.stride()), [1, 2, block_m],
-        _stats_layout(),
+    desc = TensorDescriptor.__new__(TensorDescriptor)  # checks skipped, as in _descriptor
+    desc.__dict__.update(
+        base=stats, shape=[stats.shape[0], 2, seqlen], strides=list(stats.stride()),
+        block_shape=[1, 2, block_m], layout=_stats_layout(), padding="zero",
     )  # fmt: skip
+    return desc
 
 
 def dkdv_hopper(
@@ -614,9 +616,11 @@ def dkdv_hopper(
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     kv_tiles = -(-seqlen_k // layout.block_n)
     num_items = batch * num_kv_heads * kv_tiles
-    order = dkdv_order(
-        layout, batch, num_heads, num_kv_heads, kv_tiles, pattern_head_div, heads_per_group
-    )
+    key = ("dkdv_order", batch, num_heads, num_kv_heads, kv_tiles, pattern_head_div,
+           heads_per_group)  # fmt: skip
+    order = layout.derived.get(key)
+    if order is None:
+        order = layout.derived[key] = dkdv_order(layout, *key[1:])
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     grid = min(-(-num_items // 2), _num_sms(q.device))
     _dkdv_kernel[(grid,)](
