@@ -57,9 +57,11 @@ def _dq_consumer(
     work, HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, QD_IN_REGS: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: dQ of query rows HALF * ROWS.. of each of the program's query tiles."""
+    """One warpgroup: dQ of query rows HALF * ROWS.. of each of the program's query tiles.
+    QD_IN_REGS: q and dO are MMA operands from registers (32 each), so per entry the MMAs read
+    only K and V from shared memory, whose bandwidth bounds this kernel otherwise."""
     (
         q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, dQ, Lse,
         Delta, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
@@ -104,6 +106,13 @@ def _dq_consumer(
         mbarrier.wait(q_ready.index(j % 2), (j // 2) & 1)
         q = q_bufs.index(j % 2).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
         do = do_bufs.index(j % 2).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
+        if QD_IN_REGS:
+            a_layout: gl.constexpr = gl.DotOperandLayout(
+                operand_index=0, parent=s_layout, k_width=2
+            )
+            q = q.load(a_layout)
+            do = do.load(a_layout)
+            mbarrier.arrive(q_empty.index(j % 2))  # read: the next tile's copies may start
         if n_mine > 0:
             # Entry 0: dS only; its dQ MMA is issued behind entry 1's score MMAs.
             buf = c % num_buffers
@@ -153,7 +162,8 @@ def _dq_consumer(
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
         _free_slots(k_ready, v_ready, kv_empty, c + n_mine, c + n_total)
-        mbarrier.arrive(q_empty.index(j % 2))
+        if not QD_IN_REGS:
+            mbarrier.arrive(q_empty.index(j % 2))
         c += n_total
 
         out_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
@@ -171,7 +181,7 @@ def _dq_kernel(
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
-    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, QD_IN_REGS: gl.constexpr,
 ):  # fmt: skip
     """Persistent: each program takes work items (head, query tile) pid, pid + grid, ..."""
     dtype: gl.constexpr = q_desc.dtype
@@ -207,14 +217,14 @@ def _dq_kernel(
                 _dq_consumer,
                 (
                     work, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-                    COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL, QD_IN_REGS,
                 ),
             ),
             (
                 _dq_consumer,
                 (
                     work, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-                    COL_GROUP, BITS_PER_ROW, CAUSAL,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL, QD_IN_REGS,
                 ),
             ),
             (
@@ -237,7 +247,7 @@ def dq_hopper(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, layout: TileLayout, *,
     softmax_scale: float, pattern_head_div: int, num_tiles: int, num_buffers: int = 3,
-    persistent: bool = True, snake: bool = True,
+    persistent: bool = True, snake: bool = True, qd_in_regs: bool = True,
 ) -> None:  # fmt: skip
     """Fill ``dq`` (like q) for batched inputs; ``lse`` and ``delta`` are (batch, heads, seq_q)."""
     from .common import LOG2E
@@ -264,6 +274,7 @@ def dq_hopper(
         BITS_PER_ROW=layout.bits_per_row,
         CAUSAL=layout.causal,
         NUM_BUFFERS=num_buffers,
+        QD_IN_REGS=qd_in_regs,
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
