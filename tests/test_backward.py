@@ -474,3 +474,30 @@ def test_backward_memory_is_linear_in_seq():
         f"({input_bytes / 2**20:.0f} MiB); a score matrix would take {score_bytes / 2**30:.0f} GiB"
     )
     assert extra < 20 * input_bytes
+
+
+def test_dkdv_item_order():
+    # The Gluon dK/dV kernel's queue (ops/backward_hopper.py): a permutation of the items, one
+    # group of (batch, KV head) pairs after another, longest list first within a group, each
+    # group's long lists ahead of the previous group's short ones, short ones last.
+    from s2attn.layout import backward_layout
+    from s2attn.ops.backward_hopper import dkdv_order
+
+    heads, tiles = 8, 128
+    pattern = local_stride_pattern(heads, tiles * 64, 64, 16, 64)
+    layout = backward_layout(pattern, 64, 64, torch.device("cpu"), tiles)
+    order = dkdv_order(layout, 2, heads, heads, tiles, 1, 4).long()
+    assert sorted(order.tolist()) == list(range(2 * heads * tiles))
+    lengths = (layout.full_offsets.diff() + layout.partial_offsets.diff()).view(heads, -1)
+    lengths = lengths[:, :tiles].repeat(2, 1).flatten()[order]
+    group = order // tiles // 4
+    long = lengths > 2 * lengths.median()
+    assert long.any() and not long[-tiles:].any()
+    # Within one group and class, lists come longest first; long lists of group g come before
+    # short lists of group g - 1 and after the short lists of group g - 2.
+    for g in range(int(group.max()) + 1):
+        for cls in (True, False):
+            sel = ((group == g) & (long == cls)).nonzero().flatten()
+            assert (lengths[sel].diff() <= 0).all()
+            if cls and g >= 1:
+                assert sel.max() < ((group == g - 1) & ~long).nonzero().min()

@@ -582,15 +582,19 @@ def dkdv_order(
     pattern_head_div: int, heads_per_group: int,
 ) -> torch.Tensor:  # fmt: skip
     """dK/dV work items ((b * kv_heads + kv_head) * kv_tiles + tile) in the order streams take
-    them: ``heads_per_group`` (batch, KV head) pairs at a time, so their q and dO stay in L2, and
-    within a group the longest lists first, so no stream starts one near the end."""
+    them: ``heads_per_group`` (batch, KV head) pairs at a time, so their q and dO stay in L2,
+    longest list first. A group's long lists (over twice the median) are moved ahead of the
+    previous group's short ones, so the last items taken are short and no stream is left
+    finishing a long one alone: the queue reads L0 L1 S0 L2 S1 ... S_last."""
     full = layout.full_offsets.diff().view(-1, layout.num_groups)
     partial = layout.partial_offsets.diff().view(-1, layout.num_groups)
     heads = torch.arange(num_heads, device=full.device) // pattern_head_div
     lengths = (full + partial)[heads, :kv_tiles].view(num_kv_heads, -1, kv_tiles).sum(1)
     lengths = lengths.repeat(batch, 1).long()
     group = torch.arange(lengths.shape[0], device=full.device)[:, None] // heads_per_group
-    key = group * (lengths.max() + 1) - lengths
+    long = lengths > 2 * lengths.median()
+    slot = torch.where(long, (2 * group - 1).clamp(min=0), 2 * group + 2)
+    key = slot * (lengths.max() + 1) - lengths
     return key.flatten().argsort(stable=True).to(torch.int32)
 
 
