@@ -64,7 +64,8 @@ FWD = {
 }
 DKDV = {
     # The Gluon dK/dV (ops/backward_hopper.py): ring slots per stream (nb), (batch, KV head)
-    # pairs per group of the item order (G).
+    # pairs per group of the item order (G; default: chosen from the lists' lengths).
+    "gluon nb2": (64, 64, {"num_buffers": 2}),
     "gluon nb2 G1": (64, 64, {"num_buffers": 2, "heads_per_group": 1}),
     "gluon nb2 G2": (64, 64, {"num_buffers": 2, "heads_per_group": 2}),
     "gluon nb2 G4": (64, 64, {"num_buffers": 2, "heads_per_group": 4}),

@@ -486,7 +486,7 @@ def test_dkdv_item_order():
     heads, tiles = 8, 128
     pattern = local_stride_pattern(heads, tiles * 64, 64, 16, 64)
     layout = backward_layout(pattern, 64, 64, torch.device("cpu"), tiles)
-    order = dkdv_order(layout, 2, heads, heads, tiles, 1, 4).long()
+    order = dkdv_order(layout, 2, heads, heads, tiles, 1, 4, 264).long()
     assert sorted(order.tolist()) == list(range(2 * heads * tiles))
     lengths = (layout.full_offsets.diff() + layout.partial_offsets.diff()).view(heads, -1)
     lengths = lengths[:, :tiles].repeat(2, 1).flatten()[order]

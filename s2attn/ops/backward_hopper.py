@@ -579,20 +579,29 @@ def _dkdv_kernel(
 
 def dkdv_order(
     layout: TileLayout, batch: int, num_heads: int, num_kv_heads: int, kv_tiles: int,
-    pattern_head_div: int, heads_per_group: int,
+    pattern_head_div: int, heads_per_group: int | None, streams: int,
 ) -> torch.Tensor:  # fmt: skip
     """dK/dV work items ((b * kv_heads + kv_head) * kv_tiles + tile) in the order streams take
-    them: ``heads_per_group`` (batch, KV head) pairs at a time, so their q and dO stay in L2,
-    longest list first. A group's long lists (over twice the median) are moved ahead of the
-    previous group's short ones, so the last items taken are short and no stream is left
-    finishing a long one alone: the queue reads L0 L1 S0 L2 S1 ... S_last."""
+    them: groups of (batch, KV head) pairs, so their q and dO stay in L2, longest list first.
+    A group's long lists (over twice the median) are moved ahead of the previous group's short
+    ones, so the last items taken are short and no stream is left finishing a long one alone:
+    the queue reads L0 L1 S0 L2 S1 ... S_last.
+
+    ``heads_per_group`` None: pairs enough for about ``streams / 2`` long lists per group (so
+    two groups' long lists about fill the streams). Measured on H100 at 128k (whole backward):
+    V16 (128 long lists per head) 58.8 ms with 1 pair vs 72.5 with 4; V64 (32 per head) 25.3
+    ms with 4 vs 26.5 with 1."""
     full = layout.full_offsets.diff().view(-1, layout.num_groups)
     partial = layout.partial_offsets.diff().view(-1, layout.num_groups)
     heads = torch.arange(num_heads, device=full.device) // pattern_head_div
     lengths = (full + partial)[heads, :kv_tiles].view(num_kv_heads, -1, kv_tiles).sum(1)
     lengths = lengths.repeat(batch, 1).long()
-    group = torch.arange(lengths.shape[0], device=full.device)[:, None] // heads_per_group
+    pairs = lengths.shape[0]
     long = lengths > 2 * lengths.median()
+    if heads_per_group is None:
+        long_per_pair = max(1, round(long.sum().item() / pairs))
+        heads_per_group = max(1, min(pairs, streams // (2 * long_per_pair)))
+    group = torch.arange(pairs, device=full.device)[:, None] // heads_per_group
     slot = torch.where(long, (2 * group - 1).clamp(min=0), 2 * group + 2)
     key = slot * (lengths.max() + 1) - lengths
     return key.flatten().argsort(stable=True).to(torch.int32)
@@ -617,27 +626,27 @@ def row_stats_descriptor(stats: torch.Tensor, seqlen: int, block_m: int) -> Tens
 def dkdv_hopper(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stats: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, layout: TileLayout, *,
-    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2, heads_per_group: int = 4,
+    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2,
+    heads_per_group: int | None = None,
 ) -> None:  # fmt: skip
     """Fill ``dk`` and ``dv`` (like k; dk's strides for both) for batched inputs, on a backward
     layout; ``stats`` as ``row_stats_descriptor`` takes it.
 
-    Defaults measured on H100 (benchmarks/NOTES.md, change 15): two ring slots per stream (three
-    do not fit at dim 128; at dim 64 four were slower), and groups of 4 (batch, KV head) pairs
-    (128k, whole backward: V16 68.5 ms vs 67.0 with 1, V64 28.7 vs 29.9)."""
+    Two ring slots per stream by default (three do not fit at dim 128; at dim 64 four measured
+    slower on H100); ``heads_per_group`` as ``dkdv_order`` takes it."""
     from .common import LOG2E
 
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     kv_tiles = -(-seqlen_k // layout.block_n)
     num_items = batch * num_kv_heads * kv_tiles
+    grid = min(-(-num_items // 2), _num_sms(q.device))
     key = ("dkdv_order", batch, num_heads, num_kv_heads, kv_tiles, pattern_head_div,
-           heads_per_group)  # fmt: skip
+           heads_per_group, 2 * grid)  # fmt: skip
     order = layout.derived.get(key)
     if order is None:
         order = layout.derived[key] = dkdv_order(layout, *key[1:])
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    grid = min(-(-num_items // 2), _num_sms(q.device))
     _dkdv_kernel[(grid,)](
         _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
         _descriptor(k, layout.block_n), _descriptor(v, layout.block_n),
