@@ -588,7 +588,7 @@ def dkdv_order(
     the queue reads L0 L1 S0 L2 S1 ... S_last.
 
     ``heads_per_group`` None: pairs enough for about ``streams / 2`` long lists per group (so
-    two groups' long lists about fill the streams). Measured on H100 at 128k (whole backward):
+    two groups' long lists about fill the streams), or 4 when no list is long. Measured on H100 at 128k (whole backward):
     V16 (128 long lists per head) 58.8 ms with 1 pair vs 72.5 with 4; V64 (32 per head) 25.3
     ms with 4 vs 26.5 with 1."""
     full = layout.full_offsets.diff().view(-1, layout.num_groups)
@@ -599,8 +599,10 @@ def dkdv_order(
     pairs = lengths.shape[0]
     long = lengths > 2 * lengths.median()
     if heads_per_group is None:
-        long_per_pair = max(1, round(long.sum().item() / pairs))
-        heads_per_group = max(1, min(pairs, streams // (2 * long_per_pair)))
+        long_per_pair = round(long.sum().item() / pairs)
+        # Without long lists (e.g. a dense pattern), groups of 4 as the Triton kernel measured.
+        pairs_per_group = streams // (2 * long_per_pair) if long_per_pair else 4
+        heads_per_group = max(1, min(pairs, pairs_per_group))
     group = torch.arange(pairs, device=full.device)[:, None] // heads_per_group
     slot = torch.where(long, (2 * group - 1).clamp(min=0), 2 * group + 2)
     key = slot * (lengths.max() + 1) - lengths
