@@ -588,9 +588,9 @@ def dkdv_order(
     the queue reads L0 L1 S0 L2 S1 ... S_last.
 
     ``heads_per_group`` None: pairs enough for about ``streams / 2`` long lists per group (so
-    two groups' long lists about fill the streams), or 4 when no list is long. Measured on H100 at 128k (whole backward):
-    V16 (128 long lists per head) 58.8 ms with 1 pair vs 72.5 with 4; V64 (32 per head) 25.3
-    ms with 4 vs 26.5 with 1."""
+    two groups' long lists about fill the streams), or 4 when no list is long. Measured on H100
+    at 128k (whole backward): V16 (128 long lists per head) 58.8 ms with 1 pair vs 72.5 with 4;
+    V64 (32 per head) 25.3 ms with 4 vs 26.5 with 1."""
     full = layout.full_offsets.diff().view(-1, layout.num_groups)
     partial = layout.partial_offsets.diff().view(-1, layout.num_groups)
     heads = torch.arange(num_heads, device=full.device) // pattern_head_div
