@@ -188,6 +188,17 @@ def test_other_cases_fall_back():
 
 
 # ------------------------------------------------------------------------------------ dQ kernel
+def _check_gradients(gen, q, k, v, pattern, dtype):
+    out = s2attn.sparse_attention(q, k, v, pattern)
+    grad = _randn(gen, *out.shape, dtype=dtype)
+    out.backward(grad)
+    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    s2attn.attention_reference(ref_q, ref_k, ref_v, pattern).backward(grad.float())
+    for name, got, ref in (("dq", q.grad, ref_q.grad), ("dk", k.grad, ref_k.grad),
+                           ("dv", v.grad, ref_v.grad)):  # fmt: skip
+        assert_close(got, ref, dtype, name)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", ["local-stride", "random", "gqa"])
@@ -211,14 +222,7 @@ def test_gradients_through_the_dq_kernel(gen, dtype, causal, case):
         q, q, k, v, q, layout, varlen=False, check_k_bounds=bounds, softmax_scale=dim**-0.5
     ), "this case was meant for the Gluon dQ kernel"
 
-    out = s2attn.sparse_attention(q, k, v, pattern)
-    grad = _randn(gen, *out.shape, dtype=dtype)
-    out.backward(grad)
-    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
-    s2attn.attention_reference(ref_q, ref_k, ref_v, pattern).backward(grad.float())
-    for name, got, ref in (("dq", q.grad, ref_q.grad), ("dk", k.grad, ref_k.grad),
-                           ("dv", v.grad, ref_v.grad)):  # fmt: skip
-        assert_close(got, ref, dtype, name)
+    _check_gradients(gen, q, k, v, pattern, dtype)
 
 
 def test_dq_kernel_matches_the_triton_one(gen):
@@ -256,17 +260,6 @@ def dkdv_calls(monkeypatch) -> list:
 
     monkeypatch.setattr(backward_hopper, "dkdv_hopper", spy)
     return calls
-
-
-def _check_gradients(gen, q, k, v, pattern, dtype):
-    out = s2attn.sparse_attention(q, k, v, pattern)
-    grad = _randn(gen, *out.shape, dtype=dtype)
-    out.backward(grad)
-    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
-    s2attn.attention_reference(ref_q, ref_k, ref_v, pattern).backward(grad.float())
-    for name, got, ref in (("dq", q.grad, ref_q.grad), ("dk", k.grad, ref_k.grad),
-                           ("dv", v.grad, ref_v.grad)):  # fmt: skip
-        assert_close(got, ref, dtype, name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -31,6 +31,7 @@ from .common import (
     dot_precision,
     entry_keep,
     heads_per_program_group,
+    layout_constexprs,
     lse_strides,
     padded_head_dim,
     program_order,
@@ -528,10 +529,6 @@ def backward(
         HAS_STATS=gluon_dkdv,
     )  # fmt: skip
 
-    geometry = lambda lay: dict(  # noqa: E731
-        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, ROW_GROUP=lay.row_group,
-        COL_GROUP=lay.col_group, BITS_PER_ROW=lay.bits_per_row, CAUSAL=lay.causal,
-    )  # fmt: skip
     lay = dkdv_layout
     kv_tiles = math.ceil(seqlen_k / lay.block_n)
     group = heads_per_program_group(batch * num_kv_heads, dkdv_options.pop("HEADS_PER_GROUP", 1))
@@ -555,7 +552,7 @@ def backward(
             softmax_scale,
             NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
             PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            VARLEN=varlen, DOT_PRECISION=dot, **geometry(lay), **dkdv_options,
+            VARLEN=varlen, DOT_PRECISION=dot, **layout_constexprs(lay), **dkdv_options,
         )  # fmt: skip
     lay = dq_layout
     if varlen:
@@ -588,7 +585,7 @@ def backward(
         NUM_HEADS=num_heads, GQA_GROUP=num_heads // num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
         VARLEN=varlen, CHECK_K_BOUNDS=k_bounds,
-        DOT_PRECISION=dot, **geometry(lay), **dq_options,
+        DOT_PRECISION=dot, **layout_constexprs(lay), **dq_options,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -605,15 +602,13 @@ def _hopper_dkdv_takes(grad_out, q, k, v, dk, dv, layout, *, varlen) -> bool:
     and dK, dV with the same strides."""
     if INTERPRETED or q.device.type != "cuda" or varlen or q.shape[1] != k.shape[1]:
         return False
-    if dk.stride() != dv.stride() or dk.stride(-1) != 1 or q.shape[-1] not in (64, 128):
+    if dk.stride() != dv.stride() or dk.stride(-1) != 1:
         return False
     if (layout.block_m, layout.block_n) != (64, 64) or layout.bits_per_row >= 32:
         return False
-    from .forward_hopper import _ENABLED, _capability
+    from .forward_hopper import runs_on
 
-    if not _ENABLED or _capability(q.device) != (9, 0):
-        return False
-    return q.dtype in (torch.float16, torch.bfloat16) and tma_allowed(q.device, q, k, v, grad_out)
+    return runs_on(q) and tma_allowed(q.device, q, k, v, grad_out)
 
 
 def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layout import TileLayout
+from .common import layout_constexprs
 from .forward_hopper import (
     _CONSUMER_REGS,
     _MAX_REGS,
@@ -39,12 +40,14 @@ from .forward_hopper import (
     _descriptor,
     _entries_reaching,
     _entry_col,
+    _entry_list,
     _free_slots,
     _masked_scores,
     _num_sms,
     _producer,
     _snake_order,
     _store_rows,
+    _unchecked_descriptor,
     _wgmma_layout,
     _work_item,
 )
@@ -267,12 +270,7 @@ def dq_hopper(
         GQA_GROUP=num_heads // k.shape[-2],
         PATTERN_HEAD_DIV=pattern_head_div,
         HEAD_DIM=head_dim,
-        BLOCK_M=layout.block_m,
-        BLOCK_N=layout.block_n,
-        ROW_GROUP=layout.row_group,
-        COL_GROUP=layout.col_group,
-        BITS_PER_ROW=layout.bits_per_row,
-        CAUSAL=layout.causal,
+        **layout_constexprs(layout),
         NUM_BUFFERS=num_buffers,
         QD_IN_REGS=qd_in_regs,
         num_warps=4,
@@ -317,17 +315,6 @@ def _get_item(item_slots, STREAM: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_list(full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV: gl.constexpr):
-    """(full_start, n_full, partial_start, n_total) of head ``h``'s list for KV tile ``n``."""
-    group = (h // PATTERN_HEAD_DIV) * layout_tiles + n
-    full_start = gl.load(full_offsets + group)
-    n_full = gl.load(full_offsets + group + 1) - full_start
-    partial_start = gl.load(partial_offsets + group)
-    n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
-    return full_start, n_full, partial_start, n_total
-
-
-@gluon.jit
 def _dkdv_producer(
     q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs,
     kv_ready, kv_empty, qd_ready, qd_empty, item_slots, counter, order, full_offsets, full_cols,
@@ -354,7 +341,7 @@ def _dkdv_producer(
         tma.async_copy_global_to_shared(v_desc, kv_at, kv_ready.index(STREAM), v_bufs.index(STREAM))
         for g in range(GQA_GROUP):
             h = kv_head * GQA_GROUP + g
-            full_start, n_full, partial_start, n_total = _dkdv_list(
+            full_start, n_full, partial_start, n_total = _entry_list(
                 full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
             )
             for e in range(n_total):
@@ -449,7 +436,7 @@ def _dkdv_consumer(
         v = v_bufs.index(STREAM).reshape([BLOCK_N, HEAD_DIM])
         for g in range(GQA_GROUP):
             h = kv_head * GQA_GROUP + g
-            full_start, n_full, partial_start, n_total = _dkdv_list(
+            full_start, n_full, partial_start, n_total = _entry_list(
                 full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
             )
             for e in range(n_total):
@@ -617,12 +604,9 @@ def _stats_layout() -> gl.NVMMASharedLayout:
 def row_stats_descriptor(stats: torch.Tensor, seqlen: int, block_m: int) -> TensorDescriptor:
     """Bulk-copy descriptor of the (batch * heads, 2, padded seq) float32 row statistics, with
     (1, 2, block_m) blocks; rows past ``seqlen`` read as zeros."""
-    desc = TensorDescriptor.__new__(TensorDescriptor)  # checks skipped, as in _descriptor
-    desc.__dict__.update(
-        base=stats, shape=[stats.shape[0], 2, seqlen], strides=list(stats.stride()),
-        block_shape=[1, 2, block_m], layout=_stats_layout(), padding="zero",
-    )  # fmt: skip
-    return desc
+    return _unchecked_descriptor(
+        stats, [stats.shape[0], 2, seqlen], [1, 2, block_m], _stats_layout()
+    )
 
 
 def dkdv_hopper(
@@ -661,12 +645,7 @@ def dkdv_hopper(
         NUM_KV_HEADS=num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div,
         HEAD_DIM=head_dim,
-        BLOCK_M=layout.block_m,
-        BLOCK_N=layout.block_n,
-        ROW_GROUP=layout.row_group,
-        COL_GROUP=layout.col_group,
-        BITS_PER_ROW=layout.bits_per_row,
-        CAUSAL=layout.causal,
+        **layout_constexprs(layout),
         NUM_BUFFERS=num_buffers,
         num_warps=4,
         maxnreg=_MAX_REGS,

@@ -57,6 +57,14 @@ def heads_per_program_group(num_bh: int, wanted: int) -> int:
     return wanted
 
 
+def layout_constexprs(layout: TileLayout) -> dict[str, int | bool]:
+    """The layout's geometry as the kernels' constexpr arguments (Triton and Gluon alike)."""
+    return dict(
+        BLOCK_M=layout.block_m, BLOCK_N=layout.block_n, ROW_GROUP=layout.row_group,
+        COL_GROUP=layout.col_group, BITS_PER_ROW=layout.bits_per_row, CAUSAL=layout.causal,
+    )  # fmt: skip
+
+
 @triton.jit
 def entry_keep(
     bits, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_GROUP: tl.constexpr,

@@ -31,9 +31,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layout import TileLayout
-from .common import tma_allowed
+from .common import layout_constexprs, tma_allowed
 
-__all__ = ["supported", "forward_hopper"]
+__all__ = ["forward_hopper", "runs_on", "supported"]
 
 # Producer partition: one warp, few registers; the consumers get the rest.
 _PRODUCER_WARPS = gl.constexpr(1)
@@ -109,12 +109,24 @@ def _work_item(
     bh = (t // per_group) * heads_per_group + rank % heads_per_group
     h = bh % NUM_HEADS
     tile = (seqlen_k - 1) // BLOCK_M - rank // heads_per_group
+    full_start, n_full, partial_start, n_total = _entry_list(
+        full_offsets, partial_offsets, h, tile, layout_tiles, PATTERN_HEAD_DIV
+    )
+    return bh // NUM_HEADS, h, tile, full_start, n_full, partial_start, n_total
+
+
+@gluon.jit
+def _entry_list(
+    full_offsets, partial_offsets, h, tile, layout_tiles, PATTERN_HEAD_DIV: gl.constexpr
+):
+    """(full_start, n_full, partial_start, n_total) of head ``h``'s list for layout tile ``tile``
+    (a query tile in forward layouts, a KV tile in backward ones)."""
     group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
     full_start = gl.load(full_offsets + group)
     n_full = gl.load(full_offsets + group + 1) - full_start
     partial_start = gl.load(partial_offsets + group)
     n_total = n_full + gl.load(partial_offsets + group + 1) - partial_start
-    return bh // NUM_HEADS, h, tile, full_start, n_full, partial_start, n_total
+    return full_start, n_full, partial_start, n_total
 
 
 @gluon.jit
@@ -453,11 +465,7 @@ def supported(
     check_k_bounds: bool, softmax_scale: float,
 ) -> bool:  # fmt: skip
     """Whether this kernel takes the call; the Triton kernel takes every other."""
-    if not _ENABLED or varlen or q.device.type != "cuda":
-        return False
-    if _capability(q.device) != (9, 0):
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
+    if varlen or not runs_on(q):
         return False
     if (layout.block_m, layout.block_n) != (128, 64) or layout.gather_width:
         return False
@@ -466,16 +474,34 @@ def supported(
     return tma_allowed(q.device, q, k, v)
 
 
+def runs_on(q: torch.Tensor) -> bool:
+    """Whether the Gluon kernels (this module's and ops/backward_hopper.py's) may run on q's
+    device and dtype: an sm_90 GPU, fp16 or bf16, head dim 64 or 128, not disabled by
+    ``S2ATTN_HOPPER_FORWARD=0``. Each kernel adds its own conditions."""
+    if not _ENABLED or q.device.type != "cuda" or _capability(q.device) != (9, 0):
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A (batch, seq, heads, dim) bulk-copy descriptor with (1, rows, 1, dim) blocks.
 
     Built without the dataclass's own checks: ``supported`` already checked alignment and
     strides, and those checks cost more host time than the launch at short sequences."""
+    return _unchecked_descriptor(
+        t, list(t.shape), [1, rows, 1, t.shape[-1]], _smem_layout(rows, t.shape[-1], t.dtype)
+    )
+
+
+def _unchecked_descriptor(
+    base: torch.Tensor, shape: list[int], block: list[int], layout: gl.NVMMASharedLayout
+) -> TensorDescriptor:
+    """A TensorDescriptor over ``base`` (its strides) without the dataclass's checks; callers
+    check alignment and strides first."""
     desc = TensorDescriptor.__new__(TensorDescriptor)
-    block = [1, rows, 1, t.shape[-1]]
     desc.__dict__.update(
-        base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=block,
-        layout=_smem_layout(rows, t.shape[-1], t.dtype), padding="zero",
+        base=base, shape=shape, strides=list(base.stride()), block_shape=block, layout=layout,
+        padding="zero",
     )  # fmt: skip
     return desc
 
@@ -528,12 +554,7 @@ def forward_hopper(
         GQA_GROUP=num_heads // k.shape[-2],
         PATTERN_HEAD_DIV=pattern_head_div,
         HEAD_DIM=head_dim,
-        BLOCK_M=layout.block_m,
-        BLOCK_N=layout.block_n,
-        ROW_GROUP=layout.row_group,
-        COL_GROUP=layout.col_group,
-        BITS_PER_ROW=layout.bits_per_row,
-        CAUSAL=layout.causal,
+        **layout_constexprs(layout),
         NUM_BUFFERS=options["num_buffers"],
         Q_IN_REGS=options["q_in_regs"],
         ENTRIES=options["entries_per_step"],
