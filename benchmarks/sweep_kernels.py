@@ -83,7 +83,6 @@ DQ = {
     # per work item.
     "gluon nb2": (128, 64, {"num_buffers": 2}),
     "gluon nb3": (128, 64, {"num_buffers": 3}),
-    "gluon nb3 qd-smem": (128, 64, {"num_buffers": 3, "qd_in_regs": False}),
     "gluon nb4": (128, 64, {"num_buffers": 4}),
     "gluon nb3 stride": (128, 64, {"num_buffers": 3, "snake": False}),
     "gluon nb2 flat": (128, 64, {"num_buffers": 2, "persistent": False}),

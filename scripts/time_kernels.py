@@ -18,6 +18,7 @@ ap.add_argument("--seq", type=int, default=32768)
 ap.add_argument("--strides", default="16,64")
 ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--calls", type=int, default=3)
+ap.add_argument("--trace", help="write each profile as a Chrome trace, PREFIX_<stride>.json")
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__)
 for stride in (int(s) for s in args.strides.split(",")):
@@ -40,12 +41,24 @@ for stride in (int(s) for s in args.strides.split(",")):
         for _ in range(args.calls):
             step()
         torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.calls):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / args.calls
+    if args.trace:
+        prof.export_chrome_trace(f"{args.trace}_{stride}.json")
     per_kernel = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[ev.name[:60]] += ev.device_time / 1e3 / args.calls
     total = sum(per_kernel.values())
-    print(f"\nseq {args.seq} V{stride} dim {args.dim}: {total:.3f} ms of kernels per fwd+bwd")
+    print(
+        f"\nseq {args.seq} V{stride} dim {args.dim}: {total:.3f} ms of kernels per fwd+bwd, "
+        f"{wall:.3f} ms between events (gaps: {wall - total:.3f})"
+    )
     for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
         if ms > 0.01:
             print(f"  {ms:8.3f} ms  {name}")

@@ -188,41 +188,73 @@ def test_other_cases_fall_back():
 
 
 # ------------------------------------------------------------------------------------ dQ kernel
-def _check_gradients(gen, q, k, v, pattern, dtype):
-    out = s2attn.sparse_attention(q, k, v, pattern)
-    grad = _randn(gen, *out.shape, dtype=dtype)
-    out.backward(grad)
+def _check_gradients(gen, q, k, v, pattern, dtype, *, return_lse=False):
+    """Gradients of q, k, v against the float32 reference; with ``return_lse`` the upstream
+    gradient reaches the LSE output too."""
+    outs = s2attn.sparse_attention(q, k, v, pattern, return_lse=return_lse)
+    outs = outs if return_lse else (outs,)
+    grads = [_randn(gen, *t.shape, dtype=t.dtype) for t in outs]
+    torch.autograd.backward(outs, grads)
     ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
-    s2attn.attention_reference(ref_q, ref_k, ref_v, pattern).backward(grad.float())
+    refs = s2attn.attention_reference(ref_q, ref_k, ref_v, pattern, return_lse=return_lse)
+    refs = refs if return_lse else (refs,)
+    torch.autograd.backward(refs, [g.float() for g in grads])
     for name, got, ref in (("dq", q.grad, ref_q.grad), ("dk", k.grad, ref_k.grad),
                            ("dv", v.grad, ref_v.grad)):  # fmt: skip
         assert_close(got, ref, dtype, name)
 
 
+def _launcher_calls(monkeypatch, name: str) -> list:
+    """Records the calls of a Gluon launcher in ops/backward_hopper.py, so a case can assert
+    that the kernel it was meant for ran."""
+    from s2attn.ops import backward_hopper
+
+    calls = []
+    launch = getattr(backward_hopper, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(backward_hopper, name, spy)
+    return calls
+
+
+@pytest.fixture
+def dq_calls(monkeypatch) -> list:
+    return _launcher_calls(monkeypatch, "dq_hopper")
+
+
+@pytest.fixture
+def dkdv_calls(monkeypatch) -> list:
+    return _launcher_calls(monkeypatch, "dkdv_hopper")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", ["local-stride", "random", "gqa"])
-def test_gradients_through_the_dq_kernel(gen, dtype, causal, case):
+@pytest.mark.parametrize("case", ["local-stride", "random", "gqa", "lse", "fewer-queries"])
+def test_gradients_through_the_dq_kernel(gen, dq_calls, dtype, causal, case):
+    # The dQ kernel also computes delta (from O and dO, minus dLSE in case "lse") for the dK/dV
+    # pass after it: the Gluon one, or the Triton one when there are fewer queries than keys.
     dim = 128  # the Gluon dQ takes dim 128 only
-    seq, heads, kv_heads = 2048, 8, 8
+    seq_q = seq_k = 2048
+    heads, kv_heads = 8, 8
     if case == "gqa":
         kv_heads = 2
+    if case == "lse":
+        seq_q = seq_k = 1984  # 15.5 query tiles: the last one half past the end
+    if case == "fewer-queries":
+        seq_q = 1000  # tiles start before query row 0 (bottom-right alignment)
     if case == "random":
-        mask = torch.rand(heads, seq // 64, seq // 64, generator=gen) < 0.25
+        mask = torch.rand(heads, seq_k // 64, seq_k // 64, generator=gen) < 0.25
         mask[:, 3] = False  # rows that attend nothing: zero gradient, never NaN
         pattern = BlockPattern(mask, 64, causal)
     else:
-        pattern = local_stride_pattern(heads, seq, 64, 4, 3, causal=causal)
-    q = _randn(gen, 2, seq, heads, dim, dtype=dtype).requires_grad_()
-    k, v = (_randn(gen, 2, seq, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
-    (_, _), (dq_m, dq_n) = bwd_ops.backward_tile_sizes(dim, dtype, q.device)
-    layout = forward_layout(pattern, dq_m, dq_n, q.device, None if causal else seq // 64)
-    bounds = fwd_ops.check_k_bounds(layout, seq, False)
-    assert bwd_ops._hopper_dq_takes(
-        q, q, k, v, q, layout, varlen=False, check_k_bounds=bounds, softmax_scale=dim**-0.5
-    ), "this case was meant for the Gluon dQ kernel"
-
-    _check_gradients(gen, q, k, v, pattern, dtype)
+        pattern = local_stride_pattern(heads, seq_k, 64, 4, 3, causal=causal)
+    q = _randn(gen, 2, seq_q, heads, dim, dtype=dtype).requires_grad_()
+    k, v = (_randn(gen, 2, seq_k, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
+    _check_gradients(gen, q, k, v, pattern, dtype, return_lse=case == "lse")
+    assert len(dq_calls) == 1, "this case was meant for the Gluon dQ kernel"
 
 
 def test_dq_kernel_matches_the_triton_one(gen):
@@ -232,7 +264,7 @@ def test_dq_kernel_matches_the_triton_one(gen):
     out, lse = _run(q, k, v, pattern)
     layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
     results = []
-    for dq_tiles, options in (((128, 64), {}), ((128, 64), {"qd_in_regs": False}),
+    for dq_tiles, options in (((128, 64), {}), ((128, 64), {"num_buffers": 4}),
                               ((64, 64), {"IMPL": "triton"})):  # fmt: skip
         layout_q = forward_layout(pattern, *dq_tiles, q.device)
         results.append(bwd_ops.backward(
@@ -246,22 +278,6 @@ def test_dq_kernel_matches_the_triton_one(gen):
 
 
 # --------------------------------------------------------------------------------- dK/dV kernel
-@pytest.fixture
-def dkdv_calls(monkeypatch) -> list:
-    """Counts calls of the Gluon dK/dV launcher, so a case can assert that it ran."""
-    from s2attn.ops import backward_hopper
-
-    calls = []
-    launch = backward_hopper.dkdv_hopper
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(backward_hopper, "dkdv_hopper", spy)
-    return calls
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])

@@ -513,21 +513,41 @@ def backward(
     gluon_dkdv = dkdv_options.pop("IMPL", "auto") != "triton" and _hopper_dkdv_takes(
         grad_out, q, k, v, dk, dv, dkdv_layout, varlen=varlen
     )
+    lay = dq_layout
+    if varlen:
+        num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
+    else:
+        num_tiles = (seqlen_k - 1) // lay.block_m - (seqlen_k - seqlen_q) // lay.block_m + 1
+    k_bounds = check_k_bounds(lay, seqlen_k, varlen)
+    gluon_dq = dq_options.pop("IMPL", "auto") != "triton" and _hopper_dq_takes(
+        grad_out, q, k, v, out, dq, lay, varlen=varlen, check_k_bounds=k_bounds,
+        softmax_scale=softmax_scale,
+    )  # fmt: skip
     delta = torch.empty_like(lse)
     rows_total = q.shape[0] if varlen else seqlen_q
     # Row statistics of the Gluon dK/dV kernel: rows padded to 16 bytes for its bulk copies.
-    stats_seq = -(-rows_total // 4) * 4
-    stats = torch.empty(
-        (q4.shape[0] * num_heads, 2, stats_seq) if gluon_dkdv else (1,),
-        dtype=torch.float32, device=q.device,
-    )  # fmt: skip
-    _row_delta_kernel[(q4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
-        o4, g4, lse, grad_lse if grad_lse is not None else lse, delta, stats,
-        *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
-        rows_total, num_heads, stats_seq,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, HAS_DLSE=grad_lse is not None,
-        HAS_STATS=gluon_dkdv,
-    )  # fmt: skip
+    stats = None
+    if gluon_dkdv:
+        stats_shape = (q4.shape[0] * num_heads, 2, -(-rows_total // 4) * 4)
+        stats = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
+    if gluon_dq:
+        # Runs first: it computes delta (and the row statistics) on the way.
+        from .backward_hopper import dq_hopper
+
+        dq_hopper(
+            grad_out, q, k, v, out, lse, grad_lse, delta, stats, dq, lay,
+            softmax_scale=softmax_scale, pattern_head_div=pattern_head_div, num_tiles=num_tiles,
+            **{key: dq_options[key] for key in _HOPPER_DQ_OPTIONS if key in dq_options},
+        )  # fmt: skip
+    else:
+        _row_delta_kernel[(q4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
+            o4, g4, lse, grad_lse if grad_lse is not None else lse, delta,
+            delta if stats is None else stats,
+            *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
+            rows_total, num_heads, 0 if stats is None else stats.shape[-1],
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, HAS_DLSE=grad_lse is not None,
+            HAS_STATS=stats is not None,
+        )  # fmt: skip
 
     lay = dkdv_layout
     kv_tiles = math.ceil(seqlen_k / lay.block_n)
@@ -554,24 +574,9 @@ def backward(
             PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
             VARLEN=varlen, DOT_PRECISION=dot, **layout_constexprs(lay), **dkdv_options,
         )  # fmt: skip
-    lay = dq_layout
-    if varlen:
-        num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
-    else:
-        num_tiles = (seqlen_k - 1) // lay.block_m - (seqlen_k - seqlen_q) // lay.block_m + 1
-    k_bounds = check_k_bounds(lay, seqlen_k, varlen)
-    if dq_options.pop("IMPL", "auto") != "triton" and _hopper_dq_takes(
-        grad_out, q, k, v, dq, lay, varlen=varlen, check_k_bounds=k_bounds,
-        softmax_scale=softmax_scale,
-    ):  # fmt: skip
-        from .backward_hopper import dq_hopper
-
-        dq_hopper(
-            grad_out, q, k, v, lse, delta, dq, lay, softmax_scale=softmax_scale,
-            pattern_head_div=pattern_head_div, num_tiles=num_tiles,
-            **{key: dq_options[key] for key in _HOPPER_DQ_OPTIONS if key in dq_options},
-        )  # fmt: skip
+    if gluon_dq:
         return dq, dk, dv
+    lay = dq_layout
     if lay.block_m > 64 and "num_warps" not in (launch_options or ({}, {}))[1]:
         dq_options["num_warps"] = 8  # 128-row tiles (sm_90 layouts) spill at 4 warps
     for key in _HOPPER_DQ_OPTIONS:
@@ -592,7 +597,7 @@ def backward(
 
 # Launch options of the Gluon kernels (ops/backward_hopper.py ``dq_hopper``, ``dkdv_hopper``),
 # for sweeps.
-_HOPPER_DQ_OPTIONS = ("num_buffers", "persistent", "snake", "qd_in_regs")
+_HOPPER_DQ_OPTIONS = ("num_buffers", "persistent", "snake")
 _HOPPER_DKDV_OPTIONS = ("num_buffers", "heads_per_group")
 
 
@@ -611,12 +616,12 @@ def _hopper_dkdv_takes(grad_out, q, k, v, dk, dv, layout, *, varlen) -> bool:
     return runs_on(q) and tma_allowed(q.device, q, k, v, grad_out)
 
 
-def _hopper_dq_takes(grad_out, q, k, v, dq, layout, **kwargs) -> bool:
+def _hopper_dq_takes(grad_out, q, k, v, out, dq, layout, **kwargs) -> bool:
     """Whether the Gluon dQ kernel (ops/backward_hopper.py) runs this call: the Gluon forward's
-    cases (``forward_hopper.supported``) at head dim 128, with dO fit for bulk copies and dQ's
-    last dim dense."""
+    cases (``forward_hopper.supported``) at head dim 128, with dO and O fit for bulk copies and
+    dQ's last dim dense."""
     if INTERPRETED or q.device.type != "cuda" or dq.stride(-1) != 1 or q.shape[-1] != 128:
         return False
     from .forward_hopper import supported
 
-    return supported(q, k, v, layout, **kwargs) and tma_allowed(q.device, grad_out)
+    return supported(q, k, v, layout, **kwargs) and tma_allowed(q.device, grad_out, out)

@@ -10,9 +10,11 @@ rows each) compute, per entry,
 
 with the two score MMAs of entry i issued right after dQ's MMA of entry i-1, so the elementwise
 work of one entry runs under the tensor-core work of the next. No softmax rescaling: the LSE is
-known. Same cases as the Gluon forward (``forward_hopper.supported``) at head dim 128, plus a dO
-that qualifies for bulk copies; the Triton dQ kernel takes the rest (at dim 64 this kernel measured
-no faster).
+known. Each query row is in exactly one work item, so the kernel also computes the row's
+delta = rowsum(dO * O) - dLSE itself (the producer copies O with q and dO) and writes it, with
+LSE * log2(e), for the dK/dV pass that runs after it: no separate pass over O and dO. Same cases
+as the Gluon forward (``forward_hopper.supported``) at head dim 128, plus dO and O that qualify for
+bulk copies; the Triton dQ kernel takes the rest (at dim 64 this kernel measured no faster).
 """
 
 from __future__ import annotations
@@ -60,23 +62,24 @@ def _dq_consumer(
     work, HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
-    CAUSAL: gl.constexpr, QD_IN_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_STATS: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: dQ of query rows HALF * ROWS.. of each of the program's query tiles.
-    QD_IN_REGS: q and dO are MMA operands from registers (32 each), so per entry the MMAs read
-    only K and V from shared memory, whose bandwidth bounds this kernel otherwise."""
+    """One warpgroup: dQ of query rows HALF * ROWS.. of each of the program's query tiles. q and
+    dO are MMA operands from registers, so per entry the MMAs read only K and V from shared
+    memory, whose bandwidth bounds this kernel; the tile's slot is free once they are loaded."""
     (
-        q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, dQ, Lse,
-        Delta, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
-        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
-        softmax_scale,
+        q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+        dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets, partial_cols,
+        partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
+        stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k, layout_tiles,
+        grid_tiles, heads_per_group, num_items, snake, qk_scale, softmax_scale,
     ) = work  # fmt: skip
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -97,25 +100,32 @@ def _dq_consumer(
         rows = rows_abs - q_offset
         row_ok = (rows >= 0) & (rows < seqlen_q)
         l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows * stride_ls
-        # Rows past the sequence and rows that attend nothing (LSE -inf) take LSE +inf, so
-        # every P of theirs is exp2(-inf) = 0, never NaN.
-        lse = gl.load(Lse + l_off, mask=row_ok, other=float("inf"))
-        lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = gl.load(Delta + l_off, mask=row_ok, other=0.0)
+        lse = gl.load(Lse + l_off, mask=row_ok, other=float("inf")) * 1.4426950408889634
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         n_mine = _entries_reaching(
             partial_cols, partial_start, n_full, n_total, q_row0 + ROWS - 1, BLOCK_N, CAUSAL
         )
-        mbarrier.wait(q_ready.index(j % 2), (j // 2) & 1)
-        q = q_bufs.index(j % 2).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
-        do = do_bufs.index(j % 2).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
-        if QD_IN_REGS:
-            a_layout: gl.constexpr = gl.DotOperandLayout(
-                operand_index=0, parent=s_layout, k_width=2
-            )
-            q = q.load(a_layout)
-            do = do.load(a_layout)
-            mbarrier.arrive(q_empty.index(j % 2))  # read: the next tile's copies may start
+        slot = j % q_bufs.type.shape[0]
+        mbarrier.wait(q_ready.index(slot), (j // q_bufs.type.shape[0]) & 1)
+        q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS).load(a_layout)
+        do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
+        do = do.load(a_layout)
+        o = o_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
+        delta = gl.sum(o.load(a_layout).to(gl.float32) * do.to(gl.float32), axis=1)
+        mbarrier.arrive(q_empty.index(slot))  # read: the next tile's copies may start
+        delta = gl.convert_layout(delta, row_s)
+        if HAS_DLSE:
+            # dLSE comes from autograd in any layout (e.g. expanded by lse.sum()): its strides.
+            dl_off = b.to(gl.int64) * stride_dlb + h.to(gl.int64) * stride_dlh + rows * stride_dls
+            delta -= gl.load(dLse + dl_off, mask=row_ok, other=0.0)
+        gl.store(Delta + l_off, delta, mask=row_ok)
+        if HAS_STATS:
+            s_off = (b * NUM_HEADS + h).to(gl.int64) * 2 * stats_seq + rows
+            gl.store(Stats + s_off, lse, mask=row_ok)
+            gl.store(Stats + stats_seq + s_off, delta, mask=row_ok)
+        # Rows past the sequence and rows that attend nothing (LSE -inf) take LSE +inf, so
+        # every P of theirs is exp2(-inf) = 0, never NaN.
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
         if n_mine > 0:
             # Entry 0: dS only; its dQ MMA is issued behind entry 1's score MMAs.
             buf = c % num_buffers
@@ -165,8 +175,6 @@ def _dq_consumer(
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
         _free_slots(k_ready, v_ready, kv_empty, c + n_mine, c + n_total)
-        if not QD_IN_REGS:
-            mbarrier.arrive(q_empty.index(j % 2))
         c += n_total
 
         out_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
@@ -176,31 +184,36 @@ def _dq_consumer(
 
 @gluon.jit
 def _dq_kernel(
-    q_desc, do_desc, k_desc, v_desc, dQ, Lse, Delta,
+    q_desc, do_desc, o_desc, k_desc, v_desc, dQ, Lse, dLse, Delta, Stats,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
+    stride_dlb, stride_dlh, stride_dls, stats_seq,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
     softmax_scale,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
-    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, QD_IN_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_DLSE: gl.constexpr,
+    HAS_STATS: gl.constexpr,
 ):  # fmt: skip
-    """Persistent: each program takes work items (head, query tile) pid, pid + grid, ..."""
+    """Persistent: each program takes work items (head, query tile) pid, pid + grid, ...
+    q, dO and O have one slot each: the consumers take them into registers at the tile's start,
+    so the next tile's copies have the whole tile to land."""
     dtype: gl.constexpr = q_desc.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    tile_shape: gl.constexpr = [1] + q_desc.block_type.shape
+    q_bufs = gl.allocate_shared_memory(dtype, tile_shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, tile_shape, do_desc.layout)
+    o_bufs = gl.allocate_shared_memory(dtype, tile_shape, o_desc.layout)
     kv_shape: gl.constexpr = [NUM_BUFFERS] + k_desc.block_type.shape
     k_bufs = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one release per consumer warpgroup
+    mbarrier.init(q_ready.index(0), count=1)
+    mbarrier.init(q_empty.index(0), count=2)  # one release per consumer warpgroup
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -208,11 +221,11 @@ def _dq_kernel(
 
     # One tuple of shared arguments, constexprs apart (see ops/forward_hopper.py).
     work = (
-        q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, dQ, Lse,
-        Delta, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
-        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
-        softmax_scale,
+        q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+        dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets, partial_cols,
+        partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
+        stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k, layout_tiles,
+        grid_tiles, heads_per_group, num_items, snake, qk_scale, softmax_scale,
     )  # fmt: skip
     gl.warp_specialize(
         [
@@ -220,14 +233,14 @@ def _dq_kernel(
                 _dq_consumer,
                 (
                     work, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-                    COL_GROUP, BITS_PER_ROW, CAUSAL, QD_IN_REGS,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL, HAS_DLSE, HAS_STATS,
                 ),
             ),
             (
                 _dq_consumer,
                 (
                     work, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-                    COL_GROUP, BITS_PER_ROW, CAUSAL, QD_IN_REGS,
+                    COL_GROUP, BITS_PER_ROW, CAUSAL, HAS_DLSE, HAS_STATS,
                 ),
             ),
             (
@@ -237,7 +250,7 @@ def _dq_kernel(
                     v_ready, kv_empty, full_offsets, full_cols, partial_offsets, partial_cols,
                     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
                     NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, 1, do_desc,
-                    do_bufs, True,
+                    do_bufs, o_desc, o_bufs, True,
                 ),
             ),
         ],
@@ -248,11 +261,13 @@ def _dq_kernel(
 
 def dq_hopper(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, layout: TileLayout, *,
-    softmax_scale: float, pattern_head_div: int, num_tiles: int, num_buffers: int = 3,
-    persistent: bool = True, snake: bool = True, qd_in_regs: bool = True,
+    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, delta: torch.Tensor,
+    stats: torch.Tensor | None, dq: torch.Tensor, layout: TileLayout, *, softmax_scale: float,
+    pattern_head_div: int, num_tiles: int, num_buffers: int = 3, persistent: bool = True,
+    snake: bool = True,
 ) -> None:  # fmt: skip
-    """Fill ``dq`` (like q) for batched inputs; ``lse`` and ``delta`` are (batch, heads, seq_q)."""
+    """Fill ``dq`` (like q) and ``delta`` (like ``lse``: (batch, heads, seq_q)) for batched
+    inputs; with ``stats`` also the dK/dV kernel's row statistics (see ``dkdv_hopper``)."""
     from .common import LOG2E
 
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -260,10 +275,14 @@ def dq_hopper(
     grid = min(num_items, _num_sms(q.device)) if persistent else num_items
     _dq_kernel[(grid,)](
         _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
-        _descriptor(k, layout.block_n), _descriptor(v, layout.block_n), dq, lse, delta,
+        _descriptor(out, layout.block_m), _descriptor(k, layout.block_n),
+        _descriptor(v, layout.block_n), dq, lse, lse if grad_lse is None else grad_lse, delta,
+        delta if stats is None else stats,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         dq.stride(0), dq.stride(1), dq.stride(2), *lse.stride(),
+        *(lse if grad_lse is None else grad_lse).stride(),
+        0 if stats is None else stats.shape[-1],
         seqlen_q, k.shape[1], layout.num_groups, num_tiles, 1, num_items, int(snake),
         softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
@@ -272,7 +291,8 @@ def dq_hopper(
         HEAD_DIM=head_dim,
         **layout_constexprs(layout),
         NUM_BUFFERS=num_buffers,
-        QD_IN_REGS=qd_in_regs,
+        HAS_DLSE=grad_lse is not None,
+        HAS_STATS=stats is not None,
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip

@@ -136,13 +136,14 @@ def _producer(
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr,
-    do_desc=None, do_bufs=None, WITH_DO: gl.constexpr = False,
+    do_desc=None, do_bufs=None, o_desc=None, o_bufs=None, WITH_GRAD: gl.constexpr = False,
 ):  # fmt: skip
-    """Walks the program's work items and their entries, copying q (and dO, WITH_DO: the dQ
-    kernel) and K/V tiles into the rings as soon as the consumers free a slot: the next tile's
+    """Walks the program's work items and their entries, copying q (and dO and O, WITH_GRAD: the
+    dQ kernel) and K/V tiles into the rings as soon as the consumers free a slot: the next tile's
     loads overlap this tile's end. A slot holds ENTRIES consecutive entries; past the list's end
     it repeats the last one (finite data, masked out by the consumers)."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    q_slots: gl.constexpr = q_bufs.type.shape[0]
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     q_offset = seqlen_k - seqlen_q
@@ -155,18 +156,17 @@ def _producer(
             heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
         )  # fmt: skip
         # Slots start free: the first pass waits on the phase before the barrier's first.
-        mbarrier.wait(q_empty.index(j % 2), ((j // 2) & 1) ^ 1)
+        slot = j % q_slots
+        ready = q_ready.index(slot)
+        mbarrier.wait(q_empty.index(slot), ((j // q_slots) & 1) ^ 1)
         q_row = tile * BLOCK_M - q_offset
-        if WITH_DO:
-            mbarrier.expect(q_ready.index(j % 2), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                do_desc, [b, q_row, h, 0], q_ready.index(j % 2), do_bufs.index(j % 2)
-            )
+        if WITH_GRAD:
+            mbarrier.expect(ready, 3 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [b, q_row, h, 0], ready, do_bufs.index(slot))
+            tma.async_copy_global_to_shared(o_desc, [b, q_row, h, 0], ready, o_bufs.index(slot))
         else:
-            mbarrier.expect(q_ready.index(j % 2), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [b, q_row, h, 0], q_ready.index(j % 2), q_bufs.index(j % 2)
-        )
+            mbarrier.expect(ready, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, q_row, h, 0], ready, q_bufs.index(slot))
         kv_head = h // GQA_GROUP
         for step in range(gl.cdiv(n_total, ENTRIES)):
             buf = c % num_buffers
