@@ -17,16 +17,17 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--seq", type=int, default=32768)
 ap.add_argument("--strides", default="16,64")
 ap.add_argument("--dim", type=int, default=128)
+ap.add_argument("--kv-heads", type=int, default=32)
 ap.add_argument("--calls", type=int, default=3)
 ap.add_argument("--trace", help="write each profile as a Chrome trace, PREFIX_<stride>.json")
 args = ap.parse_args()
-print(torch.cuda.get_device_name(), torch.__version__)
+print(torch.cuda.get_device_name(), torch.__version__, s2attn.__file__)
 for stride in (int(s) for s in args.strides.split(",")):
     p = local_stride_pattern(32, args.seq, 64, 16, stride)
     q, k, v = (
-        torch.randn(1, args.seq, 32, args.dim, device="cuda", dtype=torch.bfloat16,
+        torch.randn(1, args.seq, heads, args.dim, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
-        for _ in range(3)
+        for heads in (32, args.kv_heads, args.kv_heads)
     )  # fmt: skip
     g = torch.randn_like(q)
 
