@@ -21,6 +21,9 @@ __all__ = ["sparse_attention", "sparse_attention_qkvpacked", "merge_partials"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
+# Whether the backward passes take gathered KV tiles (dQ, dK/dV) when the pattern's blocks are
+# smaller than their KV tiles. Both on; a switch for benchmarks and tests of the plain path.
+BACKWARD_GATHER = (True, True)
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -203,10 +206,17 @@ class _Call:
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
         (dkdv_m, dkdv_n), (dq_m, dq_n) = _bwd.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        # Lone blocks smaller than a KV tile go to gathered tiles, as in the forward: in dQ's
+        # lists, and in dK/dV's when each KV head has one pattern head (a gathered tile's sums
+        # then belong to one KV head alone).
+        gather_dq, gather_dkdv = BACKWARD_GATHER
+        gather_dkdv = gather_dkdv and self.pattern.num_heads == k.shape[-2]
         # The per-KV-tile lists run to the end of the pattern even when causal: crop them.
-        dkdv_layout = backward_layout(self.pattern, dkdv_m, dkdv_n, q.device, self._num_blocks)
+        dkdv_layout = backward_layout(
+            self.pattern, dkdv_m, dkdv_n, q.device, self._num_blocks, gather=gather_dkdv
+        )
         num_blocks = None if self.pattern.causal else self._num_blocks
-        dq_layout = forward_layout(self.pattern, dq_m, dq_n, q.device, num_blocks)
+        dq_layout = forward_layout(self.pattern, dq_m, dq_n, q.device, num_blocks, gather=gather_dq)
         if grad_out is None:  # only the LSE was used
             grad_out = torch.zeros_like(out)
         return _bwd.backward(

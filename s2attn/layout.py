@@ -31,9 +31,45 @@ import torch
 
 from .pattern import BlockPattern
 
-__all__ = ["TileLayout", "forward_layout", "backward_layout", "MAX_ENTRY_BITS"]
+__all__ = ["GatheredKVTiles", "TileLayout", "forward_layout", "backward_layout", "MAX_ENTRY_BITS"]
 
 MAX_ENTRY_BITS = 64
+
+
+@dataclass(frozen=True)
+class GatheredKVTiles:
+    """dK/dV's gathered KV tiles (backward layouts built with ``gather=True``, block_size <
+    block_n).
+
+    Each tile packs ``width`` = block_n / block_size key blocks of one pattern head that are not
+    contiguous (lone stride blocks), so that their far query tiles do not drag 3/4 masked-out keys
+    through every dK/dV step. It lists the query tiles that use its blocks *far*: through an entry
+    of the contiguous layout that uses at most half its KV tile's blocks and (causal) lies wholly
+    after the KV tile, so gathered entries need no causal rule. Those entries are dropped from the
+    contiguous lists; every (head, query tile, key block) pair is in exactly one of the two. The
+    gathered tiles' sums are added to dK/dV after the contiguous pass has written them.
+
+    Lists are CSR over tiles (longest first), entries as in ``TileLayout``: query tile indices,
+    full ones apart from partial ones, whose bit column b stands for the tile's b-th block.
+    """
+
+    width: int
+    heads: torch.Tensor  # int32 (tiles,): the pattern head of each tile
+    blocks: torch.Tensor  # int32 (tiles * width,): key block of each slot, -1 for an empty one
+    full_offsets: torch.Tensor  # int32 (tiles + 1,)
+    full_cols: torch.Tensor  # int32, query tile indices
+    partial_offsets: torch.Tensor  # int32 (tiles + 1,)
+    partial_cols: torch.Tensor  # int32
+    partial_bits: torch.Tensor  # int64
+    max_entries: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.heads.numel()
+
+    @property
+    def num_entries(self) -> int:
+        return self.full_cols.numel() + self.partial_cols.numel()
 
 
 @dataclass(frozen=True)
@@ -70,6 +106,8 @@ class TileLayout:
     gather_partial_offsets: torch.Tensor | None = None  # int32 (heads * num_groups + 1,)
     gather_partial_blocks: torch.Tensor | None = None  # int32 (entries * gather_width,)
     gather_partial_bits: torch.Tensor | None = None  # int64, one bit matrix per entry
+    # Backward layouts built with ``gather=True``: the lone key blocks' far uses (None: none).
+    gathered_kv: GatheredKVTiles | None = None
     # Tensors kernels derive from the layout (e.g. the Gluon dK/dV kernel's item order), kept
     # here so they are computed once per layout, not per call.
     derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -81,6 +119,8 @@ class TileLayout:
             n += (self.gather_full_blocks.numel() + self.gather_partial_blocks.numel()) // (
                 self.gather_width
             )
+        if self.gathered_kv is not None:
+            n += self.gathered_kv.num_entries
         return n
 
 
@@ -155,6 +195,18 @@ def _csr(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     return offsets.to(torch.int32)
 
 
+def _bit_matrix(bits: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Entries' packed bits as (entries, rows, width) bools."""
+    shifts = torch.arange(rows * width, device=bits.device, dtype=torch.int64)
+    return ((bits[:, None] >> shifts[None, :]) & 1).view(-1, rows, width).bool()
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    starts = torch.zeros_like(counts)
+    starts[1:] = counts.cumsum(0)[:-1]
+    return starts
+
+
 def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, causal):
     """Split the entries that use at most half their pattern blocks into single blocks and
     pack each (head, query tile)'s blocks, ``block_n / block_size`` at a time, into gathered
@@ -168,8 +220,7 @@ def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, caus
     device = h.device
     width = block_n // block_size
     rows = block_m // min(block_size, block_m)
-    shifts = torch.arange(rows * width, device=device, dtype=torch.int64)
-    bitmat = ((bits[:, None] >> shifts[None, :]) & 1).view(-1, rows, width).bool()
+    bitmat = _bit_matrix(bits, rows, width)
     col_used = bitmat.any(dim=1)  # (entries, width)
     # Tiles that use more than half their blocks stay contiguous (bulk copies, one entry), and
     # so do causal tiles that reach past the query tile's first row: gathered entries never need
@@ -193,12 +244,9 @@ def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, caus
     order = torch.argsort(gkey, stable=True)
     gkey, j, row_bits, item_full = gkey[order], j[order], row_bits[order], item_full[order]
     counts = torch.bincount(gkey, minlength=1) if gkey.numel() else gkey.new_zeros(1)
-    starts = torch.zeros_like(counts)
-    starts[1:] = counts.cumsum(0)[:-1]
-    rank = torch.arange(gkey.numel(), device=device) - starts[gkey]
+    rank = torch.arange(gkey.numel(), device=device) - _exclusive_cumsum(counts)[gkey]
     entries_per = (counts + width - 1) // width
-    base = torch.zeros_like(entries_per)
-    base[1:] = entries_per.cumsum(0)[:-1]
+    base = _exclusive_cumsum(entries_per)
     ge = base[gkey] + rank // width
     slot = rank % width
     num_g = int(entries_per.sum().item())
@@ -219,6 +267,85 @@ def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, caus
     )
     gfull = (filled == width) & (any_partial == 0)
     return keep, (gkey_of // 2, blocks, gbits, gfull)
+
+
+def _gather_kv(h, t, n, bits, num_heads, num_q_tiles, num_kv_tiles, block_m, block_n, block_size,
+               causal):  # fmt: skip
+    """Split the far entries that use at most half their KV tile's blocks out of a backward
+    layout's entries (h, q tile t, KV tile n, bits) and pack their key blocks, ``block_n /
+    block_size`` of one head at a time, into gathered KV tiles (``GatheredKVTiles``).
+
+    Returns the mask of entries kept contiguous, and the gathered tiles (None when none)."""
+    device = h.device
+    width = block_n // block_size
+    rows = block_m // min(block_size, block_m)
+    bitmat = _bit_matrix(bits, rows, width)
+    col_used = bitmat.any(dim=1)  # (entries, width)
+    far = col_used.sum(dim=1) <= width // 2
+    if causal:
+        far &= (n + 1) * block_n - 1 <= t * block_m  # every key before the tile's first query
+    if not far.any():
+        return torch.ones_like(far), None
+    far_entries = far.nonzero(as_tuple=True)[0]
+    e, b = col_used[far_entries].nonzero(as_tuple=True)
+    e = far_entries[e]
+    row_bits = bitmat[e, :, b]  # (items, rows): which row groups of query tile t[e] use the block
+    blocks_per_head = num_kv_tiles * width
+    block_key = h[e] * blocks_per_head + n[e] * width + b
+
+    # One slot per (head, key block). A head's blocks fill its tiles in order of how many far
+    # query tiles use them, so each tile holds blocks whose lists mostly coincide (full entries):
+    # neighbouring stride blocks together, the local window's edge blocks (a few uses) apart.
+    keys, item_slot = torch.unique(block_key, return_inverse=True)
+    uses = torch.bincount(item_slot, minlength=keys.numel())
+    key_head = keys // blocks_per_head
+    most = int(uses.max().item())
+    order = torch.argsort((key_head * (most + 1) + most - uses) * blocks_per_head + keys)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(keys.numel(), device=device)
+    per_head = torch.bincount(key_head, minlength=num_heads)
+    rank = position - _exclusive_cumsum(per_head)[key_head]
+    tiles_per_head = (per_head + width - 1) // width
+    tile_of = _exclusive_cumsum(tiles_per_head)[key_head] + rank // width
+    slot_of = rank % width
+    num_tiles = int(tiles_per_head.sum().item())
+    blocks = torch.full((num_tiles, width), -1, dtype=torch.int64, device=device)
+    blocks[tile_of, slot_of] = keys % blocks_per_head
+    heads = torch.repeat_interleave(torch.arange(num_heads, device=device), tiles_per_head)
+
+    # Entries (tile, query tile): each item sets its slot's bit column.
+    tile, slot = tile_of[item_slot], slot_of[item_slot]
+    a = torch.arange(rows, device=device, dtype=torch.int64)
+    contrib = (row_bits.to(torch.int64) << (a[None, :] * width + slot[:, None])).sum(dim=1)
+    entry_keys, entry_of = torch.unique(tile * num_q_tiles + t[e], return_inverse=True)
+    entry_bits = torch.zeros(entry_keys.numel(), dtype=torch.int64, device=device)
+    entry_bits.index_add_(0, entry_of, contrib)  # disjoint bits: the sum is their union
+    entry_tile, entry_col = entry_keys // num_q_tiles, entry_keys % num_q_tiles
+    all_bits = -1 if rows * width == 64 else (1 << (rows * width)) - 1
+    entry_full = entry_bits == all_bits
+
+    # Longest lists first: the grid's first programs take them, short ones fill the tail.
+    lengths = torch.bincount(entry_tile, minlength=num_tiles)
+    order = torch.argsort(-lengths, stable=True)
+    new_index = torch.empty_like(order)
+    new_index[order] = torch.arange(num_tiles, device=device)
+    entry_tile = new_index[entry_tile]
+    sort = torch.argsort(entry_tile * num_q_tiles + entry_col)
+    entry_tile, entry_col = entry_tile[sort], entry_col[sort]
+    entry_bits, entry_full = entry_bits[sort], entry_full[sort]
+    partial = ~entry_full
+    gathered = GatheredKVTiles(
+        width=width,
+        heads=heads[order].to(torch.int32).contiguous(),
+        blocks=blocks[order].to(torch.int32).reshape(-1).contiguous(),
+        full_offsets=_csr(entry_tile[entry_full], num_tiles),
+        full_cols=entry_col[entry_full].to(torch.int32).contiguous(),
+        partial_offsets=_csr(entry_tile[partial], num_tiles),
+        partial_cols=entry_col[partial].to(torch.int32).contiguous(),
+        partial_bits=entry_bits[partial].contiguous(),
+        max_entries=int(lengths.max().item()),
+    )
+    return ~far, gathered
 
 
 def _build(
@@ -249,6 +376,13 @@ def _build(
             gather_partial_blocks=g_blocks[~g_full].to(torch.int32).reshape(-1).contiguous(),
             gather_partial_bits=g_bits[~g_full].contiguous(),
         )
+    gathered_kv = None
+    if gather and transpose and pattern.block_size < block_n:
+        keep, gathered_kv = _gather_kv(
+            h, t, n, bits, pattern.num_heads, num_q_tiles, num_kv_tiles, block_m, block_n,
+            pattern.block_size, pattern.causal,
+        )  # fmt: skip
+        h, t, n, bits, full = h[keep], t[keep], n[keep], bits[keep], full[keep]
     if transpose:
         num_groups, key, col = num_kv_tiles, h * num_kv_tiles + n, t
         order = torch.argsort(key * num_q_tiles + t)  # nonzero() sorted by (h, t, n)
@@ -275,6 +409,7 @@ def _build(
         max_entries=int(counts.max().item()) if counts.numel() else 0,
         **geometry,
         **gathered,
+        gathered_kv=gathered_kv,
     )
 
 
@@ -335,9 +470,13 @@ def backward_layout(
     block_n: int,
     device: torch.device | str = "cpu",
     num_blocks: int | None = None,
+    gather: bool = False,
 ) -> TileLayout:
-    """Per (head, KV tile): the query tiles that use it, for the dK/dV pass."""
-    return _cached(pattern, block_m, block_n, device, True, num_blocks)
+    """Per (head, KV tile): the query tiles that use it, for the dK/dV pass.
+
+    ``gather`` (block_size < block_n only; otherwise ignored): the far uses of lone key blocks
+    move to gathered KV tiles (``TileLayout.gathered_kv``)."""
+    return _cached(pattern, block_m, block_n, device, True, num_blocks, gather)
 
 
 # ---------------------------------------------------------------------------------------- decode

@@ -1,8 +1,9 @@
 """Per-kernel GPU time of one forward+backward (dev aid): torch.profiler's CUDA kernel times,
 averaged over a few calls, for the benchmark shapes (batch 1, 32 heads, bf16, causal, block 64,
-local 16).
+local 16 unless given).
 
     python scripts/time_kernels.py --seq 131072 --strides 16,64 --dim 128
+    python scripts/time_kernels.py --block-size 16 --local-blocks 64 --backward-gather 11,00
 """
 import argparse
 from collections import defaultdict
@@ -18,12 +19,28 @@ ap.add_argument("--seq", type=int, default=32768)
 ap.add_argument("--strides", default="16,64")
 ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--kv-heads", type=int, default=32)
+ap.add_argument(
+    "--group-pattern", action="store_true",
+    help="one pattern per KV group (local_stride_pattern's num_kv_heads, as bench_attention's GQA "
+    "case builds it) rather than one per query head",
+)  # fmt: skip
 ap.add_argument("--calls", type=int, default=3)
+ap.add_argument("--block-size", type=int, default=64)
+ap.add_argument("--local-blocks", type=int, default=16)
+ap.add_argument(
+    "--backward-gather", default="11",
+    help="comma-separated s2attn.attention.BACKWARD_GATHER settings to time, as digits (dQ, dK/dV)",
+)  # fmt: skip
 ap.add_argument("--trace", help="write each profile as a Chrome trace, PREFIX_<stride>.json")
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, s2attn.__file__)
-for stride in (int(s) for s in args.strides.split(",")):
-    p = local_stride_pattern(32, args.seq, 64, 16, stride)
+runs = [(int(s), g) for s in args.strides.split(",") for g in args.backward_gather.split(",")]
+for stride, gather in runs:
+    s2attn.attention.BACKWARD_GATHER = tuple(c == "1" for c in gather)
+    p = local_stride_pattern(
+        32, args.seq, args.block_size, args.local_blocks, stride,
+        num_kv_heads=args.kv_heads if args.group_pattern else None,
+    )  # fmt: skip
     q, k, v = (
         torch.randn(1, args.seq, heads, args.dim, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
@@ -50,14 +67,15 @@ for stride in (int(s) for s in args.strides.split(",")):
     torch.cuda.synchronize()
     wall = start.elapsed_time(end) / args.calls
     if args.trace:
-        prof.export_chrome_trace(f"{args.trace}_{stride}.json")
+        prof.export_chrome_trace(f"{args.trace}_{stride}_{gather}.json")
     per_kernel = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[ev.name[:60]] += ev.device_time / 1e3 / args.calls
     total = sum(per_kernel.values())
     print(
-        f"\nseq {args.seq} V{stride} dim {args.dim}: {total:.3f} ms of kernels per fwd+bwd, "
+        f"\nseq {args.seq} V{stride} dim {args.dim} block {args.block_size} backward gather "
+        f"{gather}: {total:.3f} ms of kernels per fwd+bwd, "
         f"{wall:.3f} ms between events (gaps: {wall - total:.3f})"
     )
     for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1]):

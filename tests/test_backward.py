@@ -157,6 +157,80 @@ def test_grads_block_sizes(block_size, causal):
     _check_grads(q, k, v, pattern, dtype, f"block {block_size} causal={causal}")
 
 
+# ----------------------------------------------------------------------- gathered KV tiles
+class _LaunchSpy:
+    """Stands in for a Triton kernel of ops/backward.py and records each launch's keywords."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.calls.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def backward_spies(monkeypatch) -> dict[str, _LaunchSpy]:
+    from s2attn.ops import backward as bwd
+
+    names = ("_dkdv_gathered_kernel", "_dq_kernel")
+    spies = {name: _LaunchSpy(getattr(bwd, name)) for name in names}
+    for name, spy in spies.items():
+        monkeypatch.setattr(bwd, name, spy)
+    return spies
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("case", ["mha", "gqa-per-kv-head", "gqa-per-q-head", "varlen", "fewer-q"])
+def test_grads_gathered_kv_tiles(backward_spies, case, causal):
+    """Block-16 stride blocks far from their queries go to gathered KV tiles in both backward
+    passes: dQ walks them like the forward; dK/dV adds their sums after the contiguous pass.
+    Patterns per query head of a GQA group keep dK/dV contiguous (a tile's sums must belong to
+    one KV head)."""
+    dtype = DTYPES[0]
+    heads, kv_heads, seq_q, seq_k = 4, 4, 384, 384
+    kwargs = {}
+    if case.startswith("gqa"):
+        kv_heads = 2
+    if case == "fewer-q":
+        seq_q = 150
+    pattern = _pattern(2 if case == "gqa-per-kv-head" else heads, seq_k, causal=causal,
+                       local_blocks=2, vert_stride=4)  # fmt: skip
+    if case == "varlen":
+        lens_q, lens_k = [384, 90, 200], [384, 250, 200]
+        q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, heads, kv_heads, 32, dtype, seed=7)
+        kwargs = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=384, max_seqlen_k=384)
+    else:
+        q, k, v = _qkv(1, seq_q, seq_k, heads, kv_heads, 32, dtype, seed=7)
+    _check_grads(q, k, v, pattern, dtype, f"{case} causal={causal}", **kwargs)
+    gathered_dkdv = backward_spies["_dkdv_gathered_kernel"].calls
+    dq_gather = [call["GATHER"] for call in backward_spies["_dq_kernel"].calls]
+    assert len(gathered_dkdv) == (0 if case == "gqa-per-q-head" else 1)
+    assert dq_gather == [True]  # head dim 32: never the Gluon dQ
+
+
+def test_gathered_and_contiguous_backward_agree(monkeypatch):
+    """The same gradients with and without gathered KV tiles, up to summation order."""
+    dtype = DTYPES[0]
+    q, k, v = _qkv(1, 384, 384, 2, 2, 32, dtype, seed=8)
+    pattern = _pattern(2, 384, local_blocks=2, vert_stride=4)
+    grads = []
+    for gather in ((True, True), (False, False)):
+        monkeypatch.setattr(s2attn.attention, "BACKWARD_GATHER", gather)
+        for t in (q, k, v):
+            t.grad = None
+        s2attn.sparse_attention(q, k, v, pattern).backward(_upstream([q], 9)[0])
+        grads.append([t.grad.float() for t in (q, k, v)])
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 4e-3 * scale, name
+
+
 # ------------------------------------------------------------------------- strides, packing
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_grads_strided_inputs(dtype):

@@ -78,6 +78,17 @@ def _rebuild(layout: TileLayout, entries, heads: int, num_q_tiles: int, num_kv_t
     return m
 
 
+def _assert_token_mask(m: torch.Tensor, p: BlockPattern, what) -> None:
+    """A rebuilt (heads, >= L, >= L) mask: nothing past the pattern's L tokens and, once causality
+    is applied, exactly the pattern's token mask."""
+    L = p.max_seq_len
+    assert not m[:, L:].any() and not m[:, :, L:].any(), "entry past the pattern"
+    m = m[:, :L, :L]
+    if p.causal:
+        m = m & torch.ones(L, L, dtype=torch.bool).tril()
+    assert torch.equal(m, p.token_mask(L)), what
+
+
 @pytest.mark.parametrize("block_size, block_m, block_n", GEOMETRIES)
 def test_forward_layout_rebuilds_the_token_mask(block_size, block_m, block_n):
     for p in _patterns(block_size):
@@ -95,11 +106,7 @@ def test_forward_layout_rebuilds_the_token_mask(block_size, block_m, block_n):
         assert layout.max_entries == counts.max().item()
 
         rebuilt = _rebuild(layout, entries, p.num_heads, nq, nk)
-        assert not rebuilt[:, L:].any() and not rebuilt[:, :, L:].any(), "entry past the pattern"
-        rebuilt = rebuilt[:, :L, :L]
-        if p.causal:
-            rebuilt &= torch.ones(L, L, dtype=torch.bool).tril()
-        assert torch.equal(rebuilt, p.token_mask(L)), (p, block_m, block_n)
+        _assert_token_mask(rebuilt, p, (p, block_m, block_n))
 
 
 @pytest.mark.parametrize("block_size, block_m, block_n", GEOMETRIES)
@@ -241,11 +248,7 @@ def test_gathered_forward_layout_rebuilds_the_token_mask(block_size, block_m, bl
         nq = math.ceil(L / block_m)
         m, counts = _rebuild_gathered(layout, p.num_heads, nq, L)
         assert layout.max_entries == counts.max().item()
-        assert not m[:, L:].any() and not m[:, :, L:].any(), "entry past the pattern"
-        m = m[:, :L, :L]
-        if p.causal:
-            m &= torch.ones(L, L, dtype=torch.bool).tril()
-        assert torch.equal(m, p.token_mask(L)), (p, block_m, block_n)
+        _assert_token_mask(m, p, (p, block_m, block_n))
 
 
 def test_gathered_entries_pack_lone_stride_blocks():
@@ -269,3 +272,85 @@ def test_gather_is_ignored_when_blocks_fill_the_kv_tile():
     p = local_stride_pattern(2, 512, 64, 2, 3)
     layout = forward_layout(p, 128, 64, gather=True)
     assert layout.gather_width == 0 and layout.num_entries == forward_layout(p, 128, 64).num_entries
+
+
+# -------------------------------------------------------------------- gathered KV tiles (dK/dV)
+def _coverage_with_gathered_kv(layout: TileLayout, heads: int, num_q_tiles: int, seq: int):
+    """How often each (head, query, key) pair is covered by the contiguous entries and the
+    gathered KV tiles together (dK/dV sums must see each once), and the gathered tiles' list
+    lengths. Gathered entries of causal layouts must not need the causal rule."""
+    g = layout.gathered_kv
+    bm, rg, bs, w = layout.block_m, layout.row_group, layout.block_size, g.width
+    num_kv_tiles = math.ceil(seq / layout.block_n) + 1
+    cover = _rebuild(layout, _entries(layout, True), heads, num_q_tiles, num_kv_tiles)
+    cover = cover.to(torch.int8)
+    blocks, tile_heads = g.blocks.view(-1, w).tolist(), g.heads.tolist()
+    assert len(blocks) == g.num_tiles
+    for full, offsets, cols in (
+        (True, g.full_offsets.tolist(), g.full_cols.tolist()),
+        (False, g.partial_offsets.tolist(), g.partial_cols.tolist()),
+    ):
+        bits = g.partial_bits.tolist()
+        assert offsets[0] == 0 and offsets[-1] == len(cols) and len(offsets) == g.num_tiles + 1
+        for tile in range(g.num_tiles):
+            h = tile_heads[tile]
+            for e in range(offsets[tile], offsets[tile + 1]):
+                t = cols[e]
+                assert full or bits[e] != 0
+                for b, j in enumerate(blocks[tile]):
+                    if j < 0:  # an empty slot has no bits
+                        assert not full
+                        assert not any((bits[e] >> (a * w + b)) & 1 for a in range(bm // rg))
+                        continue
+                    for a in range(bm // rg):
+                        if full or (bits[e] >> (a * w + b)) & 1:
+                            if layout.causal:  # wholly visible: the kernel applies no causal rule
+                                assert (j + 1) * bs - 1 <= t * bm
+                            r0 = t * bm + a * rg
+                            cover[h, r0 : r0 + rg, j * bs : (j + 1) * bs] += 1
+    # One slot per (head, block): no block sits in two tiles of its head.
+    keys = [(tile_heads[i], j) for i, row in enumerate(blocks) for j in row if j >= 0]
+    assert len(keys) == len(set(keys))
+    counts = g.full_offsets.diff() + g.partial_offsets.diff()
+    assert g.max_entries == counts.max().item()
+    assert counts.tolist() == sorted(counts.tolist(), reverse=True), "longest lists first"
+    return cover
+
+
+@pytest.mark.parametrize(
+    "block_size, block_m, block_n", [(16, 32, 64), (16, 64, 64), (32, 64, 64), (16, 16, 128)]
+)
+def test_gathered_kv_tiles_cover_each_pair_once(block_size, block_m, block_n):
+    for p in _patterns(block_size):
+        plain = backward_layout(p, block_m, block_n)
+        layout = backward_layout(p, block_m, block_n, gather=True)
+        assert layout is not plain and plain.gathered_kv is None
+        L = p.max_seq_len
+        nq = math.ceil(L / block_m)
+        if layout.gathered_kv is None:
+            assert layout.num_entries == plain.num_entries
+            continue
+        cover = _coverage_with_gathered_kv(layout, p.num_heads, nq, L)
+        assert cover.max() <= 1, "a (query, key) pair summed twice"
+        _assert_token_mask(cover.bool(), p, (p, block_m, block_n))
+
+
+def test_gathered_kv_tiles_pack_lone_stride_blocks():
+    # Block 16, 64x64 tiles: far from the diagonal each stride block (every 4th) used to cost a
+    # whole 64-key entry per query tile; gathered, four stride blocks share one full entry.
+    p = local_stride_pattern(1, 4096, 16, 8, 4)
+    plain = backward_layout(p, 64, 64)
+    layout = backward_layout(p, 64, 64, gather=True)
+    g = layout.gathered_kv
+    assert layout.num_entries < plain.num_entries / 2
+    assert g.full_cols.numel() > 4 * g.partial_cols.numel()
+    used = g.blocks[g.blocks >= 0]
+    assert (g.blocks >= 0).sum() > g.blocks.numel() - 4  # at most the last tile has empty slots
+    assert (used % 4 == 0).all()  # the pattern's stride blocks
+
+
+def test_gather_kv_is_ignored_when_blocks_fill_the_kv_tile():
+    p = local_stride_pattern(2, 512, 64, 2, 3)
+    layout = backward_layout(p, 64, 64, gather=True)
+    assert layout.gathered_kv is None
+    assert layout.num_entries == backward_layout(p, 64, 64).num_entries

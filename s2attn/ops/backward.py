@@ -30,6 +30,7 @@ from .common import (
     check_k_bounds,
     dot_precision,
     entry_keep,
+    gathered_lists,
     heads_per_program_group,
     layout_constexprs,
     lse_strides,
@@ -151,6 +152,65 @@ def _dkdv_entries(
 
 
 @triton.jit
+def _kv_rows(
+    K, V, k_off, v_off, k_start, rows, mask, stride_ks, stride_kd, stride_vs, stride_vd,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """K and V rows ``rows`` of one (batch, head) at offsets ``k_off``, ``v_off``, of a sequence
+    starting at row ``k_start``; masked elements read 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    k = tl.load(
+        K + k_off + (k_start + rows[:, None]) * stride_ks + offs_d[None, :] * stride_kd,
+        mask=mask, other=0.0,
+    )  # fmt: skip
+    v = tl.load(
+        V + v_off + (k_start + rows[:, None]) * stride_vs + offs_d[None, :] * stride_vd,
+        mask=mask, other=0.0,
+    )  # fmt: skip
+    return k, v
+
+
+@triton.jit
+def _dkdv_over_group(
+    k, v, offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
+    list_base, list_stride, Q, dOut, Lse, Delta, Q_desc, dO_desc, b, kv_head, q_start,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_gb, stride_gs, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_ls, kv_abs, k_ok, q_offset, q_len, qk_scale,
+    GQA_GROUP: tl.constexpr, PATTERN_HEAD_DIV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one KV tile summed over the query heads of its GQA group, in registers: head h
+    walks list ``list_base + (h // PATTERN_HEAD_DIV) * list_stride``, full entries then partial."""
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
+    b64 = b.to(tl.int64)
+    for g in range(GQA_GROUP):
+        h = kv_head * GQA_GROUP + g
+        h64 = h.to(tl.int64)
+        q_base = Q + b64 * stride_qb + q_start * stride_qs + h64 * stride_qh
+        do_base = dOut + b64 * stride_gb + q_start * stride_gs + h64 * stride_gh
+        l_off = b64 * stride_lb + h64 * stride_lh + q_start * stride_ls
+        group = list_base + (h // PATTERN_HEAD_DIV) * list_stride
+        for masked in tl.static_range(2):  # the unmasked full entries, then the partial ones
+            if masked:
+                offsets, cols = offsets_partial, cols_partial
+            else:
+                offsets, cols = offsets_full, cols_full
+            dk, dv = _dkdv_entries(
+                dk, dv, k, v, cols, bits_partial,
+                tl.load(offsets + group), tl.load(offsets + group + 1),
+                q_base, do_base, Q_desc, dO_desc, b, h, Lse + l_off, Delta + l_off,
+                stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
+                kv_abs, k_ok, q_offset, q_len, qk_scale,
+                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+                masked == 1, CAUSAL, USE_TMA, DOT_PRECISION,
+            )  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV,
     offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
@@ -185,48 +245,21 @@ def _dkdv_kernel(
     kv_mask = k_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     b64 = b.to(tl.int64)
     kh64 = kv_head.to(tl.int64)
-    k = tl.load(
-        K + b64 * stride_kb + k_start * stride_ks + kh64 * stride_kh
-        + kv_abs[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-        mask=kv_mask, other=0.0,
-    )  # fmt: skip
-    v = tl.load(
-        V + b64 * stride_vb + k_start * stride_vs + kh64 * stride_vh
-        + kv_abs[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-        mask=kv_mask, other=0.0,
-    )  # fmt: skip
+    k, v = _kv_rows(K, V, b64 * stride_kb + kh64 * stride_kh, b64 * stride_vb + kh64 * stride_vh,
+                    k_start, kv_abs, kv_mask, stride_ks, stride_kd, stride_vs, stride_vd, BLOCK_D)
     if A_IN_REGS:
         # Exact no-ops the compiler keeps: MMA A operands that are not plain loads stay in
         # registers, so S^T and dP^T read only q and dO from shared memory.
         k = tl.where(kv_mask, k, 0.0)
         v = tl.where(kv_mask, v, 0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
-    for g in range(GQA_GROUP):
-        h = kv_head * GQA_GROUP + g
-        h64 = h.to(tl.int64)
-        q_base = Q + b64 * stride_qb + q_start * stride_qs + h64 * stride_qh
-        do_base = dOut + b64 * stride_gb + q_start * stride_gs + h64 * stride_gh
-        l_off = b64 * stride_lb + h64 * stride_lh + q_start * stride_ls
-        group = (h // PATTERN_HEAD_DIV) * layout_tiles + n
-        dk, dv = _dkdv_entries(
-            dk, dv, k, v, cols_full, bits_partial,
-            tl.load(offsets_full + group), tl.load(offsets_full + group + 1),
-            q_base, do_base, Q_desc, dO_desc, b, h, Lse + l_off, Delta + l_off,
-            stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-            kv_abs, k_ok, q_offset, q_len, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
-            False, CAUSAL, USE_TMA, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_entries(
-            dk, dv, k, v, cols_partial, bits_partial,
-            tl.load(offsets_partial + group), tl.load(offsets_partial + group + 1),
-            q_base, do_base, Q_desc, dO_desc, b, h, Lse + l_off, Delta + l_off,
-            stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-            kv_abs, k_ok, q_offset, q_len, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
-            True, CAUSAL, USE_TMA, DOT_PRECISION,
-        )  # fmt: skip
+    dk, dv = _dkdv_over_group(
+        k, v, offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
+        n, layout_tiles, Q, dOut, Lse, Delta, Q_desc, dO_desc, b, kv_head, q_start,
+        stride_qb, stride_qs, stride_qh, stride_qd, stride_gb, stride_gs, stride_gh, stride_gd,
+        stride_lb, stride_lh, stride_ls, kv_abs, k_ok, q_offset, q_len, qk_scale,
+        GQA_GROUP, PATTERN_HEAD_DIV, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP,
+        BITS_PER_ROW, CAUSAL, USE_TMA, DOT_PRECISION,
+    )  # fmt: skip
     dk *= softmax_scale
     tl.store(
         dK + b64 * stride_dkb + k_start * stride_dks + kh64 * stride_dkh
@@ -241,6 +274,73 @@ def _dkdv_kernel(
 
 
 @triton.jit
+def _dkdv_gathered_kernel(
+    Q, K, V, dOut, Lse, Delta, dK, dV,
+    tile_heads, tile_blocks, offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
+    cu_seqlens_q, cu_seqlens_k, Q_desc, dO_desc,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_gb, stride_gs, stride_gh, stride_gd,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_lb, stride_lh, stride_ls,
+    seqlen_q, seqlen_k, batch, qk_scale, softmax_scale,
+    GQA_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Add the far uses of gathered KV tiles (``layout.GatheredKVTiles``) to dK and dV, which the
+    contiguous dK/dV pass has written: one program per (tile, batch). A tile's pattern head is
+    its KV head (the launcher gathers only then), and each of its key blocks is in no other
+    tile, so the read-add-write needs no atomics."""
+    tile = tl.program_id(0) // batch
+    b = tl.program_id(0) % batch
+    kv_head = tl.load(tile_heads + tile)
+    q_start, q_len, k_start, k_len = sequence_bounds(
+        b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN
+    )
+    q_offset = k_len - q_len
+    offs_n = tl.arange(0, BLOCK_N)
+    blk = tl.load(tile_blocks + tile * BITS_PER_ROW + offs_n // COL_GROUP)
+    kv_abs = blk * COL_GROUP + offs_n % COL_GROUP
+    k_ok = (blk >= 0) & (kv_abs < k_len)
+    if tl.max(k_ok.to(tl.int32), axis=0) == 0:  # every block past this (packed) sequence
+        return
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = k_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    b64 = b.to(tl.int64)
+    kh64 = kv_head.to(tl.int64)
+    k, v = _kv_rows(K, V, b64 * stride_kb + kh64 * stride_kh, b64 * stride_vb + kh64 * stride_vh,
+                    k_start, kv_abs, kv_mask, stride_ks, stride_kd, stride_vs, stride_vd, BLOCK_D)
+    # Every head of the group walks the tile's one list (list stride 0). Gathered entries lie
+    # wholly after their keys: no causal rule, full ones unmasked.
+    dk, dv = _dkdv_over_group(
+        k, v, offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
+        tile, 0, Q, dOut, Lse, Delta, Q_desc, dO_desc, b, kv_head, q_start,
+        stride_qb, stride_qs, stride_qh, stride_qd, stride_gb, stride_gs, stride_gh, stride_gd,
+        stride_lb, stride_lh, stride_ls, kv_abs, k_ok, q_offset, q_len, qk_scale,
+        GQA_GROUP, 1, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP,
+        BITS_PER_ROW, False, USE_TMA, DOT_PRECISION,
+    )  # fmt: skip
+    dk_ptrs = (
+        dK + b64 * stride_dkb + k_start * stride_dks + kh64 * stride_dkh
+        + kv_abs[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+    )  # fmt: skip
+    dv_ptrs = (
+        dV + b64 * stride_dvb + k_start * stride_dvs + kh64 * stride_dvh
+        + kv_abs[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
+    )  # fmt: skip
+    # The near uses' sums, already rounded to the gradient's dtype (one extra rounding of that
+    # part in 2-byte dtypes; the far part, most of a stride block's sum, is rounded once).
+    dk = dk * softmax_scale + tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(dk.dtype)
+    dv = dv + tl.load(dv_ptrs, mask=kv_mask, other=0.0).to(dv.dtype)
+    tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
 def _dq_entries(
     dq, q, do, lse, delta,
     cols_ptr, bits_ptr, start, end,
@@ -250,26 +350,35 @@ def _dq_entries(
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
     USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GATHER: tl.constexpr = False,
 ):  # fmt: skip
-    """Accumulate dQ of one query tile over KV tiles ``start..end`` of its list."""
+    """Accumulate dQ of one query tile over KV tiles ``start..end`` of its list.
+
+    GATHER entries are gathered KV tiles, as in the forward: BITS_PER_ROW block indices per entry,
+    keys loaded by pointer (always bounds-masked), and no causal rule (they lie before the tile).
+    """
     ACC = dq.dtype
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     for e in range(start, end):
-        n = tl.load(cols_ptr + e)
-        cols = n * BLOCK_N + offs_n
+        if GATHER:
+            blk = tl.load(cols_ptr + e * BITS_PER_ROW + offs_n // COL_GROUP)
+            cols = blk * COL_GROUP + offs_n % COL_GROUP
+        else:
+            n = tl.load(cols_ptr + e)
+            cols = n * BLOCK_N + offs_n
         k_ok = cols < seq_k
-        if USE_TMA and HOST_DESC:
+        if USE_TMA and HOST_DESC and not GATHER:
             # (batch, seq, heads, dim) descriptors made on the host: zero past seq_k and HEAD_DIM.
             k = k_desc.load([desc_b, n * BLOCK_N, desc_h, 0]).reshape(BLOCK_N, BLOCK_D)
             v = v_desc.load([desc_b, n * BLOCK_N, desc_h, 0]).reshape(BLOCK_N, BLOCK_D)
-        elif USE_TMA:
+        elif USE_TMA and not GATHER:
             # The descriptors' shape (seq_k, HEAD_DIM) zero-fills past the end and the head dim.
             k = k_desc.load([n * BLOCK_N, 0])
             v = v_desc.load([n * BLOCK_N, 0])
         else:
-            if MASKED or CHECK_K_BOUNDS:
+            if MASKED or CHECK_K_BOUNDS or GATHER:
                 kv_mask = k_ok[:, None] & d_ok[None, :]
             else:
                 kv_mask = d_ok[None, :]
@@ -287,10 +396,10 @@ def _dq_entries(
             keep = entry_keep(
                 tl.load(bits_ptr + e), BLOCK_M, BLOCK_N, ROW_GROUP, COL_GROUP, BITS_PER_ROW, False
             ) & k_ok[None, :]
-            if CAUSAL:
+            if CAUSAL and not GATHER:
                 keep = keep & (rows_abs[:, None] >= cols[None, :])
             p = tl.where(keep, p, 0.0)
-        elif CHECK_K_BOUNDS:
+        elif CHECK_K_BOUNDS or GATHER:
             p = tl.where(k_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
@@ -302,6 +411,7 @@ def _dq_entries(
 def _dq_kernel(
     Q, K, V, dOut, Lse, Delta, dQ,
     offsets_full, cols_full, offsets_partial, cols_partial, bits_partial,
+    g_offsets_full, g_blocks_full, g_offsets_partial, g_blocks_partial, g_bits_partial,
     cu_seqlens_q, cu_seqlens_k, K_desc, V_desc,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -315,7 +425,7 @@ def _dq_kernel(
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, A_IN_REGS: tl.constexpr,
-    HOST_DESC: tl.constexpr,
+    HOST_DESC: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     bh, tile_rank = program_order(tl.program_id(0), grid_tiles, heads_per_group)
     b = bh // NUM_HEADS
@@ -370,22 +480,24 @@ def _dq_kernel(
         v_desc = v_base
     group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=Lse.dtype.element_ty)
-    dq = _dq_entries(
-        dq, q, do, lse, delta, cols_full, bits_partial,
-        tl.load(offsets_full + group), tl.load(offsets_full + group + 1),
-        k_base, v_base, k_desc, v_desc, b, h // GQA_GROUP, stride_ks, stride_kd, stride_vs,
-        stride_vd, rows_abs, k_len, qk_scale,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
-        False, CAUSAL, CHECK_K_BOUNDS, USE_TMA, HOST_DESC, DOT_PRECISION,
-    )  # fmt: skip
-    dq = _dq_entries(
-        dq, q, do, lse, delta, cols_partial, bits_partial,
-        tl.load(offsets_partial + group), tl.load(offsets_partial + group + 1),
-        k_base, v_base, k_desc, v_desc, b, h // GQA_GROUP, stride_ks, stride_kd, stride_vs,
-        stride_vd, rows_abs, k_len, qk_scale,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
-        True, CAUSAL, CHECK_K_BOUNDS, USE_TMA, HOST_DESC, DOT_PRECISION,
-    )  # fmt: skip
+    # The unmasked full entries, the partial ones, then (GATHER) gathered full and partial ones.
+    for kind in tl.static_range(2 + 2 * GATHER):
+        if kind == 0:
+            offsets, cols = offsets_full, cols_full
+        elif kind == 1:
+            offsets, cols = offsets_partial, cols_partial
+        elif kind == 2:
+            offsets, cols = g_offsets_full, g_blocks_full
+        else:
+            offsets, cols = g_offsets_partial, g_blocks_partial
+        dq = _dq_entries(
+            dq, q, do, lse, delta, cols, g_bits_partial if kind >= 2 else bits_partial,
+            tl.load(offsets + group), tl.load(offsets + group + 1),
+            k_base, v_base, k_desc, v_desc, b, h // GQA_GROUP, stride_ks, stride_kd, stride_vs,
+            stride_vd, rows_abs, k_len, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+            kind % 2 == 1, CAUSAL, CHECK_K_BOUNDS, USE_TMA, HOST_DESC, DOT_PRECISION, kind >= 2,
+        )  # fmt: skip
     dq *= softmax_scale
     tl.store(
         dQ + b64 * stride_dqb + (q_start + rows[:, None]) * stride_dqs + h64 * stride_dqh
@@ -574,6 +686,25 @@ def backward(
             PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
             VARLEN=varlen, DOT_PRECISION=dot, **layout_constexprs(lay), **dkdv_options,
         )  # fmt: skip
+    if lay.gathered_kv is not None:
+        g = lay.gathered_kv
+        if lay.num_heads != num_kv_heads:
+            raise ValueError(
+                "gathered KV tiles need one pattern head per KV head: build the dK/dV layout "
+                "without gather for patterns over the query heads of a GQA group"
+            )
+        _dkdv_gathered_kernel[(g.num_tiles * batch,)](
+            q4, k4, v4, g4, lse, delta, dk4, dv4,
+            g.heads, g.blocks, g.full_offsets, g.full_cols, g.partial_offsets, g.partial_cols,
+            g.partial_bits, cu_q, cu_k, q_desc, do_desc,
+            *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
+            seqlen_q, seqlen_k, batch, softmax_scale * LOG2E, softmax_scale,
+            GQA_GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, ROW_GROUP=lay.row_group,
+            COL_GROUP=lay.col_group, BITS_PER_ROW=lay.bits_per_row, VARLEN=varlen,
+            DOT_PRECISION=dot, USE_TMA=dkdv_options["USE_TMA"],
+            num_warps=dkdv_options["num_warps"], num_stages=dkdv_options["num_stages"],
+        )  # fmt: skip
     if gluon_dq:
         return dq, dk, dv
     lay = dq_layout
@@ -582,14 +713,16 @@ def backward(
     for key in _HOPPER_DQ_OPTIONS:
         dq_options.pop(key, None)
     group = heads_per_program_group(batch * num_heads, dq_options.pop("HEADS_PER_GROUP", 1))
+    gather = lay.gather_width > 0
     _dq_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, g4, lse, delta, dq4,
         lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols, lay.partial_bits,
-        cu_q, cu_k, k_desc, v_desc, *q_st, *k_st, *v_st, *g_st, *dq_st, *l_st,
+        *gathered_lists(lay), cu_q, cu_k, k_desc, v_desc,
+        *q_st, *k_st, *v_st, *g_st, *dq_st, *l_st,
         seqlen_q, seqlen_k, lay.num_groups, num_tiles, group, softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads, GQA_GROUP=num_heads // num_kv_heads,
         PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        VARLEN=varlen, CHECK_K_BOUNDS=k_bounds,
+        VARLEN=varlen, CHECK_K_BOUNDS=k_bounds, GATHER=gather,
         DOT_PRECISION=dot, **layout_constexprs(lay), **dq_options,
     )  # fmt: skip
     return dq, dk, dv

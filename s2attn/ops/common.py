@@ -65,6 +65,17 @@ def layout_constexprs(layout: TileLayout) -> dict[str, int | bool]:
     )  # fmt: skip
 
 
+def gathered_lists(layout: TileLayout) -> tuple[torch.Tensor, ...]:
+    """A forward layout's gathered entries as kernel arguments (full offsets and blocks, partial
+    offsets, blocks and bits); without any, tensors that stand in unread."""
+    if not layout.gather_width:
+        return (layout.full_offsets,) * 5
+    return (
+        layout.gather_full_offsets, layout.gather_full_blocks, layout.gather_partial_offsets,
+        layout.gather_partial_blocks, layout.gather_partial_bits,
+    )  # fmt: skip
+
+
 @triton.jit
 def entry_keep(
     bits, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_GROUP: tl.constexpr,

@@ -29,6 +29,7 @@ from .common import (
     check_k_bounds,
     dot_precision,
     entry_keep,
+    gathered_lists,
     heads_per_program_group,
     layout_constexprs,
     lse_dtype,
@@ -502,18 +503,11 @@ def forward(
     else:
         k_desc = v_desc = k  # not read
     gather = layout.gather_width > 0
-    if gather:
-        gathered = (
-            layout.gather_full_offsets, layout.gather_full_blocks, layout.gather_partial_offsets,
-            layout.gather_partial_blocks, layout.gather_partial_bits,
-        )  # fmt: skip
-    else:
-        gathered = (layout.full_offsets,) * 5  # not read
     _forward_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, o4, lse,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
-        *gathered, cu_q, cu_k, k_desc, v_desc,
+        *gathered_lists(layout), cu_q, cu_k, k_desc, v_desc,
         *q_strides, *k_strides, *v_strides, *o_strides, *lse_strides(lse, varlen),
         seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
