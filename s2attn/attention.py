@@ -197,7 +197,7 @@ class _Call:
         # A causal tile never lists KV tiles past its queries, so one layout serves every length;
         # bidirectional tiles list everything, so crop the pattern to the longest sequence.
         num_blocks = None if self.pattern.causal else self._num_blocks
-        # Gathered KV tiles pack lone stride blocks smaller than block_n (forward kernel only).
+        # Gathered KV tiles pack lone stride blocks smaller than block_n.
         layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks, gather=True)
         return _fwd.forward(
             q, k, v, layout, softmax_scale=self.scale, pattern_head_div=self.head_div,

@@ -458,9 +458,8 @@ def forward_layout(
     ``gather`` (block_size < block_n only; otherwise ignored): KV tiles that use at most half
     their pattern blocks are split, and each tile's leftover blocks packed into *gathered*
     entries of block_n / block_size blocks each (``TileLayout.gather_*``), so that lone stride
-    blocks do not drag 3/4 masked-out keys with them. Only the forward kernel reads them; the
-    dQ kernel takes the plain layout.
-    """
+    blocks do not drag 3/4 masked-out keys with them. The Triton forward and dQ kernels read
+    them (the Gluon ones take layouts without)."""
     return _cached(pattern, block_m, block_n, device, False, num_blocks, gather)
 
 

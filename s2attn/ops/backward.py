@@ -1,15 +1,19 @@
 """Triton backward kernels (dK/dV and dQ) over the compiled layouts, and their launcher.
 
-Three launches, none with atomics, so gradients are bit-identical from run to run:
+Up to four launches, none with atomics, so gradients are bit-identical from run to run:
 
 1. ``_row_delta_kernel``: delta = rowsum(dO * O) - dLSE per query row (the softmax Jacobian term;
    the LSE gradient enters here, since dLSE/dS = P).
 2. ``_dkdv_kernel``: one program per (batch, KV head, KV tile) walks the *backward* layout (the
    query tiles that use its KV tile) for every query head of its GQA group, so the group's sum
    happens in registers rather than through atomics.
-3. ``_dq_kernel``: one program per (batch, query head, query tile) walks the *forward* layout.
+3. ``_dq_kernel``: one program per (batch, query head, query tile) walks the *forward* layout,
+   gathered entries included.
+4. ``_dkdv_gathered_kernel``, when the backward layout has gathered KV tiles (pattern blocks
+   smaller than a KV tile): adds the far uses of lone key blocks to the dK, dV rows that pass 2
+   wrote. Each key block sits in one gathered tile, so this too needs no atomics.
 
-Both walks keep the unmasked full entries apart from the masked partial ones, like the forward
+All walks keep the unmasked full entries apart from the masked partial ones, like the forward
 pass. Probabilities are recomputed from the saved LSE; nothing of size seq x seq is stored.
 """
 
