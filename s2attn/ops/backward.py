@@ -32,6 +32,7 @@ from .common import (
     POISON_OUTPUTS,
     as_batched,
     check_k_bounds,
+    device_capability,
     dot_precision,
     entry_keep,
     gathered_lists,
@@ -522,7 +523,7 @@ def backward_tile_sizes(
         return (32, 64), (64, 32)
     if dtype.itemsize > 2 or head_dim > 128:
         return (32, 64), (64, 32)
-    if head_dim == 128 and torch.cuda.get_device_capability(device) == (9, 0):
+    if head_dim == 128 and device_capability(device) == (9, 0):
         # The Gluon dQ kernel (ops/backward_hopper.py) walks the forward's 128x64 tiles. At dim
         # 64 it measured no faster than the Triton one (H100, 8k fwd+bwd 1.16 vs 1.11 ms).
         return (64, 64), (128, 64)
@@ -622,13 +623,16 @@ def backward(
     # Descriptors made once here rather than per program; packed sequences need per-sequence
     # bounds, so dQ makes its own there (dK/dV takes none).
     dq_options["HOST_DESC"] = dq_options["USE_TMA"] and not varlen
-    q_desc, do_desc = _host_descriptors(dkdv_options["USE_TMA"], q, grad_out, dkdv_layout.block_m)
-    k_desc, v_desc = _host_descriptors(dq_options["HOST_DESC"], k, v, dq_layout.block_n)
     dot = dot_precision(q.dtype)
 
     gluon_dkdv = dkdv_options.pop("IMPL", "auto") != "triton" and _hopper_dkdv_takes(
         grad_out, q, k, v, dk, dv, dkdv_layout, varlen=varlen
     )
+    # The Triton dK/dV kernels' q, dO descriptors (made only when one of them runs: host time).
+    if not gluon_dkdv or dkdv_layout.gathered_kv is not None:
+        q_desc, do_desc = _host_descriptors(
+            dkdv_options["USE_TMA"], q, grad_out, dkdv_layout.block_m
+        )
     lay = dq_layout
     if varlen:
         num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
@@ -711,6 +715,7 @@ def backward(
         )  # fmt: skip
     if gluon_dq:
         return dq, dk, dv
+    k_desc, v_desc = _host_descriptors(dq_options["HOST_DESC"], k, v, dq_layout.block_n)
     lay = dq_layout
     if lay.block_m > 64 and "num_warps" not in (launch_options or ({}, {}))[1]:
         dq_options["num_warps"] = 8  # 128-row tiles (sm_90 layouts) spill at 4 warps

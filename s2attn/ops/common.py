@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -133,13 +134,20 @@ def check_k_bounds(layout: TileLayout, seqlen_k: int, varlen: bool) -> bool:
     )
 
 
+@functools.cache
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, looked up once (the lookup costs host time on every
+    call, which short sequences feel)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def tma_allowed(device: torch.device, *tensors: torch.Tensor) -> bool:
     """Whether kernels may read these tensors through in-kernel tensor descriptors (TMA).
 
     Needs a Hopper-or-newer GPU, 2-byte elements, a contiguous last dim and 16-byte aligned bases
     and strides. Sets Triton's allocator for the descriptors' workspace if none is set.
     """
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type != "cuda" or device_capability(device)[0] < 9:
         return False
     for t in tensors:
         if t.element_size() != 2 or t.stride(-1) != 1 or t.data_ptr() % 16:

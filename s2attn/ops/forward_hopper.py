@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layout import TileLayout
-from .common import layout_constexprs, tma_allowed
+from .common import device_capability, layout_constexprs, tma_allowed
 
 __all__ = ["forward_hopper", "runs_on", "supported"]
 
@@ -478,7 +478,7 @@ def runs_on(q: torch.Tensor) -> bool:
     """Whether the Gluon kernels (this module's and ops/backward_hopper.py's) may run on q's
     device and dtype: an sm_90 GPU, fp16 or bf16, head dim 64 or 128, not disabled by
     ``S2ATTN_HOPPER_FORWARD=0``. Each kernel adds its own conditions."""
-    if not _ENABLED or q.device.type != "cuda" or _capability(q.device) != (9, 0):
+    if not _ENABLED or q.device.type != "cuda" or device_capability(q.device) != (9, 0):
         return False
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
 
@@ -561,11 +561,6 @@ def forward_hopper(
         num_warps=4,
         maxnreg=_MAX_REGS,
     )  # fmt: skip
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache
