@@ -195,10 +195,22 @@ def _csr(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     return offsets.to(torch.int32)
 
 
-def _bit_matrix(bits: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """Entries' packed bits as (entries, rows, width) bools."""
+def _lone_blocks(t, n, bits, block_m, block_n, block_size, causal):
+    """Which entries to gather, the rule both directions share: (bit matrix (entries, rows,
+    width) of bools, the blocks each entry uses (entries, width), and the entries to gather).
+
+    Tiles that use more than half their blocks stay contiguous (bulk copies, one entry), and so
+    do causal tiles that reach past the query tile's first row: gathered entries never need the
+    causal rule, only their bits."""
+    width = block_n // block_size
+    rows = block_m // min(block_size, block_m)
     shifts = torch.arange(rows * width, device=bits.device, dtype=torch.int64)
-    return ((bits[:, None] >> shifts[None, :]) & 1).view(-1, rows, width).bool()
+    bitmat = ((bits[:, None] >> shifts[None, :]) & 1).view(-1, rows, width).bool()
+    col_used = bitmat.any(dim=1)
+    lone = col_used.sum(dim=1) <= width // 2
+    if causal:
+        lone &= (n + 1) * block_n - 1 <= t * block_m  # every key before the tile's first query
+    return bitmat, col_used, lone
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
@@ -220,17 +232,11 @@ def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, caus
     device = h.device
     width = block_n // block_size
     rows = block_m // min(block_size, block_m)
-    bitmat = _bit_matrix(bits, rows, width)
-    col_used = bitmat.any(dim=1)  # (entries, width)
-    # Tiles that use more than half their blocks stay contiguous (bulk copies, one entry), and
-    # so do causal tiles that reach past the query tile's first row: gathered entries never need
-    # the causal rule, only their bits.
-    contiguous = col_used.sum(dim=1) > width // 2
-    if causal:
-        contiguous |= (n + 1) * block_n - 1 > t * block_m
+    bitmat, col_used, lone = _lone_blocks(t, n, bits, block_m, block_n, block_size, causal)
+    contiguous = ~lone
     keep = (h[contiguous], t[contiguous], n[contiguous], bits[contiguous], full[contiguous])
 
-    sparse = (~contiguous).nonzero(as_tuple=True)[0]
+    sparse = lone.nonzero(as_tuple=True)[0]
     e, b = col_used[sparse].nonzero(as_tuple=True)  # sorted by (entry, block): by (h, t, j)
     e = sparse[e]
     key = h[e] * num_q_tiles + t[e]
@@ -279,11 +285,7 @@ def _gather_kv(h, t, n, bits, num_heads, num_q_tiles, num_kv_tiles, block_m, blo
     device = h.device
     width = block_n // block_size
     rows = block_m // min(block_size, block_m)
-    bitmat = _bit_matrix(bits, rows, width)
-    col_used = bitmat.any(dim=1)  # (entries, width)
-    far = col_used.sum(dim=1) <= width // 2
-    if causal:
-        far &= (n + 1) * block_n - 1 <= t * block_m  # every key before the tile's first query
+    bitmat, col_used, far = _lone_blocks(t, n, bits, block_m, block_n, block_size, causal)
     if not far.any():
         return torch.ones_like(far), None
     far_entries = far.nonzero(as_tuple=True)[0]
