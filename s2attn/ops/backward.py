@@ -157,21 +157,26 @@ def _dkdv_entries(
 
 
 @triton.jit
+def _row_ptrs(base, start, rows, stride_s, stride_d, BLOCK_D: tl.constexpr):
+    """(len(rows), BLOCK_D) pointers to rows ``rows`` of a sequence starting at row ``start`` of
+    one (batch, head)'s (seq, dim) view at ``base``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return base + (start + rows[:, None]) * stride_s + offs_d[None, :] * stride_d
+
+
+@triton.jit
 def _kv_rows(
     K, V, k_off, v_off, k_start, rows, mask, stride_ks, stride_kd, stride_vs, stride_vd,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """K and V rows ``rows`` of one (batch, head) at offsets ``k_off``, ``v_off``, of a sequence
     starting at row ``k_start``; masked elements read 0."""
-    offs_d = tl.arange(0, BLOCK_D)
     k = tl.load(
-        K + k_off + (k_start + rows[:, None]) * stride_ks + offs_d[None, :] * stride_kd,
-        mask=mask, other=0.0,
-    )  # fmt: skip
+        _row_ptrs(K + k_off, k_start, rows, stride_ks, stride_kd, BLOCK_D), mask=mask, other=0.0
+    )
     v = tl.load(
-        V + v_off + (k_start + rows[:, None]) * stride_vs + offs_d[None, :] * stride_vd,
-        mask=mask, other=0.0,
-    )  # fmt: skip
+        _row_ptrs(V + v_off, k_start, rows, stride_vs, stride_vd, BLOCK_D), mask=mask, other=0.0
+    )
     return k, v
 
 
@@ -266,16 +271,12 @@ def _dkdv_kernel(
         BITS_PER_ROW, CAUSAL, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     dk *= softmax_scale
-    tl.store(
-        dK + b64 * stride_dkb + k_start * stride_dks + kh64 * stride_dkh
-        + kv_abs[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
-        dk.to(dK.dtype.element_ty), mask=kv_mask,
-    )  # fmt: skip
-    tl.store(
-        dV + b64 * stride_dvb + k_start * stride_dvs + kh64 * stride_dvh
-        + kv_abs[:, None] * stride_dvs + offs_d[None, :] * stride_dvd,
-        dv.to(dV.dtype.element_ty), mask=kv_mask,
-    )  # fmt: skip
+    dk_ptrs = _row_ptrs(dK + b64 * stride_dkb + kh64 * stride_dkh, k_start, kv_abs,
+                        stride_dks, stride_dkd, BLOCK_D)  # fmt: skip
+    dv_ptrs = _row_ptrs(dV + b64 * stride_dvb + kh64 * stride_dvh, k_start, kv_abs,
+                        stride_dvs, stride_dvd, BLOCK_D)  # fmt: skip
+    tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -329,14 +330,10 @@ def _dkdv_gathered_kernel(
         GQA_GROUP, 1, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP,
         BITS_PER_ROW, False, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
-    dk_ptrs = (
-        dK + b64 * stride_dkb + k_start * stride_dks + kh64 * stride_dkh
-        + kv_abs[:, None] * stride_dks + offs_d[None, :] * stride_dkd
-    )  # fmt: skip
-    dv_ptrs = (
-        dV + b64 * stride_dvb + k_start * stride_dvs + kh64 * stride_dvh
-        + kv_abs[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
-    )  # fmt: skip
+    dk_ptrs = _row_ptrs(dK + b64 * stride_dkb + kh64 * stride_dkh, k_start, kv_abs,
+                        stride_dks, stride_dkd, BLOCK_D)  # fmt: skip
+    dv_ptrs = _row_ptrs(dV + b64 * stride_dvb + kh64 * stride_dvh, k_start, kv_abs,
+                        stride_dvs, stride_dvd, BLOCK_D)  # fmt: skip
     # The near uses' sums, already rounded to the gradient's dtype (one extra rounding of that
     # part in 2-byte dtypes; the far part, most of a stride block's sum, is rounded once).
     dk = dk * softmax_scale + tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(dk.dtype)
