@@ -257,24 +257,37 @@ def test_gradients_through_the_dq_kernel(gen, dq_calls, dtype, causal, case):
     assert len(dq_calls) == 1, "this case was meant for the Gluon dQ kernel"
 
 
-def test_dq_kernel_matches_the_triton_one(gen):
+def _backward_with(gen):
+    """fp16 inputs (2k tokens, 4 heads, dim 128), their forward and dK/dV layout: returns a
+    function of (dQ layout tiles, dK/dV and dQ launch options) giving (dq, dk, dv), for setting
+    the Gluon backward kernels beside the Triton ones."""
     seq, heads = 2048, 4
     q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
     pattern = local_stride_pattern(heads, seq, 64, 4, 3)
     out, lse = _run(q, k, v, pattern)
     layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
-    results = []
-    for dq_tiles, options in (((128, 64), {}), ((128, 64), {"num_buffers": 4}),
-                              ((64, 64), {"IMPL": "triton"})):  # fmt: skip
+
+    def backward(dq_tiles, launch_options):
         layout_q = forward_layout(pattern, *dq_tiles, q.device)
-        results.append(bwd_ops.backward(
+        return bwd_ops.backward(
             g, q, k, v, out, lse, None, layout_kv, layout_q, softmax_scale=128**-0.5,
-            pattern_head_div=1, launch_options=({}, options),
-        )[0])  # fmt: skip
-    # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
-    scale = results[-1].float().abs().max().item()
-    for gluon in results[:-1]:
-        assert (gluon.float() - results[-1].float()).abs().max().item() < 2e-3 * scale
+            pattern_head_div=1, launch_options=launch_options,
+        )  # fmt: skip
+
+    return backward
+
+
+def _assert_same_arithmetic(gluon: torch.Tensor, triton: torch.Tensor) -> None:
+    """Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance."""
+    scale = triton.float().abs().max().item()
+    assert (gluon.float() - triton.float()).abs().max().item() < 2e-3 * scale
+
+
+def test_dq_kernel_matches_the_triton_one(gen):
+    backward = _backward_with(gen)
+    triton_dq = backward((64, 64), ({}, {"IMPL": "triton"}))[0]
+    for options in ({}, {"num_buffers": 4}):
+        _assert_same_arithmetic(backward((128, 64), ({}, options))[0], triton_dq)
 
 
 # --------------------------------------------------------------------------------- dK/dV kernel
@@ -342,19 +355,8 @@ def test_dkdv_strided_outputs(gen, dkdv_calls):
 
 
 def test_dkdv_kernel_matches_the_triton_one(gen):
-    seq, heads = 2048, 4
-    q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
-    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
-    out, lse = _run(q, k, v, pattern)
-    layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
-    layout_q = forward_layout(pattern, 128, 64, q.device)
-    results = []
-    for options in ({}, {"IMPL": "triton"}):
-        results.append(bwd_ops.backward(
-            g, q, k, v, out, lse, None, layout_kv, layout_q, softmax_scale=128**-0.5,
-            pattern_head_div=1, launch_options=(options, {}),
-        )[1:])  # fmt: skip
-    # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
-    for gluon, triton in zip(*results):
-        scale = triton.float().abs().max().item()
-        assert (gluon.float() - triton.float()).abs().max().item() < 2e-3 * scale
+    backward = _backward_with(gen)
+    gluon = backward((128, 64), ({}, {}))[1:]
+    triton = backward((128, 64), ({"IMPL": "triton"}, {}))[1:]
+    for got, want in zip(gluon, triton):
+        _assert_same_arithmetic(got, want)
