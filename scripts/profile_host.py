@@ -3,9 +3,9 @@
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
+from host_time import host_ms
 
 import s2attn
 from s2attn import local_stride_pattern
@@ -29,14 +29,7 @@ def call():
         torch.autograd.grad(out, (q, k, v), g)
 
 
-for _ in range(5):
-    call()
-torch.cuda.synchronize()
-t0 = time.perf_counter()
-for _ in range(50):
-    call()
-host = (time.perf_counter() - t0) / 50 * 1e3
-torch.cuda.synchronize()
+host = host_ms(call, 50)
 print(f"host time per call: {host:.3f} ms (returns before the GPU is done unless it syncs)")
 prof = cProfile.Profile()
 prof.enable()

@@ -151,6 +151,49 @@ def test_strided_inputs(gen):
     _check(q, k, v, local_stride_pattern(heads, seq, 64, 4, 3))
 
 
+def _max_jumps_mid_list(q, k, pattern, layout, qk_scale_log2):
+    """How many (row, entry) pairs past each list's first entry see the row's running max of the
+    scores (log2 units; entries in the kernel's order: full ones, then partial ones) grow by more
+    than 8, i.e. rescale the output accumulated so far by less than 2^-8."""
+    seq = q.shape[1]
+    mask = pattern.token_mask(seq, seq).to(q.device)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * qk_scale_log2
+    scores = scores.masked_fill(~mask, float("-inf"))
+    fo, fc = layout.full_offsets.tolist(), layout.full_cols.tolist()
+    po, pc = layout.partial_offsets.tolist(), layout.partial_cols.tolist()
+    moves = 0
+    for h in range(pattern.num_heads):
+        for tile in range(layout.num_groups):
+            g = h * layout.num_groups + tile
+            cols = fc[fo[g] : fo[g + 1]] + pc[po[g] : po[g + 1]]
+            rows = scores[:, h, tile * 128 : (tile + 1) * 128]
+            maxima = torch.stack([rows[..., n * 64 : (n + 1) * 64].amax(-1) for n in cols], -1)
+            running = maxima.cummax(-1).values
+            grew = running[..., 1:] - running[..., :-1]
+            moves += int(((grew > 8) & running[..., :-1].isfinite()).sum())
+    return moves
+
+
+def test_running_max_moves_mid_list(gen):
+    # Keys scaled per 64-key tile by 0.25 to 8: a row's tile maxima differ by far more than 8
+    # (log2), so the output accumulated so far is rescaled by large factors at later steps of a
+    # list. Plain random inputs, as in the other tests, move the max by a few units at most past
+    # the first steps: a kernel that skipped or botched those rescales passed all of them.
+    seq, heads, dim = 2048, 4, 128
+    q, v = (_randn(gen, 1, seq, heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    tile_scale = 2.0 ** (torch.rand(seq // 64, generator=gen) * 5 - 2)
+    k = (
+        torch.randn(1, seq, heads, dim, generator=gen)
+        * tile_scale.repeat_interleave(64)[:, None, None]
+    )
+    k = k.to("cuda", torch.bfloat16)
+    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    layout = forward_layout(pattern, 128, 64, q.device, gather=True)
+    assert _max_jumps_mid_list(q, k, pattern, layout, dim**-0.5 * math.log2(math.e)) > 100
+    for options in (None, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}):
+        _check(q, k, v, pattern, launch_options=options)
+
+
 def test_matches_the_triton_kernel(gen):
     seq, heads = 4096, 8
     q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(3))

@@ -1,0 +1,70 @@
+"""A/B of the forward (or forward+backward) between this tree's s2attn and another copy of the
+package (dev aid).
+
+Imports both in one process (the other as ``s2attn_base``, a copy of an older tree's s2attn/
+directory; the package uses relative imports only) and times them in alternating rounds, so
+that clock and host drift fall on both alike. Forward only (no autograd), batch 1, 32 heads,
+bf16, causal, block 64, local 16; do_bench medians in ms.
+
+    git archive HEAD s2attn | tar -x -C /tmp/base && mv /tmp/base/s2attn /tmp/base/s2attn_base
+    PYTHONPATH=/tmp/base python scripts/ab_forward.py --rounds 3
+"""
+
+import argparse
+import statistics
+
+import s2attn_base
+import torch
+import triton
+
+import s2attn
+
+ap = argparse.ArgumentParser()
+ap.add_argument(
+    "--cases",
+    default="131072:128:16,131072:128:64,32768:128:16,32768:128:64,32768:64:16,32768:64:64,8192:128:16,8192:64:16",
+)
+ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--backward", action="store_true", help="time forward+backward")
+args = ap.parse_args()
+print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+
+
+def _time(lib, q, k, v, pattern):
+    if args.backward:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        grad = torch.randn_like(q)
+
+        def fn():
+            lib.sparse_attention(q, k, v, pattern).backward(grad)
+
+    else:
+
+        def fn():
+            lib.sparse_attention(q, k, v, pattern)
+
+    fn()
+    return triton.testing.do_bench(
+        fn, warmup=25, rep=200, return_mode="median", grad_to_none=[q, k, v]
+    )
+
+
+def _fmt(xs):
+    return " ".join(f"{x:.3f}" for x in xs)
+
+
+cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+times = {(c, name): [] for c in cases for name in ("base", "new")}
+for rnd in range(args.rounds):
+    for seq, dim, stride in cases:
+        q, k, v = (
+            torch.randn(1, seq, 32, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+        )
+        for name, lib in (("base", s2attn_base), ("new", s2attn))[:: 1 if rnd % 2 == 0 else -1]:
+            p = lib.local_stride_pattern(32, seq, 64, 16, stride)
+            times[(seq, dim, stride), name].append(_time(lib, q, k, v, p))
+print(f"{'seq':>7} {'dim':>4} {'V':>3} {'base ms':>24} {'new ms':>24} {'new/base':>8}")
+for c in cases:
+    b, n = times[c, "base"], times[c, "new"]
+    ratio = statistics.median(n) / statistics.median(b)
+    print(f"{c[0]:>7} {c[1]:>4} {c[2]:>3} {_fmt(b):>24} {_fmt(n):>24} {ratio:8.3f}")
