@@ -43,7 +43,6 @@ FWD = {
     "gluon nb4": (128, 64, {"num_buffers": 4}),
     "gluon nb3 q-smem": (128, 64, {"num_buffers": 3, "q_in_regs": False}),
     "gluon nb4 flat": (128, 64, {"num_buffers": 4, "persistent": False}),
-    "gluon nb4 stride": (128, 64, {"num_buffers": 4, "snake": False}),
     "gluon e2 nb2": (128, 64, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}),
     # dim 64 only (shared memory):
     "gluon d64 nb6": (128, 64, {"num_buffers": 6, "entries_per_step": 1}),
@@ -84,7 +83,6 @@ DQ = {
     "gluon nb2": (128, 64, {"num_buffers": 2}),
     "gluon nb3": (128, 64, {"num_buffers": 3}),
     "gluon nb4": (128, 64, {"num_buffers": 4}),
-    "gluon nb3 stride": (128, 64, {"num_buffers": 3, "snake": False}),
     "gluon nb2 flat": (128, 64, {"num_buffers": 2, "persistent": False}),
     "ptr 64x64 w4s2 G32": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 64x64 w4s2 G1": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),

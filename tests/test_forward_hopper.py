@@ -87,7 +87,6 @@ def test_local_stride(gen, dtype, dim, causal, stride, entries):
 @pytest.mark.parametrize("options", [
     {"num_buffers": 2}, {"num_buffers": 3}, {"num_buffers": 4},
     {"persistent": False}, {"q_in_regs": False}, {"num_buffers": 2, "persistent": False},
-    {"snake": False},
     {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False},
     {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False, "persistent": False},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))  # fmt: skip

@@ -736,7 +736,7 @@ def backward(
 
 # Launch options of the Gluon kernels (ops/backward_hopper.py ``dq_hopper``, ``dkdv_hopper``),
 # for sweeps.
-_HOPPER_DQ_OPTIONS = ("num_buffers", "persistent", "snake")
+_HOPPER_DQ_OPTIONS = ("num_buffers", "persistent")
 _HOPPER_DKDV_OPTIONS = ("num_buffers", "heads_per_group")
 
 

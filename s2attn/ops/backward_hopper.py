@@ -44,14 +44,17 @@ from .forward_hopper import (
     _entry_col,
     _entry_list,
     _free_slots,
+    _get_item,
+    _item_slots,
     _masked_scores,
     _num_sms,
     _producer,
-    _snake_order,
+    _put_item,
     _store_rows,
     _unchecked_descriptor,
     _wgmma_layout,
     _work_item,
+    item_counter,
 )
 
 __all__ = ["dkdv_hopper", "dq_hopper"]
@@ -69,10 +72,10 @@ def _dq_consumer(
     memory, whose bandwidth bounds this kernel; the tile's slot is free once they are loaded."""
     (
         q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-        dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets, partial_cols,
-        partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
-        stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k, layout_tiles,
-        grid_tiles, heads_per_group, num_items, snake, qk_scale, softmax_scale,
+        item_slots, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets,
+        partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
+        stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
+        layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
     ) = work  # fmt: skip
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
@@ -83,16 +86,16 @@ def _dq_consumer(
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    pid = gl.program_id(0)
-    num_programs = gl.num_programs(0)
+    q_slots: gl.constexpr = q_bufs.type.shape[0]
     q_offset = seqlen_k - seqlen_q
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     c = 0  # K/V ring position, across work items
-    for t in range(pid, num_items, num_programs):
-        j = (t - pid) // num_programs
-        item = _snake_order(t, num_programs, num_items, snake)
+    j = 0  # work items taken
+    mbarrier.wait(q_ready.index(0), 0)
+    t = _get_item(item_slots, 0)
+    while t < num_items:
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
-            item, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
+            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
             heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
         )  # fmt: skip
         q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
@@ -105,8 +108,7 @@ def _dq_consumer(
         n_mine = _entries_reaching(
             partial_cols, partial_start, n_full, n_total, q_row0 + ROWS - 1, BLOCK_N, CAUSAL
         )
-        slot = j % q_bufs.type.shape[0]
-        mbarrier.wait(q_ready.index(slot), (j // q_bufs.type.shape[0]) & 1)
+        slot = j % q_slots
         q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS).load(a_layout)
         do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
         do = do.load(a_layout)
@@ -180,15 +182,18 @@ def _dq_consumer(
         out_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
         base = dQ + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
         _store_rows(base, out_rows, (acc * softmax_scale).to(dtype), stride_qs, seqlen_q, o_layout)
+        j += 1
+        mbarrier.wait(q_ready.index(j % q_slots), (j // q_slots) & 1)
+        t = _get_item(item_slots, j % q_slots)
 
 
 @gluon.jit
 def _dq_kernel(
-    q_desc, do_desc, o_desc, k_desc, v_desc, dQ, Lse, dLse, Delta, Stats,
+    q_desc, do_desc, o_desc, k_desc, v_desc, dQ, Lse, dLse, Delta, Stats, counter,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
     stride_dlb, stride_dlh, stride_dls, stats_seq,
-    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake, qk_scale,
+    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
     softmax_scale,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -196,9 +201,9 @@ def _dq_kernel(
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_DLSE: gl.constexpr,
     HAS_STATS: gl.constexpr,
 ):  # fmt: skip
-    """Persistent: each program takes work items (head, query tile) pid, pid + grid, ...
-    q, dO and O have one slot each: the consumers take them into registers at the tile's start,
-    so the next tile's copies have the whole tile to land."""
+    """Persistent: each program takes work items (head, query tile) from ``counter`` (zero at
+    launch) until none is left. q, dO and O have one slot each: the consumers take them into
+    registers at the tile's start, so the next tile's copies have the whole tile to land."""
     dtype: gl.constexpr = q_desc.dtype
     tile_shape: gl.constexpr = [1] + q_desc.block_type.shape
     q_bufs = gl.allocate_shared_memory(dtype, tile_shape, q_desc.layout)
@@ -212,6 +217,7 @@ def _dq_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    item_slots = _item_slots(1)
     mbarrier.init(q_ready.index(0), count=1)
     mbarrier.init(q_empty.index(0), count=2)  # one release per consumer warpgroup
     for i in gl.static_range(NUM_BUFFERS):
@@ -222,10 +228,10 @@ def _dq_kernel(
     # One tuple of shared arguments, constexprs apart (see ops/forward_hopper.py).
     work = (
         q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-        dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets, partial_cols,
-        partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
-        stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k, layout_tiles,
-        grid_tiles, heads_per_group, num_items, snake, qk_scale, softmax_scale,
+        item_slots, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets,
+        partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
+        stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
+        layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
     )  # fmt: skip
     gl.warp_specialize(
         [
@@ -248,9 +254,9 @@ def _dq_kernel(
                 (
                     q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                     v_ready, kv_empty, full_offsets, full_cols, partial_offsets, partial_cols,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, snake,
-                    NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, 1, do_desc,
-                    do_bufs, o_desc, o_bufs, True,
+                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
+                    counter, item_slots, NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
+                    1, do_desc, do_bufs, o_desc, o_bufs, True,
                 ),
             ),
         ],
@@ -264,7 +270,6 @@ def dq_hopper(
     out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, delta: torch.Tensor,
     stats: torch.Tensor | None, dq: torch.Tensor, layout: TileLayout, *, softmax_scale: float,
     pattern_head_div: int, num_tiles: int, num_buffers: int = 3, persistent: bool = True,
-    snake: bool = True,
 ) -> None:  # fmt: skip
     """Fill ``dq`` (like q) and ``delta`` (like ``lse``: (batch, heads, seq_q)) for batched
     inputs; with ``stats`` also the dK/dV kernel's row statistics (see ``dkdv_hopper``)."""
@@ -277,13 +282,13 @@ def dq_hopper(
         _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
         _descriptor(out, layout.block_m), _descriptor(k, layout.block_n),
         _descriptor(v, layout.block_n), dq, lse, lse if grad_lse is None else grad_lse, delta,
-        delta if stats is None else stats,
+        delta if stats is None else stats, item_counter(q.device),
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         dq.stride(0), dq.stride(1), dq.stride(2), *lse.stride(),
         *(lse if grad_lse is None else grad_lse).stride(),
         0 if stats is None else stats.shape[-1],
-        seqlen_q, k.shape[1], layout.num_groups, num_tiles, 1, num_items, int(snake),
+        seqlen_q, k.shape[1], layout.num_groups, num_tiles, 1, num_items,
         softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
@@ -318,20 +323,6 @@ def _dkdv_item(order, t, kv_tiles, NUM_KV_HEADS: gl.constexpr):
     item = gl.load(order + t)
     bkv = item // kv_tiles
     return bkv // NUM_KV_HEADS, bkv % NUM_KV_HEADS, item % kv_tiles
-
-
-@gluon.jit
-def _put_item(item_slots, STREAM: gl.constexpr, t):
-    """Hand item ``t`` from a stream's producer (one warp) to its consumer, through shared
-    memory; the mbarrier arrival that follows publishes it."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    item_slots.index(STREAM).store(gl.full([1], t, gl.int32, layout=one))
-
-
-@gluon.jit
-def _get_item(item_slots, STREAM: gl.constexpr):
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.max(item_slots.index(STREAM).load(one), 0)
 
 
 @gluon.jit
@@ -525,9 +516,7 @@ def _dkdv_kernel(
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     qd_ready = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
     qd_empty = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
-    item_slots = gl.allocate_shared_memory(
-        gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    )
+    item_slots = _item_slots(2)  # one per stream
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
@@ -652,7 +641,7 @@ def dkdv_hopper(
     order = layout.derived.get(key)
     if order is None:
         order = layout.derived[key] = dkdv_order(layout, *key[1:])
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    counter = item_counter(q.device)
     _dkdv_kernel[(grid,)](
         _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
         _descriptor(k, layout.block_n), _descriptor(v, layout.block_n),

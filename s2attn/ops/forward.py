@@ -527,7 +527,7 @@ def forward(
 
 
 # Launch options of the Gluon kernel (ops/forward_hopper.py ``forward_hopper``), for sweeps.
-_HOPPER_OPTIONS = ("num_buffers", "q_in_regs", "persistent", "entries_per_step", "snake")
+_HOPPER_OPTIONS = ("num_buffers", "q_in_regs", "persistent", "entries_per_step")
 
 
 def _hopper_kernel_takes(q, k, v, layout, **kwargs) -> bool:
