@@ -48,6 +48,12 @@ FWD = {
     "gluon d64 nb6": (128, 64, {"num_buffers": 6, "entries_per_step": 1}),
     "gluon d64 e2 nb3": (128, 64, {"entries_per_step": 2, "num_buffers": 3}),
     "gluon d64 e2 nb4": (128, 64, {"entries_per_step": 2, "num_buffers": 4}),
+    "gluon d64 e2 nb5": (128, 64, {"entries_per_step": 2, "num_buffers": 5}),
+    "gluon d64 e2 nb2": (128, 64, {"entries_per_step": 2, "num_buffers": 2}),
+    "gluon d64 e2 nb3 q-smem": (
+        128, 64, {"entries_per_step": 2, "num_buffers": 3, "q_in_regs": False}
+    ),
+    "gluon d64 nb4": (128, 64, {"num_buffers": 4, "entries_per_step": 1}),
     "ptr 128x64 w4s2 G32": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
     "ptr 128x64 w4s2 G1": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
     "tma-dev 128x64 w4s2 G32": _t(128, 64, 4, 2, HOST_DESC=False, HEADS_PER_GROUP=32),
