@@ -51,6 +51,7 @@ from .forward_hopper import (
     _producer,
     _put_item,
     _store_rows,
+    _take_item,
     _unchecked_descriptor,
     _wgmma_layout,
     _work_item,
@@ -91,8 +92,7 @@ def _dq_consumer(
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     c = 0  # K/V ring position, across work items
     j = 0  # work items taken
-    mbarrier.wait(q_ready.index(0), 0)
-    t = _get_item(item_slots, 0)
+    t = _take_item(q_ready, item_slots, 0)
     while t < num_items:
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
             t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
@@ -183,8 +183,7 @@ def _dq_consumer(
         base = dQ + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
         _store_rows(base, out_rows, (acc * softmax_scale).to(dtype), stride_qs, seqlen_q, o_layout)
         j += 1
-        mbarrier.wait(q_ready.index(j % q_slots), (j // q_slots) & 1)
-        t = _get_item(item_slots, j % q_slots)
+        t = _take_item(q_ready, item_slots, j)
 
 
 @gluon.jit

@@ -104,6 +104,15 @@ def _get_item(item_slots, slot):
 
 
 @gluon.jit
+def _take_item(q_ready, item_slots, j):
+    """The consumers' ``j``-th work item (>= num_items past the last): waits for its q slot
+    (one per slot of ``q_ready``, taken in turn), which carries the index ``_producer`` put."""
+    q_slots: gl.constexpr = q_ready.type.shape[0]
+    mbarrier.wait(q_ready.index(j % q_slots), (j // q_slots) & 1)
+    return _get_item(item_slots, j % q_slots)
+
+
+@gluon.jit
 def _work_item(
     t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles, heads_per_group,
     NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -303,8 +312,7 @@ def _consumer(
     s_zero = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout)
     c = 0  # K/V ring position, across work items
     j = 0  # work items taken
-    mbarrier.wait(q_ready.index(0), 0)
-    t = _get_item(item_slots, 0)
+    t = _take_item(q_ready, item_slots, 0)
     while t < num_items:
         b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
             t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
@@ -401,8 +409,7 @@ def _consumer(
         l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seqlen_q))
         j += 1
-        mbarrier.wait(q_ready.index(j % 2), (j // 2) & 1)
-        t = _get_item(item_slots, j % 2)
+        t = _take_item(q_ready, item_slots, j)
 
 
 @gluon.jit
