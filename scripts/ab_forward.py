@@ -4,7 +4,8 @@ package (dev aid).
 Imports both in one process (the other as ``s2attn_base``, a copy of an older tree's s2attn/
 directory; the package uses relative imports only) and times them in alternating rounds, so
 that clock and host drift fall on both alike. Forward only (no autograd), batch 1, 32 heads,
-bf16, causal, block 64, local 16; do_bench medians in ms.
+bf16, causal, block 64, local 16; do_bench medians in ms, or with --host the host's time per
+call in ms.
 
     git archive HEAD s2attn | tar -x -C /tmp/base && mv /tmp/base/s2attn /tmp/base/s2attn_base
     PYTHONPATH=/tmp/base python scripts/ab_forward.py --rounds 3
@@ -16,6 +17,7 @@ import statistics
 import s2attn_base
 import torch
 import triton
+from host_time import host_ms
 
 import s2attn
 
@@ -26,6 +28,10 @@ ap.add_argument(
 )
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--backward", action="store_true", help="time forward+backward")
+ap.add_argument(
+    "--host", action="store_true",
+    help="time the host per call (scripts/host_time.py) rather than the GPU (do_bench)",
+)  # fmt: skip
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
 
@@ -36,6 +42,7 @@ def _time(lib, q, k, v, pattern):
         grad = torch.randn_like(q)
 
         def fn():
+            q.grad = k.grad = v.grad = None  # no accumulation kernels
             lib.sparse_attention(q, k, v, pattern).backward(grad)
 
     else:
@@ -44,6 +51,8 @@ def _time(lib, q, k, v, pattern):
             lib.sparse_attention(q, k, v, pattern)
 
     fn()
+    if args.host:
+        return host_ms(fn, 100)
     return triton.testing.do_bench(
         fn, warmup=25, rep=200, return_mode="median", grad_to_none=[q, k, v]
     )

@@ -13,6 +13,7 @@ from s2attn import local_stride_pattern
 ap = argparse.ArgumentParser()
 ap.add_argument("--backward", action="store_true")
 ap.add_argument("--seq", type=int, default=8192)
+ap.add_argument("--sort", default="tottime", help="pstats key: tottime, cumulative")
 args = ap.parse_args()
 p = local_stride_pattern(32, args.seq, 64, 16, 16)
 q, k, v = (
@@ -37,4 +38,4 @@ for _ in range(100):
     call()
 prof.disable()
 torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+pstats.Stats(prof).sort_stats(args.sort).print_stats(40)

@@ -402,3 +402,25 @@ def test_dkdv_kernel_matches_the_triton_one(gen):
     triton = backward((128, 64), ({"IMPL": "triton"}, {}))[1:]
     for got, want in zip(gluon, triton):
         _assert_same_arithmetic(got, want)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
+def test_work_counter_left_at_zero(gen, dq_calls, dkdv_calls, persistent):
+    # The three kernels share one work-item counter per stream and each launch puts it back to
+    # zero (forward_hopper.item_counter): launches back to back, on the default stream and on a
+    # second one, each stay exact, and the counters read zero after.
+    from s2attn.ops.forward_hopper import item_counter
+
+    seq, heads = 2048, 4
+    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            q, k, v = (
+                _randn(gen, 1, seq, heads, 128, dtype=torch.float16).requires_grad_()
+                for _ in range(3)
+            )  # fmt: skip
+            _check(q.detach(), k.detach(), v.detach(), pattern, {"persistent": persistent})
+            _check_gradients(gen, q, k, v, pattern, torch.float16)
+            assert item_counter(q.device).item() == 0
+    assert len(dq_calls) == 3 and len(dkdv_calls) == 3, "meant for the Gluon backward kernels"

@@ -46,6 +46,7 @@ from .forward_hopper import (
     _free_slots,
     _get_item,
     _item_slots,
+    _leave_counter_at_zero,
     _masked_scores,
     _num_sms,
     _producer,
@@ -269,9 +270,11 @@ def dq_hopper(
     out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, delta: torch.Tensor,
     stats: torch.Tensor | None, dq: torch.Tensor, layout: TileLayout, *, softmax_scale: float,
     pattern_head_div: int, num_tiles: int, num_buffers: int = 3, persistent: bool = True,
+    heads_per_group: int = 1,
 ) -> None:  # fmt: skip
     """Fill ``dq`` (like q) and ``delta`` (like ``lse``: (batch, heads, seq_q)) for batched
-    inputs; with ``stats`` also the dK/dV kernel's row statistics (see ``dkdv_hopper``)."""
+    inputs; with ``stats`` also the dK/dV kernel's row statistics (see ``dkdv_hopper``).
+    Work items run ``heads_per_group`` heads at a time (``forward_hopper._work_item``)."""
     from .common import LOG2E
 
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -287,7 +290,7 @@ def dq_hopper(
         dq.stride(0), dq.stride(1), dq.stride(2), *lse.stride(),
         *(lse if grad_lse is None else grad_lse).stride(),
         0 if stats is None else stats.shape[-1],
-        seqlen_q, k.shape[1], layout.num_groups, num_tiles, 1, num_items,
+        seqlen_q, k.shape[1], layout.num_groups, num_tiles, heads_per_group, num_items,
         softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
@@ -378,6 +381,7 @@ def _dkdv_producer(
                 c += 1
         j += 1
         t = gl.atomic_add(counter, 1)
+    _leave_counter_at_zero(counter, t, num_items, 2)  # two streams per program
     mbarrier.wait(kv_empty.index(STREAM), (j & 1) ^ 1)
     _put_item(item_slots, STREAM, t)
     mbarrier.arrive(kv_ready.index(STREAM))

@@ -113,6 +113,17 @@ def _take_item(q_ready, item_slots, j):
 
 
 @gluon.jit
+def _leave_counter_at_zero(counter, t, num_items, TAKERS_PER_PROGRAM: gl.constexpr):
+    """Called by each taker (a producer loop) with the index ``t >= num_items`` that ended its
+    loop. Every taker stops at its first such index, so a launch adds exactly num_items + takers
+    to ``counter``; the taker that made the last add knows that no other will touch it and puts
+    it back to zero for the next launch on the stream (``item_counter``)."""
+    takers = gl.num_programs(0) * TAKERS_PER_PROGRAM
+    if t == num_items + takers - 1:
+        gl.atomic_add(counter, -(num_items + takers))
+
+
+@gluon.jit
 def _work_item(
     t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles, heads_per_group,
     NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -208,6 +219,7 @@ def _producer(
             c += 1
         j += 1
         t = gl.atomic_add(counter, 1)
+    _leave_counter_at_zero(counter, t, num_items, 1)
     slot = j % q_slots
     mbarrier.wait(q_empty.index(slot), ((j // q_slots) & 1) ^ 1)
     _put_item(item_slots, slot, t)
@@ -592,8 +604,25 @@ def forward_hopper(
 
 
 def item_counter(device: torch.device) -> torch.Tensor:
-    """A zeroed int32 from which a launch's programs take their work items."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    """The int32 from which a launch's programs take their work items: zero at launch.
+
+    Each launch leaves it at zero again (``_leave_counter_at_zero``), so one buffer serves every
+    launch on a stream, which run one after another, and no fill kernel runs per launch (host
+    time at short sequences). Each stream has its own, since launches on two streams may run at
+    once; a launch captured in a CUDA graph gets a fresh one, which the graph keeps for its
+    replays alone. Buffers are never freed: a kernel on their stream may still be using them.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 @functools.cache
