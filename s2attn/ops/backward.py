@@ -41,6 +41,7 @@ from .common import (
     lse_strides,
     padded_head_dim,
     program_order,
+    query_tiles,
     sequence_bounds,
     tma_allowed,
 )
@@ -631,10 +632,7 @@ def backward(
             dkdv_options["USE_TMA"], q, grad_out, dkdv_layout.block_m
         )
     lay = dq_layout
-    if varlen:
-        num_tiles = math.ceil(seqlen_q / lay.block_m) + 1
-    else:
-        num_tiles = (seqlen_k - 1) // lay.block_m - (seqlen_k - seqlen_q) // lay.block_m + 1
+    num_tiles = query_tiles(lay.block_m, seqlen_q, seqlen_k, varlen)
     k_bounds = check_k_bounds(lay, seqlen_k, varlen)
     gluon_dq = dq_options.pop("IMPL", "auto") != "triton" and _hopper_dq_takes(
         grad_out, q, k, v, out, dq, lay, varlen=varlen, check_k_bounds=k_bounds,

@@ -134,6 +134,15 @@ def check_k_bounds(layout: TileLayout, seqlen_k: int, varlen: bool) -> bool:
     )
 
 
+def query_tiles(block_m: int, seqlen_q: int, seqlen_k: int, varlen: bool) -> int:
+    """Query tiles of a (batch, head) that the forward and dQ kernels walk: those holding a query
+    row under bottom-right alignment; packed sequences take the longest run's count and one tile
+    spare, since a run may start mid-tile."""
+    if varlen:
+        return -(-seqlen_q // block_m) + 1
+    return (seqlen_k - 1) // block_m - (seqlen_k - seqlen_q) // block_m + 1
+
+
 @functools.cache
 def device_capability(device: torch.device) -> tuple[int, int]:
     """A CUDA device's compute capability, looked up once (the lookup costs host time on every

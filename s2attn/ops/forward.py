@@ -14,8 +14,6 @@ The kernel knows layouts and strides only, never patterns.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +34,7 @@ from .common import (
     lse_strides,
     padded_head_dim,
     program_order,
+    query_tiles,
     sequence_bounds,
     tma_allowed,
 )
@@ -461,12 +460,10 @@ def forward(
         return out, lse
 
     block_m, block_n = layout.block_m, layout.block_n
+    num_tiles = query_tiles(block_m, seqlen_q, seqlen_k, varlen)
     if varlen:
-        # The longest query run may start mid-tile (bottom-right alignment): one tile spare.
-        num_tiles = math.ceil(seqlen_q / block_m) + 1
         cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
     else:
-        num_tiles = (seqlen_k - 1) // block_m - (seqlen_k - seqlen_q) // block_m + 1
         cu_q = cu_k = lse  # not read when not varlen
     k_bounds = check_k_bounds(layout, seqlen_k, varlen)
     options = {**(launch_options or {})}
