@@ -166,19 +166,28 @@ def _row_ptrs(base, start, rows, stride_s, stride_d, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _kv_row_ptrs(
+    K, V, k_off, v_off, k_start, rows, stride_ks, stride_kd, stride_vs, stride_vd,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Pointers to rows ``rows`` of one (batch, head) of K and V (or dK and dV) at offsets
+    ``k_off``, ``v_off``, of a sequence starting at row ``k_start``."""
+    return (
+        _row_ptrs(K + k_off, k_start, rows, stride_ks, stride_kd, BLOCK_D),
+        _row_ptrs(V + v_off, k_start, rows, stride_vs, stride_vd, BLOCK_D),
+    )
+
+
+@triton.jit
 def _kv_rows(
     K, V, k_off, v_off, k_start, rows, mask, stride_ks, stride_kd, stride_vs, stride_vd,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """K and V rows ``rows`` of one (batch, head) at offsets ``k_off``, ``v_off``, of a sequence
-    starting at row ``k_start``; masked elements read 0."""
-    k = tl.load(
-        _row_ptrs(K + k_off, k_start, rows, stride_ks, stride_kd, BLOCK_D), mask=mask, other=0.0
+    """K and V rows as ``_kv_row_ptrs`` points at them; masked elements read 0."""
+    k_ptrs, v_ptrs = _kv_row_ptrs(
+        K, V, k_off, v_off, k_start, rows, stride_ks, stride_kd, stride_vs, stride_vd, BLOCK_D
     )
-    v = tl.load(
-        _row_ptrs(V + v_off, k_start, rows, stride_vs, stride_vd, BLOCK_D), mask=mask, other=0.0
-    )
-    return k, v
+    return tl.load(k_ptrs, mask=mask, other=0.0), tl.load(v_ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -272,10 +281,10 @@ def _dkdv_kernel(
         BITS_PER_ROW, CAUSAL, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     dk *= softmax_scale
-    dk_ptrs = _row_ptrs(dK + b64 * stride_dkb + kh64 * stride_dkh, k_start, kv_abs,
-                        stride_dks, stride_dkd, BLOCK_D)  # fmt: skip
-    dv_ptrs = _row_ptrs(dV + b64 * stride_dvb + kh64 * stride_dvh, k_start, kv_abs,
-                        stride_dvs, stride_dvd, BLOCK_D)  # fmt: skip
+    dk_ptrs, dv_ptrs = _kv_row_ptrs(
+        dK, dV, b64 * stride_dkb + kh64 * stride_dkh, b64 * stride_dvb + kh64 * stride_dvh,
+        k_start, kv_abs, stride_dks, stride_dkd, stride_dvs, stride_dvd, BLOCK_D,
+    )  # fmt: skip
     tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
@@ -331,10 +340,10 @@ def _dkdv_gathered_kernel(
         GQA_GROUP, 1, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP,
         BITS_PER_ROW, False, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
-    dk_ptrs = _row_ptrs(dK + b64 * stride_dkb + kh64 * stride_dkh, k_start, kv_abs,
-                        stride_dks, stride_dkd, BLOCK_D)  # fmt: skip
-    dv_ptrs = _row_ptrs(dV + b64 * stride_dvb + kh64 * stride_dvh, k_start, kv_abs,
-                        stride_dvs, stride_dvd, BLOCK_D)  # fmt: skip
+    dk_ptrs, dv_ptrs = _kv_row_ptrs(
+        dK, dV, b64 * stride_dkb + kh64 * stride_dkh, b64 * stride_dvb + kh64 * stride_dvh,
+        k_start, kv_abs, stride_dks, stride_dkd, stride_dvs, stride_dvd, BLOCK_D,
+    )  # fmt: skip
     # The near uses' sums, already rounded to the gradient's dtype (one extra rounding of that
     # part in 2-byte dtypes; the far part, most of a stride block's sum, is rounded once).
     dk = dk * softmax_scale + tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(dk.dtype)
