@@ -112,6 +112,37 @@ def test_random_pattern(gen, dtype, causal, block_size):
         assert torch.isinf(lse[:, :, 3 * block_size : 4 * block_size]).all()
 
 
+def _half_tile_pattern(heads: int, seq: int, causal: bool) -> BlockPattern:
+    """Block-64 pattern whose 128-row tiles have long runs of entries that one half of the tile
+    (one consumer warpgroup) sees and the other does not: the first half sees every even block,
+    the second only blocks 1, 16 and 31, so it skips runs of seven entries, longer than the K/V
+    ring; in one tile the first half sees nothing at all."""
+    nb = seq // 64
+    mask = torch.zeros(heads, nb, nb, dtype=torch.bool)
+    mask[:, 0::2, 0::2] = True
+    mask[:, 1::2, 1:nb:15] = True
+    mask[:, 6] = False  # tile 3: its first half attends nothing
+    mask[1, :, :] = mask[0].roll(1, dims=1)  # another head, shifted by a block
+    return BlockPattern(mask, 64, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("buffers", [2, 3, 4])
+def test_entries_one_half_of_the_tile_skips(gen, dtype, dim, causal, buffers):
+    # Each warpgroup skips the entries it does not see and masks only where its own rows need
+    # it; the skips must free their ring slots without deadlocking on the slot it still holds.
+    seq, heads = 2048, 4
+    pattern = _half_tile_pattern(heads, seq, causal)
+    q, k, v = (_randn(gen, 1, seq, heads, dim, dtype=dtype) for _ in range(3))
+    options = {"num_buffers": buffers}
+    if dim == 64:
+        options["entries_per_step"] = 2
+    _, lse = _check(q, k, v, pattern, launch_options=options)
+    assert torch.isinf(lse[:, 0, 6 * 64 : 7 * 64]).all()
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_dense_pattern(gen, causal):
     seq, heads = 2048, 4
@@ -274,7 +305,9 @@ def dkdv_calls(monkeypatch) -> list:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", ["local-stride", "random", "gqa", "lse", "fewer-queries"])
+@pytest.mark.parametrize(
+    "case", ["local-stride", "random", "gqa", "lse", "fewer-queries", "half-tiles"]
+)
 def test_gradients_through_the_dq_kernel(gen, dq_calls, dtype, causal, case):
     # The dQ kernel also computes delta (from O and dO, minus dLSE in case "lse") for the dK/dV
     # pass after it: the Gluon one, or the Triton one when there are fewer queries than keys.
@@ -291,6 +324,8 @@ def test_gradients_through_the_dq_kernel(gen, dq_calls, dtype, causal, case):
         mask = torch.rand(heads, seq_k // 64, seq_k // 64, generator=gen) < 0.25
         mask[:, 3] = False  # rows that attend nothing: zero gradient, never NaN
         pattern = BlockPattern(mask, 64, causal)
+    elif case == "half-tiles":
+        pattern = _half_tile_pattern(heads, seq_k, causal)
     else:
         pattern = local_stride_pattern(heads, seq_k, 64, 4, 3, causal=causal)
     q = _randn(gen, 2, seq_q, heads, dim, dtype=dtype).requires_grad_()

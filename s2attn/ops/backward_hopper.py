@@ -48,6 +48,7 @@ from .forward_hopper import (
     _item_slots,
     _leave_counter_at_zero,
     _masked_scores,
+    _next_run,
     _num_sms,
     _producer,
     _put_item,
@@ -60,6 +61,52 @@ from .forward_hopper import (
 )
 
 __all__ = ["dkdv_hopper", "dq_hopper"]
+
+
+@gluon.jit
+def _dq_step(
+    q, do, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pos, held_pos, ds, acc, lse, delta,
+    masked, e, full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
+    n_total, rows_abs, seq_k, qk_scale, s_zero, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+    ROW_START: gl.constexpr, ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr,
+    BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """One entry at ring position ``pos``: its score MMAs run beside the dQ MMA of the entry
+    held at ``held_pos`` (whose dS is ``ds``; the MMA frees its slot). Returns (this entry's
+    dS, acc)."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    head_dim: gl.constexpr = k_bufs.type.shape[-1]
+    s_layout: gl.constexpr = s_zero.type.layout
+    ds_layout: gl.constexpr = gl.DotOperandLayout(
+        operand_index=0, parent=acc.type.layout, k_width=2
+    )
+    buf = pos % num_buffers
+    prev = held_pos % num_buffers
+    phase = (pos // num_buffers) & 1
+    # The operand is converted before any MMA is issued: ptxas serializes every wgmma when
+    # registers they read are written while one runs.
+    ds_op = gl.convert_layout(ds, ds_layout)
+    mbarrier.wait(k_ready.index(buf), phase)
+    k = k_bufs.index(buf).reshape([BLOCK_N, head_dim])
+    s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(buf), phase)
+    v = v_bufs.index(buf).reshape([BLOCK_N, head_dim])
+    dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    k_prev = k_bufs.index(prev).reshape([BLOCK_N, head_dim])
+    acc = warpgroup_mma(ds_op, k_prev, acc, is_async=True)
+    # The score MMAs are done when at most the dQ MMA just issued still runs.
+    s, dp = warpgroup_mma_wait(1, deps=[s, dp])
+    if masked:
+        s = _masked_scores(
+            s, e, full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
+            n_total, rows_abs, seq_k, s_layout, ROWS, BLOCK_N, 1, ROW_START, ROW_GROUP,
+            COL_GROUP, BITS_PER_ROW, CAUSAL,
+        )  # fmt: skip
+    p = gl.exp2(s * qk_scale - lse[:, None])
+    ds = (p * (dp - delta[:, None])).to(k_bufs.dtype)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(kv_empty.index(prev))
+    return ds, acc
 
 
 @gluon.jit
@@ -129,55 +176,70 @@ def _dq_consumer(
         # Rows past the sequence and rows that attend nothing (LSE -inf) take LSE +inf, so
         # every P of theirs is exp2(-inf) = 0, never NaN.
         lse = gl.where(lse == float("-inf"), float("inf"), lse)
-        if n_mine > 0:
-            # Entry 0: dS only; its dQ MMA is issued behind entry 1's score MMAs.
-            buf = c % num_buffers
-            mbarrier.wait(k_ready.index(buf), (c // num_buffers) & 1)
+        # Entries that no row of this warpgroup sees are skipped, as in the forward.
+        first, masked = _next_run(
+            n_mine * 0, n_mine, n_mine, partial_cols, partial_bits, partial_start, n_full,
+            n_total, q_row0, seqlen_k, ROWS, BLOCK_N, 1, HALF * ROWS, ROW_GROUP, BITS_PER_ROW,
+            CAUSAL, num_buffers,
+        )  # fmt: skip
+        _free_slots(k_ready, v_ready, kv_empty, c, c + first)
+        if first < n_mine:
+            # The first entry: dS only; its dQ MMA is issued behind the next entry's score MMAs.
+            buf = (c + first) % num_buffers
+            phase = ((c + first) // num_buffers) & 1
+            mbarrier.wait(k_ready.index(buf), phase)
             k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(buf), (c // num_buffers) & 1)
+            mbarrier.wait(v_ready.index(buf), phase)
             v = v_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
             dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s, dp = warpgroup_mma_wait(0, deps=[s, dp])
-            if n_full == 0:
+            if masked:
                 s = _masked_scores(
-                    s, 0, full_cols, partial_cols, partial_bits, full_start, partial_start,
+                    s, first, full_cols, partial_cols, partial_bits, full_start, partial_start,
                     n_full, n_total, rows_abs, seqlen_k, s_layout, ROWS, BLOCK_N, 1,
                     HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
                 )  # fmt: skip
             p = gl.exp2(s * qk_scale - lse[:, None])
-            ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
-            for e in range(1, n_mine):
-                buf = (c + e) % num_buffers
-                prev = (c + e - 1) % num_buffers
-                phase = ((c + e) // num_buffers) & 1
-                mbarrier.wait(k_ready.index(buf), phase)
-                k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
-                s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(buf), phase)
-                v = v_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
-                dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                k_prev = k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                acc = warpgroup_mma(ds_op, k_prev, acc, is_async=True)
-                # The score MMAs are done when at most the dQ MMA just issued still runs.
-                s, dp = warpgroup_mma_wait(1, deps=[s, dp])
-                if e >= n_full:
-                    s = _masked_scores(
-                        s, e, full_cols, partial_cols, partial_bits, full_start, partial_start,
-                        n_full, n_total, rows_abs, seqlen_k, s_layout, ROWS, BLOCK_N, 1,
-                        HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                    )  # fmt: skip
-                p = gl.exp2(s * qk_scale - lse[:, None])
-                ds = (p * (dp - delta[:, None])).to(dtype)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(kv_empty.index(prev))
-                ds_op = gl.convert_layout(ds, ds_layout)
-            last = (c + n_mine - 1) % num_buffers
+            ds = (p * (dp - delta[:, None])).to(dtype)
+            held = first  # the entry whose dQ MMA is pending
+            # Full entries, then the rest, which may be skipped or masked (two loops, as in the
+            # forward).
+            full_end = gl.maximum(gl.minimum(n_full, n_mine), first + 1)
+            for e in range(first + 1, full_end):
+                ds, acc = _dq_step(
+                    q, do, k_bufs, v_bufs, k_ready, v_ready, kv_empty, c + e, c + held, ds, acc,
+                    lse, delta, False, e, full_cols, partial_cols, partial_bits, full_start,
+                    partial_start, n_full, n_total, rows_abs, seqlen_k, qk_scale, s_zero, ROWS,
+                    BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                )  # fmt: skip
+                held = e
+            e, masked = _next_run(
+                full_end, n_mine, held, partial_cols, partial_bits, partial_start, n_full,
+                n_total, q_row0, seqlen_k, ROWS, BLOCK_N, 1, HALF * ROWS, ROW_GROUP,
+                BITS_PER_ROW, CAUSAL, num_buffers,
+            )  # fmt: skip
+            while e < n_mine:
+                _free_slots(k_ready, v_ready, kv_empty, c + held + 1, c + e)  # skipped
+                ds, acc = _dq_step(
+                    q, do, k_bufs, v_bufs, k_ready, v_ready, kv_empty, c + e, c + held, ds, acc,
+                    lse, delta, masked, e, full_cols, partial_cols, partial_bits, full_start,
+                    partial_start, n_full, n_total, rows_abs, seqlen_k, qk_scale, s_zero, ROWS,
+                    BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                )  # fmt: skip
+                held = e
+                e, masked = _next_run(
+                    e + 1, n_mine, held, partial_cols, partial_bits, partial_start, n_full,
+                    n_total, q_row0, seqlen_k, ROWS, BLOCK_N, 1, HALF * ROWS, ROW_GROUP,
+                    BITS_PER_ROW, CAUSAL, num_buffers,
+                )  # fmt: skip
+            last = (c + held) % num_buffers
             k_last = k_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
-            acc = warpgroup_mma(ds_op, k_last, acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(ds, ds_layout), k_last, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
-        _free_slots(k_ready, v_ready, kv_empty, c + n_mine, c + n_total)
+            first = held + 1  # entries from here on are skipped
+        _free_slots(k_ready, v_ready, kv_empty, c + first, c + n_total)
         c += n_total
 
         out_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)

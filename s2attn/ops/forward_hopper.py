@@ -295,6 +295,126 @@ def _masked_scores(
 
 
 @gluon.jit
+def _entry_for_rows(
+    partial_cols, partial_bits, partial_start, n_full, n_total, e, first_row, seq_k,
+    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, ROW_START: gl.constexpr,
+    ROW_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """(seen, masked) of the tile's ``e``-th entry for ROWS rows from row ROW_START of the
+    layout tile (absolute position ``first_row``): whether any of them sees one of its keys,
+    and whether their scores need ``_masked_scores``. A partial entry is often whole or empty
+    for one warpgroup's half of the tile (the local window's first block, seen by the first
+    pattern block of rows only; the diagonal tile below the second half's rows)."""
+    seen = e < n_total
+    masked = e >= n_full
+    if masked & seen:
+        i = partial_start + (e - n_full)
+        lo = gl.load(partial_cols + i) * BLOCK_N
+        # This warpgroup's bits: the rows of its row groups (one group may span both halves).
+        FIRST_GROUP: gl.constexpr = ROW_START // ROW_GROUP
+        GROUPS: gl.constexpr = (ROWS + ROW_GROUP - 1) // ROW_GROUP
+        ALL: gl.constexpr = (1 << (GROUPS * BITS_PER_ROW)) - 1
+        mine = (gl.load(partial_bits + i) >> (FIRST_GROUP * BITS_PER_ROW)) & ALL
+        seen = (mine != 0) & (lo < seq_k)
+        masked = (mine != ALL) | (lo + BLOCK_N > seq_k)
+        if CAUSAL:
+            seen = seen & (lo <= first_row + ROWS - 1)
+            masked = masked | (lo + BLOCK_N - 1 > first_row)
+    return seen, masked
+
+
+@gluon.jit
+def _step_for_rows(
+    step, partial_cols, partial_bits, partial_start, n_full, n_total, first_row, seq_k,
+    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr, ROW_START: gl.constexpr,
+    ROW_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """(seen, masked) of a step (entries step * ENTRIES...) for the rows of
+    ``_entry_for_rows``. Steps of two entries are seen while they hold one and masked when one
+    is partial: a pair is rarely unseen or whole for one half of the tile, and testing both
+    cost more than it saved at dim 64 (benchmarks/NOTES.md, change 35)."""
+    if ENTRIES == 1:
+        seen, masked = _entry_for_rows(
+            partial_cols, partial_bits, partial_start, n_full, n_total, step, first_row, seq_k,
+            ROWS, BLOCK_N, ROW_START, ROW_GROUP, BITS_PER_ROW, CAUSAL,
+        )  # fmt: skip
+    else:
+        seen = step * ENTRIES < n_total
+        masked = (step + 1) * ENTRIES > n_full
+    return seen, masked
+
+
+@gluon.jit
+def _next_run(
+    step, limit, held, partial_cols, partial_bits, partial_start, n_full, n_total, first_row,
+    seq_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr,
+    ROW_START: gl.constexpr, ROW_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
+    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+):  # fmt: skip
+    """(the next step from ``step`` on, below ``limit``, to run, or ``limit``; whether it is
+    masked) while the warpgroup holds step ``held``'s ring slot for its pending MMA (none held:
+    ``held`` >= ``limit``). Unseen steps are skipped up to NUM_BUFFERS - 1 steps past ``held``:
+    the step after that one would need ``held``'s slot refilled, so that one runs (masked) and
+    frees it."""
+    go = step < limit
+    masked = go
+    while go:
+        seen, masked = _step_for_rows(
+            step, partial_cols, partial_bits, partial_start, n_full, n_total, first_row, seq_k,
+            ROWS, BLOCK_N, ENTRIES, ROW_START, ROW_GROUP, BITS_PER_ROW, CAUSAL,
+        )  # fmt: skip
+        run = seen | (step - held >= NUM_BUFFERS - 1)
+        masked = masked | (seen == 0)
+        step = gl.where(run, step, step + 1)
+        go = (run == 0) & (step < limit)
+    return step, masked
+
+
+@gluon.jit
+def _softmax_step(
+    q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pos, held_pos, p, acc, m_i, l_i, masked,
+    step, full_cols, partial_cols, partial_bits, full_start, partial_start, n_full, n_total,
+    rows_abs, seq_k, qk_scale, s_zero, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+    ENTRIES: gl.constexpr, ROW_START: gl.constexpr, ROW_GROUP: gl.constexpr,
+    COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax at ring position ``pos``: its QK^T runs beside the PV of
+    the step held at ``held_pos`` (whose slot it then frees). Returns (p, acc, m_i, l_i)."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    keys: gl.constexpr = k_bufs.type.shape[2]
+    head_dim: gl.constexpr = k_bufs.type.shape[4]
+    s_layout: gl.constexpr = s_zero.type.layout
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    prev = held_pos % num_buffers
+    buf = pos % num_buffers
+    mbarrier.wait(k_ready.index(buf), (pos // num_buffers) & 1)
+    mbarrier.wait(v_ready.index(prev), (held_pos // num_buffers) & 1)
+    p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
+    k = k_bufs.index(buf).reshape([keys, head_dim])
+    s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    v = v_bufs.index(prev).reshape([keys, head_dim])
+    acc = warpgroup_mma(p_op, v, acc, is_async=True)
+    # QK^T of this step is done when at most the PV just issued is still running.
+    s = warpgroup_mma_wait(1, deps=[s])
+    if masked:
+        s = _masked_scores(
+            s, step, full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
+            n_total, rows_abs, seq_k, s_layout, ROWS, BLOCK_N, ENTRIES, ROW_START, ROW_GROUP,
+            COL_GROUP, BITS_PER_ROW, CAUSAL,
+        )  # fmt: skip
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s * qk_scale - m_ref[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(kv_empty.index(prev))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return p, acc, m_new, l_i
+
+
+@gluon.jit
 def _consumer(
     work, HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -349,16 +469,24 @@ def _consumer(
             q = q_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
             q = q_view
-        if my_steps > 0:
-            # Step 0: scores and softmax; its PV is issued with step 1's QK^T.
-            buf = c % num_buffers
-            mbarrier.wait(k_ready.index(buf), (c // num_buffers) & 1)
+        # Steps that no row of this warpgroup sees are skipped (their slots just freed); the
+        # others are masked only where an entry is partial for these rows.
+        first, masked = _next_run(
+            my_steps * 0, my_steps, my_steps, partial_cols, partial_bits, partial_start, n_full,
+            n_total, q_row0, seqlen_k, ROWS, BLOCK_N, ENTRIES, HALF * ROWS, ROW_GROUP,
+            BITS_PER_ROW, CAUSAL, num_buffers,
+        )  # fmt: skip
+        _free_slots(k_ready, v_ready, kv_empty, c, c + first)
+        if first < my_steps:
+            # The first step: scores and softmax; its PV is issued with the next step's QK^T.
+            buf = (c + first) % num_buffers
+            mbarrier.wait(k_ready.index(buf), ((c + first) // num_buffers) & 1)
             k = k_bufs.index(buf).reshape([KEYS, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
-            if ENTRIES > n_full:
+            if masked:
                 s = _masked_scores(
-                    s, 0, full_cols, partial_cols, partial_bits, full_start, partial_start,
+                    s, first, full_cols, partial_cols, partial_bits, full_start, partial_start,
                     n_full, n_total, rows_abs, seqlen_k, s_layout, ROWS, BLOCK_N, ENTRIES,
                     HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
                 )  # fmt: skip
@@ -369,42 +497,47 @@ def _consumer(
             l_i = gl.sum(p, 1)
             m_i = m_new
 
-            for step in range(1, my_steps):
-                prev = (c + step - 1) % num_buffers
-                buf = (c + step) % num_buffers
-                mbarrier.wait(k_ready.index(buf), ((c + step) // num_buffers) & 1)
-                mbarrier.wait(v_ready.index(prev), ((c + step - 1) // num_buffers) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                k = k_bufs.index(buf).reshape([KEYS, HEAD_DIM])
-                s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                v = v_bufs.index(prev).reshape([KEYS, HEAD_DIM])
-                acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                # QK^T of this step is done when at most the PV just issued is still running.
-                s = warpgroup_mma_wait(1, deps=[s])
-                if (step + 1) * ENTRIES > n_full:
-                    s = _masked_scores(
-                        s, step, full_cols, partial_cols, partial_bits, full_start,
-                        partial_start, n_full, n_total, rows_abs, seqlen_k, s_layout, ROWS,
-                        BLOCK_N, ENTRIES, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
-                        CAUSAL,
-                    )  # fmt: skip
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_ref)
-                p = gl.exp2(s * qk_scale - m_ref[:, None])
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(kv_empty.index(prev))
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            held = first  # the step whose PV is pending
+            # Steps made of full entries only, then the rest, which may be skipped or masked. Two
+            # loops: one with a branch around the step slowed the forward by 2-8% and made
+            # ptxas serialize the dQ kernel's MMAs (NOTES 35).
+            full_end = gl.maximum(gl.minimum(n_full // ENTRIES, my_steps), first + 1)
+            for step in range(first + 1, full_end):
+                p, acc, m_i, l_i = _softmax_step(
+                    q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, c + step, c + held, p, acc,
+                    m_i, l_i, False, step, full_cols, partial_cols, partial_bits, full_start,
+                    partial_start, n_full, n_total, rows_abs, seqlen_k, qk_scale, s_zero, ROWS,
+                    BLOCK_N, ENTRIES, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                )  # fmt: skip
+                held = step
+            step, masked = _next_run(
+                full_end, my_steps, held, partial_cols, partial_bits, partial_start, n_full,
+                n_total, q_row0, seqlen_k, ROWS, BLOCK_N, ENTRIES, HALF * ROWS, ROW_GROUP,
+                BITS_PER_ROW, CAUSAL, num_buffers,
+            )  # fmt: skip
+            while step < my_steps:
+                _free_slots(k_ready, v_ready, kv_empty, c + held + 1, c + step)  # skipped
+                p, acc, m_i, l_i = _softmax_step(
+                    q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, c + step, c + held, p, acc,
+                    m_i, l_i, masked, step, full_cols, partial_cols, partial_bits, full_start,
+                    partial_start, n_full, n_total, rows_abs, seqlen_k, qk_scale, s_zero, ROWS,
+                    BLOCK_N, ENTRIES, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+                )  # fmt: skip
+                held = step
+                step, masked = _next_run(
+                    step + 1, my_steps, held, partial_cols, partial_bits, partial_start,
+                    n_full, n_total, q_row0, seqlen_k, ROWS, BLOCK_N, ENTRIES, HALF * ROWS,
+                    ROW_GROUP, BITS_PER_ROW, CAUSAL, num_buffers,
+                )  # fmt: skip
 
-            last = (c + my_steps - 1) % num_buffers
-            mbarrier.wait(v_ready.index(last), ((c + my_steps - 1) // num_buffers) & 1)
+            last = (c + held) % num_buffers
+            mbarrier.wait(v_ready.index(last), ((c + held) // num_buffers) & 1)
             v = v_bufs.index(last).reshape([KEYS, HEAD_DIM])
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
-        _free_slots(k_ready, v_ready, kv_empty, c + my_steps, c + n_steps)
+            first = held + 1  # steps from here on are skipped
+        _free_slots(k_ready, v_ready, kv_empty, c + first, c + n_steps)
         mbarrier.arrive(q_empty.index(j % 2))
         c += n_steps
 
