@@ -1,0 +1,109 @@
+"""Builds one Gluon kernel launch for sm_90a on any machine and prints ptxas's verbose report
+(used by test_hopper_build.py, in a process of its own: the build needs the compiler, which
+``TRITON_INTERPRET=1`` replaces at import).
+
+    python tests/hopper_build.py forward-128
+
+Each launcher runs on CPU tensors with its kernel swapped for a recorder, so the build takes
+exactly the arguments and options a real launch passes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from s2attn import local_stride_pattern
+from s2attn.layout import backward_layout, forward_layout
+from s2attn.ops import backward_hopper, forward_hopper
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+SEQ, HEADS = 1024, 4
+
+
+class _Recorder:
+    """Stands in for a Gluon kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def _launch(case: str) -> tuple:
+    """(kernel, args, kwargs) of the launch the case's launcher makes."""
+    name, dim = case.rsplit("-", 1)
+    q, k, v, out, grad_out, grad = (
+        torch.empty(1, SEQ, HEADS, int(dim), dtype=torch.bfloat16) for _ in range(6)
+    )
+    lse, delta = torch.empty(1, HEADS, SEQ), torch.empty(1, HEADS, SEQ)
+    stats = torch.empty(HEADS, 2, SEQ)
+    pattern = local_stride_pattern(HEADS, SEQ, 64, 4, 3)
+    for module in (forward_hopper, backward_hopper):
+        module._num_sms = lambda device: 132
+        module.item_counter = lambda device: torch.zeros(1, dtype=torch.int32)
+    module, kernel_name = {
+        "forward": (forward_hopper, "_forward_kernel"),
+        "dq": (backward_hopper, "_dq_kernel"),
+        "dkdv": (backward_hopper, "_dkdv_kernel"),
+    }[name]
+    recorder = _Recorder(getattr(module, kernel_name))
+    setattr(module, kernel_name, recorder)
+    if name == "forward":
+        forward_hopper.forward_hopper(
+            q, k, v, out, lse, forward_layout(pattern, 128, 64, "cpu"),
+            softmax_scale=0.1, pattern_head_div=1, num_tiles=SEQ // 128, heads_per_group=1,
+        )  # fmt: skip
+    elif name == "dq":
+        backward_hopper.dq_hopper(
+            grad_out, q, k, v, out, lse, None, delta, stats, grad,
+            forward_layout(pattern, 128, 64, "cpu"), softmax_scale=0.1, pattern_head_div=1,
+            num_tiles=SEQ // 128,
+        )  # fmt: skip
+    else:
+        backward_hopper.dkdv_hopper(
+            grad_out, q, k, v, stats, grad, torch.empty_like(grad),
+            backward_layout(pattern, 64, 64, "cpu", SEQ // 64), softmax_scale=0.1,
+            pattern_head_div=1,
+        )  # fmt: skip
+    ((args, kwargs),) = recorder.calls
+    return recorder.kernel, args, kwargs
+
+
+def ptxas_report(case: str) -> str:
+    kernel, args, kwargs = _launch(case)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "maxnreg") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args), **kwargs)
+    signature, constexprs = {}, {}
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
+        value = values[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else mangle_type(value)
+    source = GluonASTSource(kernel, signature, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        Path(ptx).write_text(compiled.asm["ptx"])
+        cmd = [os.fspath(PTXAS), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".o"]
+        if "maxnreg" in options:
+            cmd.append(f"--maxrregcount={options['maxnreg']}")
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr
+
+
+if __name__ == "__main__":
+    print(ptxas_report(sys.argv[1]))
