@@ -296,7 +296,10 @@ def plot(rows: list[dict], path: Path, env: dict) -> None:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(f"{env['device']} · bf16 · batch 1 · {env['date']}", fontsize=9)
+    # A merged table's date lists every update; the title keeps the first and the last.
+    dates = env["date"].split(", updated ")
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]} ({len(dates) - 1} updates)"
+    fig.suptitle(f"{env['device']} · bf16 · batch 1 · {when}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
