@@ -83,8 +83,8 @@ def _dq_step(
     buf = pos % num_buffers
     prev = held_pos % num_buffers
     phase = (pos // num_buffers) & 1
-    # The operand is converted before any MMA is issued: ptxas serializes every wgmma when
-    # registers they read are written while one runs.
+    # dS travels between steps in the scores' layout and becomes an MMA operand here, as the
+    # forward's P does.
     ds_op = gl.convert_layout(ds, ds_layout)
     mbarrier.wait(k_ready.index(buf), phase)
     k = k_bufs.index(buf).reshape([BLOCK_N, head_dim])
