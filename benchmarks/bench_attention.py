@@ -15,7 +15,6 @@ provider) with the device, versions and date to benchmarks/results/.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -23,13 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import triton
-from run_info import environment, result_stem, versions_line
+from run_info import cell, heading, median_ms, parser, result_stem, start, table, write_results
 
 import s2attn
 from s2attn.layout import forward_layout
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PROVIDERS = ("s2attn", "flash", "cudnn", "flex")
 
 
@@ -161,15 +158,13 @@ def _flex(case: Case, q, k, v, pattern, block: int):
 def _bench(make_fn, backward: bool, q, k, v) -> float:
     fn = make_fn()
     if not backward:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return median_ms(fn)
     grad = torch.randn_like(q)
 
     def step():
         fn().backward(grad)
 
-    return triton.testing.do_bench(
-        step, warmup=25, rep=100, return_mode="median", grad_to_none=[q, k, v]
-    )
+    return median_ms(step, grad_to_none=[q, k, v])
 
 
 def _variants(provider: str, backward: bool, case: Case, q, k, v, pattern):
@@ -236,37 +231,32 @@ def run_case(case: Case, passes: list[str], providers: list[str]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------ output
 def markdown(rows: list[dict], env: dict) -> str:
-    lines = [
-        f"# Attention benchmark — {env['device']}",
-        "",
-        versions_line(env),
-        "",
+    lines = heading(
+        "Attention benchmark", env,
         "Batch 1, bf16, causal. Medians of `triton.testing.do_bench`. TFLOP/s: effective (the "
         "pattern's kept FLOPs) for s2attn and FlexAttention, dense causal FLOPs for SDPA. "
         "`x peer` = peer time / s2attn time.",
-        "",
-        "| case | seq | density | pass | s2attn ms | TFLOP/s | FA2 ms | cuDNN ms | Flex ms "
-        "| x FA2 | x cuDNN | x Flex | s2attn peak extra GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    )  # fmt: skip
     keyed = {}
     for r in rows:
         keyed.setdefault((r["case"], r["seq"], r["pass_"]), {})[r["provider"]] = r
-    fmt = lambda x, f="{:.3f}": "n/a" if x is None else f.format(x)  # noqa: E731
+    cells = []
     for (case, seq, pass_name), by in keyed.items():
         s2 = by.get("s2attn", {})
         ms = s2.get("ms")
-        ratio = lambda p, by=by, ms=ms: fmt(  # noqa: E731
-            by[p]["ms"] / ms if p in by and by[p]["ms"] and ms else None, "{:.2f}"
-        )
+        peer_ms = {p: by.get(p, {}).get("ms") for p in ("flash", "cudnn", "flex")}
+        ratios = [cell(t / ms if t and ms else None, "{:.2f}") for t in peer_ms.values()]
         density = next(iter(by.values()))["density"]
-        lines.append(
-            f"| {case} | {seq} | {density:.4f} | {pass_name} | {fmt(ms)} | "
-            f"{fmt(s2.get('tflops'), '{:.0f}')} | {fmt(by.get('flash', {}).get('ms'))} | "
-            f"{fmt(by.get('cudnn', {}).get('ms'))} | {fmt(by.get('flex', {}).get('ms'))} | "
-            f"{ratio('flash')} | {ratio('cudnn')} | {ratio('flex')} | "
-            f"{fmt(s2.get('peak_extra_gib'), '{:.2f}')} |"
-        )
+        cells.append([
+            case, seq, f"{density:.4f}", pass_name, cell(ms), cell(s2.get("tflops"), "{:.0f}"),
+            *(cell(t) for t in peer_ms.values()), *ratios,
+            cell(s2.get("peak_extra_gib"), "{:.2f}"),
+        ])  # fmt: skip
+    lines += table(
+        ["case", "seq", "density", "pass", "s2attn ms", "TFLOP/s", "FA2 ms", "cuDNN ms", "Flex ms",
+         "x FA2", "x cuDNN", "x Flex", "s2attn peak extra GiB"],
+        cells,
+    )  # fmt: skip
     notes = [f"- {r['case']} {r['seq']} {r['pass_']} {r['provider']}: {r['note']}"
              for r in rows if r["note"]]  # fmt: skip
     if notes:
@@ -305,35 +295,30 @@ def plot(rows: list[dict], path: Path, env: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--suite", choices=("main", "extras", "all"), default="main")
     ap.add_argument("--seqs", default="8192,32768,131072")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--cases", default="", help="comma-separated case names to keep (default all)")
-    ap.add_argument("--tag", default="", help="suffix for the result files")
-    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument(
         "--update", type=Path, default=None,
         help="a results JSON whose rows this run replaces (same case, seq, pass, provider); "
         "the merged table is written under that file's name",
     )  # fmt: skip
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_attention.py times GPU kernels; no CUDA device here.", file=sys.stderr)
+    env = start("GPU kernels")
+    if env is None:
         return 2
     seqs = [int(s) for s in args.seqs.split(",")]
     passes = args.passes.split(",")
     providers = args.providers.split(",")
     selected = [c for c in cases(args.suite, seqs)
                 if not args.cases or c.name in args.cases.split(",")]  # fmt: skip
-    env = environment()
-    print(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']}")
     rows = []
     for i, case in enumerate(selected, 1):
         print(f"[{i}/{len(selected)}] {case}", flush=True)
         rows += run_case(case, passes, providers)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(env, f"attention_{args.suite}{args.tag}")
     if args.update is not None:
         old = json.loads(args.update.read_text())
@@ -344,13 +329,10 @@ def main() -> int:
         rows = [r for r in old["rows"] if key(r) not in new_keys] + rows
         env["date"] = f"{old['env']['date']}, updated {env['date']}"
         stem = args.update.stem
-    md = markdown(rows, env)
-    (args.out_dir / f"{stem}.md").write_text(md)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    plot(rows, args.out_dir / f"{stem}.png", env)
-    print()
-    print(md)
-    print(f"wrote {args.out_dir / stem}.{{md,json,png}}")
+    write_results(
+        args.out_dir, stem, markdown(rows, env), dict(env=env, rows=rows),
+        plot=lambda path: plot(rows, path, env),
+    )  # fmt: skip
     return 0
 
 

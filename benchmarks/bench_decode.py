@@ -27,42 +27,33 @@ each case and prints the best, to choose the launcher's defaults from measuremen
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
-import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-from run_info import environment, result_stem, versions_line
+from run_info import (
+    cell,
+    graph_ms,
+    heading,
+    median_ms,
+    parser,
+    result_stem,
+    start,
+    table,
+    write_results,
+)
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
 from s2attn.ops import decode as dec
 
-RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, DIM, BLOCK, LOCAL = 32, 8, 128, 64, 16
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 STEPS = 32
 MIB = 2**20
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def bench_graph(fn) -> float | None:
-    """GPU time of ``fn`` replayed from a CUDA graph, as serving engines run decode steps: at these
-    sizes Python's launch overhead (tens of microseconds a launch) would otherwise be timed."""
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception as exc:  # a call that cannot be captured is reported, not hidden
-        print(f"    (no CUDA-graph timing: {type(exc).__name__}: {str(exc)[:80]})", flush=True)
-        return None
 
 
 def fill_cache(pattern, k_dense, v_dense, max_seq_len) -> PagedKVCache:
@@ -113,7 +104,7 @@ def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
         try:
             fn = kernel_fn(cache, q, scale, splits, block_n, opts)
             fn()  # compile outside the graph capture
-            ms = bench_graph(fn) or bench(fn)
+            ms = graph_ms(fn) or median_ms(fn)
         except Exception as exc:  # out of shared memory / registers
             print(f"      {opts} block_n {block_n} splits {splits}: {type(exc).__name__}")
             continue
@@ -144,9 +135,9 @@ def run_stride(
         compute_dtype=torch.float32,
     )  # fmt: skip
     err = ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
-    kernel_ms = bench(kernel)
-    kernel_graph_ms = bench_graph(kernel)
-    call_ms = bench(functools.partial(sparse_attention_with_kvcache, q, cache))
+    kernel_ms = median_ms(kernel)
+    kernel_graph_ms = graph_ms(kernel)
+    call_ms = median_ms(functools.partial(sparse_attention_with_kvcache, q, cache))
     report = cache.memory_report()
     best = sweep(cache, q, scale, kernel_ms) if do_sweep else None
     step_ms = step_time(cache, q, k1, v1)
@@ -185,8 +176,8 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
     sdpa = functools.partial(
         F.scaled_dot_product_attention, q.transpose(1, 2), k_full, v_full, enable_gqa=True
     )
-    sdpa_ms = bench(sdpa)
-    sdpa_graph_ms = bench_graph(sdpa)
+    sdpa_ms = median_ms(sdpa)
+    sdpa_graph_ms = graph_ms(sdpa)
     dense_bytes = 2 * k_full.numel() * k_full.element_size()
     print(f"  ctx {ctx} batch {batch}: SDPA {sdpa_ms:.4f} ms, dense KV "
           f"{dense_bytes / MIB:.0f} MiB", flush=True)  # fmt: skip
@@ -203,35 +194,33 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
-    lines = [
-        f"# Decode benchmark — {env['device']}",
-        "",
-        versions_line(env),
-        "",
+    lines = heading(
+        "Decode benchmark", env,
         f"One new token per sequence, {HEADS} query / {KV_HEADS} KV heads, dim {DIM}, bf16; S2 "
         f"block {BLOCK}, local_blocks {LOCAL}. Medians of `triton.testing.do_bench` (step: mean "
         f"of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
         "second by the kernel. KV MiB: live pages of the S2 cache, what the pattern needs, the "
         "dense cache. `graph` columns: the same call replayed from a CUDA graph "
         "(`do_bench_cudagraph`), i.e. GPU time without Python's launch overhead.",
-        "",
-        "| ctx | batch | V | blocks read | splits | s2 kernel ms | s2 kernel graph ms "
-        "| s2 call ms | s2 step ms | SDPA ms | SDPA graph ms | x SDPA | x SDPA graph | GB/s graph "
-        "| KV live MiB | KV need MiB | KV dense MiB | rel err |",
-        "|" + " --- |" * 18,
-    ]
-    fmt = lambda x, f="{:.4f}": "n/a" if x is None else f.format(x)  # noqa: E731
+    )  # fmt: skip
+    cells = []
     for r in rows:
         g, sg = r["s2_kernel_graph_ms"], r["sdpa_graph_ms"]
-        lines.append(
-            f"| {r['ctx']} | {r['batch']} | {r['vert_stride']} | {r['blocks_read']} | "
-            f"{r['splits']} | {r['s2_kernel_ms']:.4f} | {fmt(g)} | {r['s2_call_ms']:.4f} | "
-            f"{r['s2_step_ms']:.4f} | {r['sdpa_ms']:.4f} | {fmt(sg)} | "
-            f"{r['speedup_vs_sdpa']:.1f} | {fmt(sg / g if g and sg else None, '{:.1f}')} | "
-            f"{fmt(r['read_bytes'] / g / 1e6 if g else None, '{:.0f}')} | "
-            f"{r['live_mib']:.1f} | {r['needed_mib']:.1f} | {r['dense_mib']:.0f} | "
-            f"{r['rel_err']:.1e} |"
-        )
+        cells.append([
+            r["ctx"], r["batch"], r["vert_stride"], r["blocks_read"], r["splits"],
+            f"{r['s2_kernel_ms']:.4f}", cell(g, "{:.4f}"), f"{r['s2_call_ms']:.4f}",
+            f"{r['s2_step_ms']:.4f}", f"{r['sdpa_ms']:.4f}", cell(sg, "{:.4f}"),
+            f"{r['speedup_vs_sdpa']:.1f}", cell(sg / g if g and sg else None, "{:.1f}"),
+            cell(r["read_bytes"] / g / 1e6 if g else None, "{:.0f}"),
+            f"{r['live_mib']:.1f}", f"{r['needed_mib']:.1f}", f"{r['dense_mib']:.0f}",
+            f"{r['rel_err']:.1e}",
+        ])  # fmt: skip
+    lines += table(
+        ["ctx", "batch", "V", "blocks read", "splits", "s2 kernel ms", "s2 kernel graph ms",
+         "s2 call ms", "s2 step ms", "SDPA ms", "SDPA graph ms", "x SDPA", "x SDPA graph",
+         "GB/s graph", "KV live MiB", "KV need MiB", "KV dense MiB", "rel err"],
+        cells,
+    )  # fmt: skip
     best = [r for r in rows if r["sweep_best"]]
     if best:
         lines += ["", "Sweep (best launch per case):", ""]
@@ -241,36 +230,26 @@ def markdown(rows: list[dict], env: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--strides", default="16,64")
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch options")
-    ap.add_argument("--tag", default="", help="suffix for the result files")
-    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_decode.py times GPU kernels; no CUDA device here.", file=sys.stderr)
+    env = start("GPU kernels")
+    if env is None:
         return 2
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     strides = [int(s) for s in args.strides.split(",")]
-    env = environment()
-    print(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']}")
     rows = []
     cases = list(itertools.product(contexts, batches))
     for i, (ctx, batch) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] context {ctx}, batch {batch}", flush=True)
         rows += run(ctx, batch, strides, args.sweep)
         torch.cuda.empty_cache()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(env, f"decode{args.tag}")
-    md = markdown(rows, env)
-    (args.out_dir / f"{stem}.md").write_text(md)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    print()
-    print(md)
-    print(f"wrote {args.out_dir / stem}.{{md,json}}")
+    write_results(args.out_dir, stem, markdown(rows, env), dict(env=env, rows=rows))
     return 0
 
 

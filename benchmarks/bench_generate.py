@@ -19,16 +19,12 @@ Writes markdown and JSON with the device, versions and date to benchmarks/result
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-from run_info import environment, result_stem
+from run_info import heading, parser, result_stem, start, table, write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 GIB = 2**30
@@ -114,49 +110,43 @@ def measure(name: str, model, ids, new_tokens: int, make_cache) -> dict:
 def markdown(rows: list[dict], env: dict, args, params: int) -> str:
     import transformers
 
-    lines = [
-        f"# generate benchmark — {env['device']}",
-        "",
+    versions = (
         f"{env['date']} · torch {env['torch']} · triton {env['triton']} · transformers "
-        f"{transformers.__version__} · s2attn {env['s2attn']}",
-        "",
+        f"{transformers.__version__} · s2attn {env['s2attn']}"
+    )
+    lines = heading(
+        "generate benchmark", env,
         f"Llama-style, {params / 1e9:.2f}B parameters, random weights, bf16: {MODEL}. Batch "
         f"{args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy. HHST: first "
         f"{args.dense_layers} layers dense, the rest S2 (block 64, local_blocks 16). Peak: GPU "
         "memory above the weights during `generate`. KV: the cache's bytes at the end.",
-        "",
-        "| config | prefill s | total s | decode tok/s | end-to-end tok/s | peak GiB | KV GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['config']} | {r['prefill_s']:.3f} | {r['total_s']:.2f} | "
-            f"{r['decode_tok_s']:.1f} | {r['e2e_tok_s']:.1f} | {r['peak_gib']:.2f} | "
-            f"{r['kv_gib']:.3f} |"
-        )
+        versions,
+    )  # fmt: skip
+    lines += table(
+        ["config", "prefill s", "total s", "decode tok/s", "end-to-end tok/s", "peak GiB",
+         "KV GiB"],
+        ([r["config"], f"{r['prefill_s']:.3f}", f"{r['total_s']:.2f}", f"{r['decode_tok_s']:.1f}",
+          f"{r['e2e_tok_s']:.1f}", f"{r['peak_gib']:.2f}", f"{r['kv_gib']:.3f}"] for r in rows),
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--prompt", type=int, default=32768)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--strides", default="16,64")
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--skip-dense", action="store_true", help="only the S2 configurations")
-    ap.add_argument("--tag", default="", help="suffix for the result files")
-    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("bench_generate.py times a GPU model; no CUDA device here.", file=sys.stderr)
+    env = start("a GPU model")
+    if env is None:
         return 2
     from transformers import DynamicCache
 
     from s2attn.integrations import transformers as s2hf
 
-    env = environment()
-    print(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']}")
     max_len = args.prompt + args.new + 64
     model = build_model(max_len)
     params = sum(p.numel() for p in model.parameters())
@@ -180,15 +170,9 @@ def main() -> int:
         print(f"[{name}] s2attn + S2Cache", flush=True)
         rows.append(measure(name, model, ids, args.new, lambda: s2hf.S2Cache(model.config)))
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(env, f"generate{args.tag}")
-    md = markdown(rows, env, args, params)
-    (args.out_dir / f"{stem}.md").write_text(md)
     payload = dict(env=env, model=MODEL, args={k: str(v) for k, v in vars(args).items()}, rows=rows)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
-    print()
-    print(md)
-    print(f"wrote {args.out_dir / stem}.{{md,json}}")
+    write_results(args.out_dir, stem, markdown(rows, env, args, params), payload)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Kernel time against the SM clock and power over a sustained run (dev aid): calls one forward
+"""Kernel time against the SM clock and power over a sustained run: calls one forward
 (s2attn's, or cuDNN's dense causal one) back to back for --seconds, timing each with CUDA
 events, while nvidia-smi samples the clock, power and throttle reasons every 100 ms. Prints both
 as a time series, so a slowdown can be matched to a clock drop. Batch 1, 32 heads, bf16, causal,

@@ -1,4 +1,4 @@
-"""How much of a short call is host time (dev aid): s2attn and cuDNN's dense SDPA, forward and
+"""How much of a short call is host time: s2attn and cuDNN's dense SDPA, forward and
 forward+backward, timed by do_bench as Python launches them and as CUDA-graph replays (the
 kernels back to back). Batch 1, 32 heads, dim 128, bf16, causal, block 64, local 16; medians
 in ms, and the cuDNN/s2attn ratio each way against 0.8/density.

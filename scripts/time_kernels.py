@@ -1,10 +1,12 @@
-"""Per-kernel GPU time of one forward+backward (dev aid): torch.profiler's CUDA kernel times,
-averaged over a few calls, for the benchmark shapes (batch 1, 32 heads, bf16, causal, block 64,
-local 16 unless given).
+"""Per-kernel GPU time of one forward+backward: torch.profiler's CUDA kernel times, averaged over
+a few calls, and the time between CUDA events around the same calls, whose difference is the gaps
+the host leaves between kernels. Batch 1, 32 heads, bf16, causal, block 64, local 16 unless given.
 
     python scripts/time_kernels.py --seq 131072 --strides 16,64 --dim 128
-    python scripts/time_kernels.py --block-size 16 --local-blocks 64 --backward-gather 11,00
+    python scripts/time_kernels.py --block-size 16 --local-blocks 64
+    python scripts/time_kernels.py --kv-heads 8 --group-pattern
 """
+
 import argparse
 from collections import defaultdict
 
@@ -27,16 +29,12 @@ ap.add_argument(
 ap.add_argument("--calls", type=int, default=3)
 ap.add_argument("--block-size", type=int, default=64)
 ap.add_argument("--local-blocks", type=int, default=16)
-ap.add_argument(
-    "--backward-gather", default="11",
-    help="comma-separated s2attn.attention.BACKWARD_GATHER settings to time, as digits (dQ, dK/dV)",
-)  # fmt: skip
 ap.add_argument("--trace", help="write each profile as a Chrome trace, PREFIX_<stride>.json")
 args = ap.parse_args()
-print(torch.cuda.get_device_name(), torch.__version__, s2attn.__file__)
-runs = [(int(s), g) for s in args.strides.split(",") for g in args.backward_gather.split(",")]
-for stride, gather in runs:
-    s2attn.attention.BACKWARD_GATHER = tuple(c == "1" for c in gather)
+
+
+def time_step(stride: int) -> tuple[dict[str, float], float]:
+    """(ms per fwd+bwd of each kernel, ms per fwd+bwd between CUDA events)."""
     p = local_stride_pattern(
         32, args.seq, args.block_size, args.local_blocks, stride,
         num_kv_heads=args.kv_heads if args.group_pattern else None,
@@ -50,8 +48,7 @@ for stride, gather in runs:
 
     def step():
         q.grad = k.grad = v.grad = None  # no gradient accumulation kernels in the profile
-        out = s2attn.sparse_attention(q, k, v, p)
-        out.backward(g)
+        s2attn.sparse_attention(q, k, v, p).backward(g)
 
     step()
     torch.cuda.synchronize()
@@ -65,21 +62,24 @@ for stride, gather in runs:
         step()
     end.record()
     torch.cuda.synchronize()
-    wall = start.elapsed_time(end) / args.calls
     if args.trace:
-        prof.export_chrome_trace(f"{args.trace}_{stride}_{gather}.json")
+        prof.export_chrome_trace(f"{args.trace}_{stride}.json")
     per_kernel = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[ev.name[:60]] += ev.device_time / 1e3 / args.calls
+    return per_kernel, start.elapsed_time(end) / args.calls
+
+
+print(torch.cuda.get_device_name(), torch.__version__, s2attn.__file__)
+for stride in (int(s) for s in args.strides.split(",")):
+    per_kernel, wall = time_step(stride)
     total = sum(per_kernel.values())
     print(
-        f"\nseq {args.seq} V{stride} dim {args.dim} block {args.block_size} backward gather "
-        f"{gather}: {total:.3f} ms of kernels per fwd+bwd, "
-        f"{wall:.3f} ms between events (gaps: {wall - total:.3f})"
+        f"\nseq {args.seq} V{stride} dim {args.dim} block {args.block_size}: {total:.3f} ms of "
+        f"kernels per fwd+bwd, {wall:.3f} ms between events (gaps: {wall - total:.3f})"
     )
     for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
         if ms > 0.01:
             print(f"  {ms:8.3f} ms  {name}")
-    del q, k, v, g
     torch.cuda.empty_cache()

@@ -3,13 +3,18 @@
 Prints one line per configuration (median ms of do_bench) and the best of each kernel, so the
 defaults in s2attn/ops/forward.py and backward.py can be chosen from measurement.
 
-    python benchmarks/sweep_tiles.py --seq 32768 --stride 16
+Drives the kernel launchers in ``s2attn.ops`` directly, with the internal names of commit 06a44cd
+(``launch_options``, ``pattern_head_div``): it follows them when they change.
+
+    python benchmarks/tuning/sweep_tiles.py --seq 32768 --stride 16
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -18,6 +23,9 @@ from s2attn import local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import backward as bwd
 from s2attn.ops import forward as fwd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
+from run_info import sweep_arguments  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -29,14 +37,7 @@ def bench(fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--local-blocks", type=int, default=16)
-    ap.add_argument("--stride", type=int, default=16)
-    ap.add_argument("--passes", default="fwd,dkdv,dq")
+    ap = sweep_arguments(argparse.ArgumentParser(description=__doc__))
     args = ap.parse_args()
     s, h, d = args.seq, args.heads, args.dim
     pattern = local_stride_pattern(h, s, args.block_size, args.local_blocks, args.stride)

@@ -1,25 +1,29 @@
 """A/B of the forward (or forward+backward) between this tree's s2attn and another copy of the
-package (dev aid).
+package: the A/B behind the "new/old" ratios of benchmarks/NOTES.md.
 
 Imports both in one process (the other as ``s2attn_base``, a copy of an older tree's s2attn/
 directory; the package uses relative imports only) and times them in alternating rounds, so
-that clock and host drift fall on both alike. Forward only (no autograd), batch 1, 32 heads,
-bf16, causal, block 64, local 16; do_bench medians in ms, or with --host the host's time per
-call in ms.
+that clock and host drift fall on both alike. The forward (with --backward, forward+backward),
+batch 1, 32 heads, bf16, causal, block 64, local 16; do_bench medians in ms, or with --host the
+host's time per call in ms.
 
     git archive HEAD s2attn | tar -x -C /tmp/base && mv /tmp/base/s2attn /tmp/base/s2attn_base
-    PYTHONPATH=/tmp/base python scripts/ab_forward.py --rounds 3
+    PYTHONPATH=/tmp/base python benchmarks/tuning/ab_forward.py --rounds 3
 """
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import s2attn_base
 import torch
 import triton
-from host_time import host_ms
 
 import s2attn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
+from run_info import host_ms  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument(
@@ -30,7 +34,7 @@ ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--backward", action="store_true", help="time forward+backward")
 ap.add_argument(
     "--host", action="store_true",
-    help="time the host per call (scripts/host_time.py) rather than the GPU (do_bench)",
+    help="time the host per call (run_info.host_ms) rather than the GPU (do_bench)",
 )  # fmt: skip
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)

@@ -1,10 +1,14 @@
-"""Per-kernel GPU time of the Gluon forward and dQ against how many heads' work items run
-interleaved (dev aid): ``heads_per_group`` 1 keeps one head's K/V in L2 at a time; more heads
-interleaved let the last items taken be the lightest of all heads (``item_balance.py``). Torch
-profiler kernel times, mean over ``--calls`` fwd+bwd calls, rounds alternating the groupings.
+"""Per-kernel GPU time of the Gluon forward, dQ and dK/dV against how many heads' work items run
+interleaved: ``heads_per_group`` 1 keeps one head's K/V in L2 at a time; more heads interleaved
+let the last items taken be the lightest of all heads. Torch profiler kernel times, mean over
+``--calls`` fwd+bwd calls, rounds alternating the groupings.
 
-    python scripts/item_groups.py --cases 8192:16,8192:64,32768:16 --groups 1,4,32
-    python scripts/item_groups.py --dkdv-groups auto,1,2,4,8
+Drives s2attn.ops internals directly (names as of commit 06a44cd: it swaps
+``forward.heads_per_program_group``, ``backward_hopper.dq_hopper`` and ``dkdv_hopper`` for
+wrappers that set the groups): it follows them when they change.
+
+    python benchmarks/tuning/item_groups.py --cases 8192:16,8192:64,32768:16 --groups 1,4,32
+    python benchmarks/tuning/item_groups.py --dkdv-groups auto,1,2,4,8
 """
 
 import argparse

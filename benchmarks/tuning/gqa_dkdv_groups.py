@@ -1,5 +1,12 @@
 """Whole backward at 128k, GQA 32/8, V16, for dK/dV queue groupings (heads_per_group) and both
-GQA patterns (one per query head; one per KV group). Dev aid."""
+GQA patterns (one per query head; one per KV group): NOTES.md, "open questions".
+
+Drives s2attn.ops internals directly (names as of commit 06a44cd: ``ops.backward.backward``'s
+``launch_options`` and ``pattern_head_div``): it follows them when they change.
+
+    python benchmarks/tuning/gqa_dkdv_groups.py
+"""
+
 import torch
 import triton
 

@@ -4,7 +4,10 @@ warps, pipeline depth, bulk tensor copies (USE_TMA) and, for the forward, walkin
 step (PAIR). Compilation runs in parallel worker processes first, so the device time goes to
 timing. Prints one line per variant and a summary table last.
 
-    python benchmarks/sweep_kernels.py --seq 32768 --stride 16 --passes fwd,dkdv,dq
+Drives the kernel launchers in ``s2attn.ops`` directly, with the internal names of commit 06a44cd
+(``launch_options``, ``pattern_head_div``): it follows them when they change.
+
+    python benchmarks/tuning/sweep_kernels.py --seq 32768 --stride 16 --passes fwd,dkdv,dq
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -22,6 +26,9 @@ from s2attn import attention_reference, local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import backward as bwd
 from s2attn.ops import forward as fwd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
+from run_info import sweep_arguments  # noqa: E402
 
 
 def _v(block_m: int, block_n: int, warps: int, stages: int, **options) -> tuple:
@@ -176,14 +183,7 @@ def _worker(jobs, args):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--local-blocks", type=int, default=16)
-    ap.add_argument("--stride", type=int, default=16)
-    ap.add_argument("--passes", default="fwd,dkdv,dq")
+    ap = sweep_arguments(argparse.ArgumentParser(description=__doc__))
     ap.add_argument("--only", default="", help="comma-separated substrings of variant names")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--fixed-dkdv", default="ptr 64x64 w4s2 G32", help="dK/dV variant for dq rows")
