@@ -1,4 +1,5 @@
-"""The command line: ``s2attn demo`` (also ``python -m s2attn demo``) and ``s2attn draw``.
+"""The command line: ``s2attn demo`` (also ``python -m s2attn demo``), ``s2attn draw``, and the
+model commands ``s2attn train`` and ``s2attn eval`` (:mod:`s2attn.models`).
 
 ``demo`` builds an HHST-like layer stack for a 32-head model, checks each S2 pattern (density,
 KV-efficiency, union completeness), runs the Triton kernel on one S2 layer and compares it with
@@ -156,6 +157,22 @@ def draw(args: argparse.Namespace) -> int:
     return 0
 
 
+_MODEL_COMMANDS = {
+    "train": ("s2attn.models.train", "train an HHST (or dense, S2, local, homo) language model"),
+    "eval": ("s2attn.models.evaluate", "validation bits per byte and needle retrieval of a model"),
+}
+
+
+def _lazy_command(parser: argparse.ArgumentParser, module: str) -> None:
+    """Give ``parser`` the arguments of ``module``, imported only when its command runs: the model
+    commands pull in transformers, which ``demo`` and ``draw`` do not need."""
+    import importlib
+
+    command = importlib.import_module(module)
+    command.add_arguments(parser)
+    parser.set_defaults(func=command.run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="s2attn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bidirectional", action="store_true")
     p.add_argument("--show-heads", type=int, default=4)
     p.set_defaults(func=draw)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for name, (module, help_text) in _MODEL_COMMANDS.items():
+        command = sub.add_parser(name, help=help_text)
+        if argv[:1] == [name]:
+            _lazy_command(command, module)
     args = parser.parse_args(argv)
     if args.command == "demo":
         _ensure_backend()

@@ -1,0 +1,569 @@
+"""Evaluating a language model: validation bits per byte and needle retrieval.
+
+Three functions serve training and the ``s2attn eval`` command alike:
+
+- :func:`validation_bpb`: mean next-token cross-entropy in bits over batches of held-out text.
+  Tokens are bytes, so this is bits per byte; the ``BOS`` that starts every document counts as
+  one token (a byte) both when predicted and when predicting.
+- :func:`needle_accuracy`: the fraction of retrieval samples whose whole answer the model
+  predicts exactly by greedy argmax under teacher forcing, which equals greedy generation of the
+  answer, in one forward pass.
+- :func:`needle_samples`: deterministic retrieval samples for a grid of depths at one length.
+
+Every function takes any callable model that maps ``(batch, seq)`` int64 token ids to an object
+with ``.logits`` of shape ``(batch, seq, vocab)`` (a transformers causal LM, or a stub in tests).
+
+``python -m s2attn eval DIR`` (:func:`add_arguments`, :func:`run`) loads a model saved by
+``s2attn train``, reports its validation bits per byte and, with ``--needle``, its retrieval
+accuracy over a grid of context lengths and needle depths, written as JSON and a heat map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from .data import NeedleSample, SourceCorpus, TokenStream, make_needle_sample, needle_filler
+
+__all__ = [
+    "add_arguments",
+    "needle_accuracy",
+    "needle_samples",
+    "plot_needle_heatmaps",
+    "run",
+    "validation_batches",
+    "validation_bpb",
+]
+
+# Tokens a single-needle sample spends on the needle and the question: 2 * (KEY key VALUE value)
+# with the data module's default key and value lengths.
+_KEY_LEN, _VALUE_LEN = 4, 6
+_NEEDLE_OVERHEAD = 2 * (2 + _KEY_LEN + _VALUE_LEN)
+
+
+# ------------------------------------------------------------------------ shared functions
+@contextlib.contextmanager
+def _evaluating(model, device, autocast_dtype: torch.dtype | None):
+    """Eval mode, no autograd and optional autocast for the block; the model's training flag
+    is restored afterwards, so training can call these functions between steps."""
+    was_training = getattr(model, "training", None)
+    if was_training is not None:
+        model.eval()
+    device_type = torch.device(device).type
+    try:
+        with (
+            torch.no_grad(),
+            torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
+        ):
+            yield
+    finally:
+        if was_training:
+            model.train()
+
+
+def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    # A transformers model would otherwise build a KV cache that nothing reads.
+    if isinstance(model, PreTrainedModel):
+        return model(input_ids, use_cache=False).logits
+    return model(input_ids).logits
+
+
+def _check_batch(batch: object, what: str) -> None:
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.shape[1] < 2:
+        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise ValueError(f"{what} must be a (batch, seq_len + 1) tensor with seq_len >= 1, "
+                         f"got {shape}")  # fmt: skip
+    if batch.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{what} must hold int64 token ids, got {batch.dtype}")
+
+
+def validation_bpb(
+    model,
+    batches: Sequence[torch.Tensor],
+    *,
+    device: str | torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> float:
+    """Mean next-token cross-entropy of ``model`` over ``batches``, in bits (nats / ln 2).
+
+    Args:
+        model: a callable mapping ``(batch, seq_len)`` int64 ids to an object with ``.logits``
+            of shape ``(batch, seq_len, vocab)``; already on ``device``.
+        batches: ``(batch, seq_len + 1)`` int64 tensors (any device): inputs are ``x[:, :-1]``,
+            targets ``x[:, 1:]``. Batches may differ in size and length.
+        device: where to run.
+        autocast_dtype: run under ``torch.autocast`` with this dtype (bf16 on CUDA); ``None``
+            runs in the model's own dtype.
+
+    Returns the mean over every target token of every batch (not a mean of batch means). With
+    byte-level tokens this is bits per byte; ``BOS`` separators count as tokens.
+
+    Example::
+
+        batches = validation_batches(SourceCorpus(split="val"), 4096, 8, count=8, seed=0)
+        bpb = validation_bpb(model, batches, device="cuda", autocast_dtype=torch.bfloat16)
+    """
+    if len(batches) == 0:
+        raise ValueError("batches must hold at least one batch, got none")
+    for i, batch in enumerate(batches):
+        _check_batch(batch, f"batches[{i}]")
+    total_nats, tokens = 0.0, 0
+    with _evaluating(model, device, autocast_dtype):
+        for batch in batches:
+            batch = batch.to(device=device, dtype=torch.int64)
+            logits = _logits(model, batch[:, :-1])
+            # The loss in float32 whatever the model computes in: bf16 logits would round it.
+            total_nats += F.cross_entropy(
+                logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"
+            ).item()
+            tokens += batch[:, 1:].numel()
+    return total_nats / tokens / math.log(2)
+
+
+def needle_accuracy(
+    model,
+    samples: Sequence[NeedleSample],
+    *,
+    device: str | torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    batch_size: int = 8,
+) -> float:
+    """The fraction of ``samples`` whose whole answer ``model`` predicts exactly.
+
+    The model reads each sample but its last token (``(batch, length - 1)`` ids, one forward
+    pass per batch); answer token ``t`` counts as predicted when the argmax of the logits at
+    position ``t - 1`` is that token. Since every earlier answer token must be right too, this
+    equals greedy generation of the answer after the question.
+
+    Args:
+        model: as for :func:`validation_bpb`, already on ``device``.
+        samples: :class:`~s2attn.models.data.NeedleSample` s; samples of equal length share a
+            batch, so any mix of lengths works.
+        device, autocast_dtype: as for :func:`validation_bpb`.
+        batch_size: samples per forward pass.
+
+    Returns a number in ``[0, 1]``.
+    """
+    if len(samples) == 0:
+        raise ValueError("samples must hold at least one NeedleSample, got none")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for i, s in enumerate(samples):
+        if not isinstance(s, NeedleSample):
+            raise ValueError(f"samples[{i}] must be a NeedleSample, got {type(s).__name__}")
+        if not 1 <= s.answer_start <= s.answer_start + s.answer_len <= len(s.tokens):
+            raise ValueError(f"samples[{i}]: answer [{s.answer_start}, "
+                             f"{s.answer_start + s.answer_len}) lies outside its "
+                             f"{len(s.tokens)} tokens or at position 0")  # fmt: skip
+    by_length: dict[int, list[NeedleSample]] = {}
+    for s in samples:
+        by_length.setdefault(len(s.tokens), []).append(s)
+    correct = 0
+    with _evaluating(model, device, autocast_dtype):
+        for group in by_length.values():
+            for first in range(0, len(group), batch_size):
+                chunk = group[first : first + batch_size]
+                tokens = torch.stack([s.tokens for s in chunk]).to(device=device, dtype=torch.int64)
+                predicted = _logits(model, tokens[:, :-1]).argmax(dim=-1)
+                for row, s in enumerate(chunk):
+                    answer = slice(s.answer_start, s.answer_start + s.answer_len)
+                    guess = slice(s.answer_start - 1, s.answer_start + s.answer_len - 1)
+                    correct += bool(torch.equal(predicted[row, guess], tokens[row, answer]))
+    return correct / len(samples)
+
+
+def _check_depths(depths: Sequence[float]) -> list[float]:
+    depths = list(depths)
+    if not depths:
+        raise ValueError("depths must hold at least one depth in [0, 1], got none")
+    for d in depths:
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0:
+            raise ValueError(f"depths must be numbers in [0, 1], got {d!r}")
+    return [float(d) for d in depths]
+
+
+def _check_length(length: object, what: str = "length") -> None:
+    if isinstance(length, bool) or not isinstance(length, int) or length <= _NEEDLE_OVERHEAD:
+        raise ValueError(f"{what} must be an int > {_NEEDLE_OVERHEAD} (a needle, its question "
+                         f"and some filler), got {length!r}")  # fmt: skip
+
+
+def needle_samples(
+    corpus: SourceCorpus,
+    length: int,
+    depths: Sequence[float],
+    per_depth: int,
+    seed: int,
+) -> dict[float, list[NeedleSample]]:
+    """Deterministic single-needle samples of ``length`` tokens at each depth.
+
+    Sample ``i`` of every depth has the same filler (text of ``corpus``, normally the validation
+    split, from a stream shuffled by ``seed`` and ``i``) and the same key and value: across
+    depths only the needle's place changes, so the cells of a grid are directly comparable.
+
+    Args:
+        corpus: where the filler comes from.
+        length: tokens per sample (the model reads ``length - 1``); more than 24.
+        depths: numbers in ``[0, 1]``: 0 plants the needle at the start of the context, 1 right
+            before the question.
+        per_depth: samples per depth.
+        seed: the same seed gives the same samples (on one machine and file set).
+
+    Returns ``{depth: [NeedleSample] * per_depth}`` with ``depth`` as a float, in the given order;
+    each sample's ``tokens`` has shape ``(length,)``.
+    """
+    _check_length(length)
+    depths = _check_depths(depths)
+    if isinstance(per_depth, bool) or not isinstance(per_depth, int) or per_depth < 1:
+        raise ValueError(f"per_depth must be a positive int, got {per_depth!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    out: dict[float, list[NeedleSample]] = {d: [] for d in depths}
+    for i in range(per_depth):
+        # Large odd multipliers keep (seed, i) pairs from colliding for any realistic grid.
+        filler = needle_filler(corpus, length, seed=seed * 1_000_003 + i)
+        for d in depths:
+            rng = random.Random(seed * 998_244_353 + i)
+            out[d].append(make_needle_sample(filler, length, d, rng, _KEY_LEN, _VALUE_LEN))
+    return out
+
+
+def validation_batches(
+    corpus: SourceCorpus, seq_len: int, batch_size: int, count: int, seed: int
+) -> list[torch.Tensor]:
+    """The first ``count`` batches, each ``(batch_size, seq_len + 1)`` int64, of a plain-text
+    stream (no retrieval rows) over ``corpus`` with ``seed``: the same arguments give the same
+    batches, so validation at every step, and after training, reads the same text."""
+    stream = TokenStream(corpus, seq_len=seq_len, batch_size=batch_size, seed=seed)
+    return [stream.next_batch() for _ in range(count)]
+
+
+# -------------------------------------------------------------------------------- heat maps
+def _length_label(length: int) -> str:
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def _depth_key(depth: float) -> str:
+    return f"{depth:g}"
+
+
+def plot_needle_heatmaps(results: dict[str, dict], path: str | Path) -> Path:
+    """Draw one needle heat map per model, side by side, into the image file ``path``.
+
+    Args:
+        results: ``{panel title: result}`` where ``result`` is what ``s2attn eval --needle``
+            writes (a dict with ``"accuracy"``) or its ``accuracy`` dict itself:
+            ``{"<length>": {"<depth>": accuracy}}``. Panels may have different grids.
+        path: the image to write (its suffix picks the format, e.g. ``.png``).
+
+    Context length runs along the x axis, needle depth down the y axis (0, the start of the
+    context, at the top), accuracy is the colour from red (0) to green (1), written in each cell.
+    Returns ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not results:
+        raise ValueError("results must hold at least one model's accuracy, got none")
+    grids = {}
+    for title, result in results.items():
+        accuracy = result.get("accuracy", result) if isinstance(result, dict) else None
+        if (
+            not isinstance(accuracy, dict)
+            or not accuracy
+            or not all(isinstance(row, dict) and row for row in accuracy.values())
+        ):
+            raise ValueError(f"results[{title!r}] must be {{'<length>': {{'<depth>': value}}}} "
+                             "or hold it under 'accuracy'")  # fmt: skip
+        grids[title] = accuracy
+    panels = len(grids)
+    fig, axes = plt.subplots(1, panels, figsize=(1.2 + 3.2 * panels, 3.6), squeeze=False,
+                             constrained_layout=True)  # fmt: skip
+    image = None
+    for i, (ax, (title, accuracy)) in enumerate(zip(axes[0], grids.items())):
+        lengths = sorted(accuracy, key=int)
+        depths = sorted({d for row in accuracy.values() for d in row}, key=float)
+        values = [[accuracy[n].get(d, float("nan")) for n in lengths] for d in depths]
+        image = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        for r, row in enumerate(values):
+            for c, v in enumerate(row):
+                ax.text(c, r, "-" if math.isnan(v) else f"{v:.2f}", ha="center", va="center",
+                        fontsize=8)  # fmt: skip
+        ax.set_xticks(range(len(lengths)), [_length_label(int(n)) for n in lengths])
+        ax.set_yticks(range(len(depths)), [_depth_key(float(d)) for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        if i == 0:
+            ax.set_ylabel("needle depth (0 = start)")
+        ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=axes[0].tolist(), label="retrieval accuracy", shrink=0.9)
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- the command
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one int, got {text!r}")
+    return values
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``s2attn eval``."""
+    parser.add_argument("model_dir", help="a model saved by `s2attn train` (save_pretrained)")
+    parser.add_argument(
+        "--needle",
+        action="store_true",
+        help="also measure retrieval accuracy over --lengths x --depths",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=_int_list,
+        default=None,
+        help="comma-separated context lengths in tokens (default: the training length)",
+    )
+    parser.add_argument(
+        "--depths",
+        type=_float_list,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="comma-separated needle depths in [0, 1] (0 = start, 1 = end)",
+    )
+    parser.add_argument("--samples", type=int, default=20, help="samples per grid cell")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the results as JSON here, and the heat map next to it as <stem>.png",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="validation length (default: the training length from run.json)",
+    )
+    parser.add_argument(
+        "--val-batches",
+        type=int,
+        default=None,
+        help="validation batches for bits per byte (default: run.json's, else 4; 0 skips it)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per forward pass (default: run.json's, else 8)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the validation batches and needle samples (default: run.json's, else 0)",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available"
+    )
+    parser.add_argument(
+        "--data-root",
+        action="append",
+        default=None,
+        help="directory of the data (repeatable; default: run.json's roots, "
+        "else the standard library and site-packages)",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="share of files in the validation split (default: run.json's, else 0.05)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_record(model_dir: Path) -> dict:
+    """``run.json`` of ``model_dir`` flattened: its options (under ``options`` or ``args``) over
+    its top-level entries; empty when there is none."""
+    path = model_dir / "run.json"
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(record, dict):
+        return {}
+    flat = {k: v for k, v in record.items() if not isinstance(v, dict)}
+    for key in ("options", "args"):
+        if isinstance(record.get(key), dict):
+            flat.update(record[key])
+    return flat
+
+
+def _context_limit(config) -> int:
+    """The longest input the model covers: its S2 patterns' length, else its RoPE table's."""
+    text = config.get_text_config(decoder=True)
+    settings = getattr(text, "s2attn", None)
+    limit = text.max_position_embeddings
+    if settings:
+        limit = min(limit, settings["max_seq_len"])
+    return limit
+
+
+def _positive(name: str, value: int, allow_zero: bool = False) -> None:
+    if value < (0 if allow_zero else 1):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '>= 1'}, got {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``s2attn eval``: print bits per byte (and the needle grid), write ``--out``. Every
+    argument is checked, and the model's context limit read, before any model or data is
+    loaded."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import s2attn
+
+    from . import hhst  # noqa: F401  (registers the s2attn attention, so S2 layers load as S2)
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model_dir {str(model_dir)!r} holds no config.json: pass a directory "
+                         "written by `s2attn train` or save_pretrained")  # fmt: skip
+    record = _run_record(model_dir)
+    config = LlamaConfig.from_pretrained(model_dir)
+    limit = _context_limit(config)
+
+    seq_len = args.seq_len or record.get("seq_len") or limit
+    seed = args.seed if args.seed is not None else int(record.get("seed", 0))
+    batch_size = args.batch_size or int(record.get("batch_size", 8))
+    val_batches = args.val_batches if args.val_batches is not None else int(
+        record.get("val_batches", 4))  # fmt: skip
+    val_fraction = args.val_fraction if args.val_fraction is not None else float(
+        record.get("val_fraction", 0.05))  # fmt: skip
+    roots = args.data_root or record.get("data_root") or record.get("data_roots") or None
+    lengths = args.lengths or [seq_len]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _positive("--batch-size", batch_size)
+    _positive("--val-batches", val_batches, allow_zero=True)
+    _positive("--samples", args.samples)
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context limit of {limit} "
+                         "tokens (its S2 patterns' / position table's length)")  # fmt: skip
+    if args.needle:
+        for n in lengths:
+            _check_length(n, "--lengths entries")
+            if n > limit:
+                raise ValueError(
+                    f"--lengths: {n} exceeds the model's context limit of {limit} tokens (its S2 "
+                    "patterns' / position table's length; train with a larger --max-seq-len)"
+                )
+        depths = _check_depths(args.depths)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if args.out is not None and args.out.suffix != ".json":
+        raise ValueError(f"--out must name a .json file, got {str(args.out)!r}")
+    corpus = SourceCorpus(roots, split="val", val_fraction=val_fraction)
+
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    autocast_dtype = None
+    if device == "cpu":
+        model = model.float()
+    elif next(model.parameters()).dtype == torch.float32:
+        autocast_dtype = torch.bfloat16  # float32 master weights: evaluate as training ran
+    model.to(device)
+    title = " ".join(str(record[k]) for k in ("variant", "preset") if record.get(k))
+    title = title or model_dir.name
+    print(f"{title}: {model_dir} on {device}"
+          f"{' (bf16 autocast)' if autocast_dtype else ''}; val corpus {corpus!r}")  # fmt: skip
+
+    result: dict = {
+        "model_dir": str(model_dir),
+        "variant": record.get("variant"),
+        "preset": record.get("preset"),
+        "seed": seed,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "s2attn": s2attn.__version__,
+        },
+        "context_limit": limit,
+        "corpus": corpus.describe(),
+    }
+    if val_batches:
+        batches = validation_batches(corpus, seq_len, batch_size, val_batches, seed)
+        bpb = validation_bpb(model, batches, device=device, autocast_dtype=autocast_dtype)
+        tokens = sum(b[:, 1:].numel() for b in batches)
+        print(f"validation: {bpb:.4f} bits per byte over {tokens} tokens "
+              f"({val_batches} x {batch_size} x {seq_len})")  # fmt: skip
+        result.update(val_bpb=bpb, val_seq_len=seq_len, val_tokens=tokens)
+    if args.needle:
+        result.update(samples_per_cell=args.samples, lengths=lengths, depths=depths,
+                      accuracy=_needle_grid(model, corpus, lengths, depths, args.samples, seed,
+                                            device, autocast_dtype, batch_size,
+                                            not args.no_progress))  # fmt: skip
+        _print_grid(result["accuracy"])
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        if args.needle:
+            png = plot_needle_heatmaps({title: result}, args.out.with_suffix(".png"))
+            print(f"wrote {png}")
+    return 0
+
+
+def _needle_grid(model, corpus, lengths, depths, samples, seed, device, autocast_dtype,
+                 batch_size, progress: bool) -> dict[str, dict[str, float]]:  # fmt: skip
+    from tqdm.auto import tqdm
+
+    accuracy: dict[str, dict[str, float]] = {}
+    with tqdm(total=len(lengths) * len(depths), desc="needle grid", unit="cell",
+              disable=not progress) as bar:  # fmt: skip
+        for n in lengths:
+            cells = needle_samples(corpus, n, depths, samples, seed)
+            row = accuracy.setdefault(str(n), {})
+            for d, group in cells.items():
+                row[_depth_key(d)] = needle_accuracy(model, group, device=device,
+                                                     autocast_dtype=autocast_dtype,
+                                                     batch_size=batch_size)  # fmt: skip
+                bar.set_postfix(length=n, depth=_depth_key(d), acc=f"{row[_depth_key(d)]:.2f}")
+                bar.update()
+    return accuracy
+
+
+def _print_grid(accuracy: dict[str, dict[str, float]]) -> None:
+    depths = sorted({d for row in accuracy.values() for d in row}, key=float)
+    print("needle accuracy (rows: depth, columns: context length)")
+    print(f"{'depth':>7} " + " ".join(f"{_length_label(int(n)):>7}" for n in accuracy))
+    for d in depths:
+        print(f"{d:>7} " + " ".join(f"{accuracy[n].get(d, float('nan')):>7.2f}"
+                                     for n in accuracy))  # fmt: skip

@@ -1,0 +1,213 @@
+"""The HHST model: a Llama-style causal LM whose layers are dense or S2, chosen from its config.
+
+A model is an ordinary transformers ``LlamaForCausalLM`` (RMSNorm, RoPE, SwiGLU, GQA) whose
+config carries s2attn's settings (:func:`s2attn.integrations.transformers.configure`), so it
+saves with ``save_pretrained`` and loads with ``from_pretrained`` as S2 again. The variants
+compared in the experiments differ only in their attention, never in their parameters:
+
+=========  ====================================================================================
+dense      every layer dense (PyTorch SDPA)
+hhst       the preset's dense layers (or ``dense_layers``), every other layer S2 with its heads
+           staggered over the stride's residues, so the heads together cover every block
+s2         every layer S2, staggered
+local      the dense layers of ``hhst``, the others a local window alone, widened to the S2
+           layers' density at the training length
+homo       the dense layers of ``hhst``, the others S2 with every head on the same stripes
+=========  ====================================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..integrations import transformers as s2hf
+from ..pattern import local_stride_pattern
+from .data import VOCAB_SIZE
+
+__all__ = ["PRESETS", "VARIANTS", "Preset", "build_model", "model_config", "model_summary"]
+
+VARIANTS = ("dense", "hhst", "s2", "local", "homo")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape, its S2 pattern and the training recipe that goes with it."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    seq_len: int
+    block_size: int
+    local_blocks: int
+    vert_stride: int
+    dense_layers: tuple[int, ...]
+    batch_size: int
+    steps: int
+    lr: float
+    warmup_steps: int
+    val_every: int
+    val_batches: int
+    needle_fraction: float
+    vocab_size: int = VOCAB_SIZE
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+PRESETS: dict[str, Preset] = {
+    # Trains on a CPU in well under two minutes (S2 layers through the exact reference there).
+    "tiny": Preset(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=176,
+        seq_len=256, block_size=16, local_blocks=2, vert_stride=2, dense_layers=(0,),
+        batch_size=8, steps=60, lr=3e-3, warmup_steps=10, val_every=20, val_batches=2,
+        needle_fraction=0.25,
+    ),
+    # The quality experiment on one H100: 6 layers (1 dense = 1/6), 4k tokens, 64-token blocks,
+    # a 256-token window and every 8th block, staggered over the 8 KV heads, so each S2 layer's
+    # heads together cover every block while each keeps 22% of the pairs at 4k (a local window
+    # at that density spans 512 tokens). ~19M parameters.
+    "small": Preset(
+        num_layers=6, hidden_size=512, num_heads=8, num_kv_heads=8, intermediate_size=1408,
+        seq_len=4096, block_size=64, local_blocks=4, vert_stride=8, dense_layers=(0,),
+        batch_size=8, steps=1500, lr=1e-3, warmup_steps=100, val_every=250, val_batches=8,
+        needle_fraction=0.25,
+    ),
+}
+
+
+def _local_blocks_at_density(preset: Preset, heads: int, kv_heads: int, seq_len: int,
+                             target: float) -> int:
+    """The local window (in blocks) whose density at ``seq_len`` is closest to ``target``."""
+    nb = -(-seq_len // preset.block_size)
+    best, best_gap = 1, float("inf")
+    for blocks in range(1, nb + 1):
+        pattern = _local_only(heads, kv_heads, seq_len, preset.block_size, blocks)
+        gap = abs(pattern.density() - target)
+        if gap < best_gap:
+            best, best_gap = blocks, gap
+    return best
+
+
+def _local_only(heads: int, kv_heads: int, seq_len: int, block_size: int, local_blocks: int):
+    # A stride longer than the sequence, shifted so that no stripe lands on a block: the window
+    # alone is left.
+    nb = -(-seq_len // block_size)
+    return local_stride_pattern(heads, seq_len, block_size, local_blocks, nb + 1,
+                                num_kv_heads=kv_heads, homo_head=True, head_offset=1)
+
+
+def model_config(
+    preset: Preset | str,
+    variant: str,
+    *,
+    seq_len: int | None = None,
+    max_seq_len: int | None = None,
+    dense_layers: Sequence[int] | None = None,
+    vert_stride: int | None = None,
+    local_blocks: int | None = None,
+) -> LlamaConfig:
+    """The transformers config of ``variant`` at ``preset``'s shape.
+
+    Args:
+        preset: a :data:`PRESETS` name or a :class:`Preset`.
+        variant: one of :data:`VARIANTS`.
+        seq_len: the training length (the local variant matches the S2 density there); defaults
+            to the preset's.
+        max_seq_len: the longest sequence the model's patterns (and RoPE table) cover; defaults
+            to ``seq_len``. Longer inputs raise a clear error in the S2 layers.
+        dense_layers: indices of the dense layers of hhst, local and homo; defaults to the
+            preset's.
+        vert_stride, local_blocks: override the preset's S2 pattern.
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        preset = PRESETS[preset]
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    seq_len = seq_len or preset.seq_len
+    max_seq_len = max_seq_len or seq_len
+    if max_seq_len < seq_len:
+        raise ValueError(f"max_seq_len ({max_seq_len}) is below seq_len ({seq_len})")
+    if vert_stride is not None or local_blocks is not None:
+        preset = dataclasses.replace(
+            preset,
+            vert_stride=vert_stride or preset.vert_stride,
+            local_blocks=local_blocks or preset.local_blocks,
+        )
+    dense = tuple(preset.dense_layers if dense_layers is None else dense_layers)
+    config = LlamaConfig(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        head_dim=preset.head_dim,
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="sdpa",
+    )
+    if variant == "dense":
+        return config
+    pattern = dict(block_size=preset.block_size, local_blocks=preset.local_blocks,
+                   vert_stride=preset.vert_stride)
+    if variant == "s2":
+        dense = ()
+    elif variant == "homo":
+        pattern["homo_head"] = True
+    elif variant == "local":
+        s2_density = local_stride_pattern(
+            preset.num_heads, seq_len, preset.block_size, preset.local_blocks,
+            preset.vert_stride, num_kv_heads=preset.num_kv_heads,
+        ).density()
+        blocks = _local_blocks_at_density(preset, preset.num_heads, preset.num_kv_heads,
+                                          seq_len, s2_density)
+        nb = -(-max_seq_len // preset.block_size)
+        pattern = dict(block_size=preset.block_size, local_blocks=blocks, vert_stride=nb + 1,
+                       homo_head=True, head_offset=1)
+    s2hf.configure(config, dense_layers=list(dense), max_seq_len=max_seq_len, **pattern)
+    return config
+
+
+def build_model(config: LlamaConfig, *, seed: int = 0) -> LlamaForCausalLM:
+    """A freshly initialised model of ``config``; the same seed gives the same weights for every
+    variant (they have the same parameters)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def model_summary(config: LlamaConfig, seq_len: int | None = None) -> dict:
+    """Parameters, layer kinds and the S2 layers' density at ``seq_len`` (JSON-friendly)."""
+    text = config.get_text_config(decoder=True)
+    seq_len = seq_len or text.max_position_embeddings
+    settings = getattr(text, "s2attn", None)
+    layer_types = settings["layer_types"] if settings else ["dense"] * text.num_hidden_layers
+    densities = []
+    for i in range(len(layer_types)):
+        pattern = s2hf.layer_pattern(text, i) if settings else None
+        densities.append(1.0 if pattern is None else round(pattern.density(seq_len), 4))
+    h, f, v = text.hidden_size, text.intermediate_size, text.vocab_size
+    kv = text.num_key_value_heads * text.head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    params = text.num_hidden_layers * per_layer + v * h + h
+    return {
+        "parameters": params,
+        "layer_types": layer_types,
+        "layer_density": densities,
+        "mean_density": round(sum(densities) / len(densities), 4),
+        "seq_len": seq_len,
+        "s2attn": settings,
+    }

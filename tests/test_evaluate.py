@@ -1,0 +1,215 @@
+"""Evaluation (s2attn.models.evaluate): bits per byte against a hand computation, needle accuracy
+on models that know or cannot know the answer, and the ``s2attn eval`` command end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+from helpers import DEVICE, assert_close  # noqa: E402
+
+from s2attn.models import evaluate, hhst  # noqa: E402
+from s2attn.models.data import VOCAB_SIZE, SourceCorpus  # noqa: E402
+
+# Small enough that the grid cells of the CLI test cost little, long enough for a needle.
+LENGTH = 48
+
+
+def _tiny_config(variant: str = "hhst", max_seq_len: int = 64):
+    config = hhst.model_config("tiny", variant, seq_len=max_seq_len)
+    if variant != "dense":
+        # The exact dense-mask reference of the same patterns: the Triton interpreter would take
+        # seconds per forward pass, and the kernels have their own tests.
+        config._attn_implementation = "s2attn_reference"
+    return config
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    """A few source-like files, so no test walks site-packages."""
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(12):
+        body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # line {j}\n"
+                       for j in range(40))  # fmt: skip
+        (root / f"mod_{i}.py").write_text(body)
+    return root
+
+
+@pytest.fixture(scope="module")
+def val_corpus(corpus_root):
+    return SourceCorpus([corpus_root], split="val", val_fraction=0.5)
+
+
+class _Output(SimpleNamespace):
+    logits: torch.Tensor
+
+
+class _Oracle(torch.nn.Module):
+    """Puts the largest logit on the true next token of each sample it was built with (found by
+    its input), on a fixed wrong token (``wrong``) or on the current token (``echo``)."""
+
+    def __init__(self, samples=(), mode: str = "oracle", wrong_on=()):
+        super().__init__()
+        self.full = {tuple(s.tokens[:-1].tolist()): s.tokens for s in samples}
+        self.mode = mode
+        # Samples whose last answer token it gets wrong (all the others right).
+        self.wrong_on = {tuple(s.tokens[:-1].tolist()) for s in wrong_on}
+
+    def forward(self, input_ids: torch.Tensor) -> _Output:
+        b, n = input_ids.shape
+        logits = torch.zeros(b, n, VOCAB_SIZE)
+        for row in range(b):
+            if self.mode == "wrong":
+                target = torch.zeros(n, dtype=torch.long)
+            elif self.mode == "echo":
+                target = input_ids[row]
+            else:
+                key = tuple(input_ids[row].tolist())
+                target = self.full[key][1:].clone()
+                if key in self.wrong_on:
+                    target[-1] = (target[-1] + 1) % VOCAB_SIZE
+            logits[row, torch.arange(n), target] = 1.0
+        return _Output(logits=logits.to(input_ids.device))
+
+
+def test_validation_bpb_is_cross_entropy_in_bits():
+    torch.manual_seed(0)
+    model = hhst.build_model(_tiny_config(), seed=0).to(DEVICE)
+    # Unequal batches: a mean of batch means would differ from the mean over all tokens.
+    batches = [torch.randint(0, 256, (3, 33)), torch.randint(0, 256, (1, 21))]
+    model.train()
+    got = evaluate.validation_bpb(model, batches, device=DEVICE)
+    assert model.training, "validation_bpb must restore the model's training mode"
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        model.eval()
+        for x in batches:
+            x = x.to(DEVICE)
+            logp = model(x[:, :-1]).logits.double().log_softmax(-1)
+            total -= logp.gather(-1, x[:, 1:, None]).sum().item()
+            count += x[:, 1:].numel()
+    expected = total / count / math.log(2)
+    print(f"bpb {got:.6f}, by hand {expected:.6f}")
+    assert_close(torch.tensor([got]), torch.tensor([expected]), torch.float32, "bits per byte")
+    # An untrained model predicts about uniformly over the vocabulary.
+    assert abs(got - math.log2(VOCAB_SIZE)) < 0.5
+
+
+def test_needle_samples_are_deterministic_and_hold_the_answer(val_corpus):
+    depths = [0.0, 0.5, 1.0]
+    a = evaluate.needle_samples(val_corpus, LENGTH, depths, per_depth=3, seed=5)
+    b = evaluate.needle_samples(val_corpus, LENGTH, depths, per_depth=3, seed=5)
+    c = evaluate.needle_samples(val_corpus, LENGTH, depths, per_depth=3, seed=6)
+    assert list(a) == depths and all(len(v) == 3 for v in a.values())
+    for d in depths:
+        for s, t, u in zip(a[d], b[d], c[d]):
+            assert torch.equal(s.tokens, t.tokens)
+            assert not torch.equal(s.tokens, u.tokens)
+            assert s.tokens.shape == (LENGTH,)
+            assert s.answer_start + s.answer_len == LENGTH
+            value = s.tokens[s.needle_start + 6 : s.needle_start + 12]  # KEY k k k k VALUE
+            assert torch.equal(value, s.tokens[s.answer_start :])
+    starts = [a[d][0].needle_start for d in depths]
+    assert starts[0] == 0 and starts[0] < starts[1] < starts[2]
+
+
+def test_needle_accuracy_separates_oracle_from_blind_models(val_corpus):
+    cells = evaluate.needle_samples(val_corpus, LENGTH, [0.0, 0.5, 1.0], per_depth=3, seed=1)
+    samples = [s for group in cells.values() for s in group]  # 9: batches of 4 leave one over
+    short = evaluate.needle_samples(val_corpus, LENGTH - 7, [0.3], per_depth=2, seed=1)[0.3]
+    mixed = samples + short
+
+    def acc(model, which=mixed):
+        return evaluate.needle_accuracy(model, which, device="cpu", batch_size=4)
+
+    assert acc(_Oracle(mixed)) == 1.0
+    assert acc(_Oracle(mode="wrong")) == 0.0
+    assert acc(_Oracle(mode="echo")) == 0.0  # right tokens, one position late
+    # Wrong on one answer token of 3 of the 11 samples, one of them alone in its batch (the 9th
+    # of length LENGTH).
+    wrong_on = cells[0.5][:1] + cells[1.0][2:] + short[1:]
+    assert acc(_Oracle(mixed, wrong_on=wrong_on)) == 8 / 11
+
+
+def _eval_args(argv):
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_eval_command_writes_grid_and_heatmap(tmp_path, corpus_root):
+    model_dir = tmp_path / "model"
+    hhst.build_model(_tiny_config(), seed=0).save_pretrained(model_dir)
+    (model_dir / "run.json").write_text(json.dumps({
+        "options": {"variant": "hhst", "preset": "tiny", "seq_len": LENGTH, "seed": 3,
+                    "batch_size": 2, "data_root": [str(corpus_root)]},
+    }))  # fmt: skip
+    out = tmp_path / "results" / "needle.json"
+    args = _eval_args([str(model_dir), "--needle", "--lengths", f"{LENGTH},{LENGTH + 16}",
+                       "--depths", "0,1", "--samples", "2", "--val-batches", "1",
+                       "--val-fraction", "0.5", "--device", "cpu", "--out", str(out),
+                       "--no-progress"])  # fmt: skip
+    assert evaluate.run(args) == 0
+
+    result = json.loads(out.read_text())
+    assert set(result["accuracy"]) == {str(LENGTH), str(LENGTH + 16)}
+    for row in result["accuracy"].values():
+        assert set(row) == {"0", "1"}
+        assert all(0.0 <= v <= 1.0 for v in row.values())
+    assert result["samples_per_cell"] == 2 and result["seed"] == 3
+    assert result["variant"] == "hhst" and result["device"] == "cpu"
+    assert result["val_tokens"] == 2 * LENGTH  # batch 2 and seq_len from run.json
+    assert abs(result["val_bpb"] - math.log2(VOCAB_SIZE)) < 0.5  # untrained: about uniform
+    png = out.with_suffix(".png")
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("variant, limit", [("hhst", 64), ("dense", 64)])
+def test_eval_rejects_lengths_beyond_the_model(tmp_path, corpus_root, variant, limit):
+    model_dir = tmp_path / "model"
+    hhst.build_model(_tiny_config(variant, max_seq_len=limit), seed=0).save_pretrained(model_dir)
+    out = tmp_path / "needle.json"
+    args = _eval_args(
+        [
+            str(model_dir),
+            "--needle",
+            "--lengths",
+            f"{LENGTH},{limit + 1}",
+            "--data-root",
+            str(corpus_root),
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
+    with pytest.raises(ValueError, match=f"{limit + 1} exceeds the model's context limit of "
+                                         f"{limit}"):  # fmt: skip
+        evaluate.run(args)
+    assert not out.exists()
+
+
+def test_eval_rejects_a_directory_without_a_model(tmp_path):
+    with pytest.raises(ValueError, match="holds no config.json"):
+        evaluate.run(_eval_args([str(tmp_path), "--device", "cpu"]))
+
+
+def test_plot_needle_heatmaps_draws_one_panel_per_model(tmp_path):
+    results = {
+        "dense": {"accuracy": {"64": {"0": 1.0, "1": 1.0}, "128": {"0": 1.0, "1": 0.9}}},
+        "local": {"64": {"0": 1.0, "0.5": 0.2}},  # a bare accuracy dict and another grid
+    }
+    path = evaluate.plot_needle_heatmaps(results, tmp_path / "grid.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="results\\['bad'\\]"):
+        evaluate.plot_needle_heatmaps({"bad": {"accuracy": {}}}, tmp_path / "bad.png")
