@@ -15,6 +15,7 @@ from .layout import backward_layout, forward_layout
 from .ops import backward as _bwd
 from .ops import forward as _fwd
 from .pattern import BlockPattern
+from .precision import autocast_dtype, cast_inputs
 from .reference import attention_reference
 
 __all__ = ["sparse_attention", "sparse_attention_qkvpacked", "merge_partials"]
@@ -287,10 +288,10 @@ def sparse_attention(
 
     Args:
         q: (batch, seq_q, heads, dim), or packed (total_q, heads, dim) with ``cu_seqlens_q``.
-            float16, bfloat16 or float32; dim from 16 to 256. Any strides (e.g. slices of a packed
-            qkv tensor) are read in place.
+            float16, bfloat16 or float32 (see *Precision* below); dim from 16 to 256. Any strides
+            (e.g. slices of a packed qkv tensor) are read in place.
         k, v: (batch, seq_k, kv_heads, dim), or packed (total_k, kv_heads, dim); ``heads`` must be a
-            multiple of ``kv_heads`` (GQA/MQA). Same dtype and device as q.
+            multiple of ``kv_heads`` (GQA/MQA). Same dtype and device as q (outside autocast).
         pattern: a :class:`s2attn.BlockPattern` with ``heads`` or ``kv_heads`` heads, covering
             ``seq_k`` (its top-left corner serves shorter sequences).
         softmax_scale: defaults to ``1 / sqrt(dim)``.
@@ -302,9 +303,18 @@ def sparse_attention(
     Queries are aligned bottom-right when seq_q < seq_k (the last query sees the last key). A row
     that attends nothing gets output 0 and LSE -inf.
 
+    Precision: inside a ``torch.autocast`` region for the inputs' device, q, k and v are cast to
+    the region's dtype (float16 or bfloat16) as ``scaled_dot_product_attention``'s are (float64
+    stays), so their dtypes may differ there; the output comes back in the region's dtype and
+    gradients reach float32 inputs in float32. Outside autocast, float32 inputs take the float32
+    kernels, which multiply in exact IEEE float32 on CUDA cores (TF32 would cost three decimal
+    digits), not on tensor cores: on a GPU they run some 20x slower than bfloat16 or float16.
+    Train with bfloat16 weights, or float32 weights under ``torch.autocast``.
+
     Returns:
-        ``out`` shaped like q, in q's dtype; with ``return_lse`` also ``lse`` (batch, heads, seq_q),
-        or (heads, total_q) for packed inputs.
+        ``out`` shaped like q, in q's dtype (the autocast dtype inside a region); with
+        ``return_lse`` also the float32 ``lse`` (batch, heads, seq_q), or (heads, total_q) for
+        packed inputs.
 
     Example::
 
@@ -313,6 +323,16 @@ def sparse_attention(
         ...            for _ in range(3))
         >>> out = s2attn.sparse_attention(q, k, v, pattern)
     """
+    region = autocast_dtype(q)
+    if region is not None:
+        # Like SDPA under autocast: cast before validation (mixed dtypes are then fine), which the
+        # call below runs on the cast tensors; autocast off inside, so nothing is cast twice.
+        with torch.autocast(q.device.type, enabled=False):
+            return sparse_attention(
+                *cast_inputs(region, q.device.type, q, k, v), pattern,
+                softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+            )  # fmt: skip
     varlen, lens_q, lens_k, scale, head_div = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
@@ -347,6 +367,8 @@ def sparse_attention_qkvpacked(
 
     Returns ``out`` (batch, seq, heads, dim) or (total, heads, dim), and with ``return_lse`` the
     LSE. ``qkv.grad`` is written by the backward kernels slice by slice, with no concatenation.
+    Under ``torch.autocast`` qkv is cast to the region's dtype, as in :func:`sparse_attention`,
+    and its gradient comes back in qkv's own dtype.
 
     Example::
 
@@ -356,6 +378,16 @@ def sparse_attention_qkvpacked(
         >>> out.sum().backward()
     """
     _check_tensor("qkv", qkv)
+    region = autocast_dtype(qkv)
+    if region is not None:
+        # As in sparse_attention; the cast makes one new packed tensor, so the kernels still
+        # write its gradient slice by slice, and the cast's backward takes it to qkv's dtype.
+        with torch.autocast(qkv.device.type, enabled=False):
+            return sparse_attention_qkvpacked(
+                *cast_inputs(region, qkv.device.type, qkv), pattern,
+                softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                return_lse=return_lse,
+            )  # fmt: skip
     if qkv.dim() not in (4, 5) or qkv.shape[-3] != 3:
         raise ValueError(
             "qkv must be (batch, seq, 3, heads, dim) or packed (total, 3, heads, dim), "

@@ -28,6 +28,7 @@ from .attention import check_cu_seqlens, sparse_attention
 from .cache import PagedKVCache
 from .ops import decode as _dec
 from .pattern import BlockPattern, dense_pattern
+from .precision import autocast_dtype, cast_inputs
 
 __all__ = ["sparse_attention_with_kvcache", "MAX_DECODE_TOKENS"]
 
@@ -202,6 +203,11 @@ def sparse_attention_with_kvcache(
     Returns ``out`` shaped like q, in q's dtype; with ``return_lse`` also ``lse`` (batch, heads,
     num_new), or (heads, total_new) for packed q.
 
+    Under ``torch.autocast`` for the cache's device the cache keeps its own dtype: q and the new
+    keys and values (any floating dtypes, float64 aside) are cast to the cache's dtype, attention
+    over the cache computes in it, and ``out`` comes back in the region's dtype (the LSE stays
+    float32). Outside autocast, q must be in the cache's dtype.
+
     Example::
 
         >>> cache = s2attn.PagedKVCache(pattern, batch_size=2, num_kv_heads=8, head_dim=128,
@@ -210,6 +216,22 @@ def sparse_attention_with_kvcache(
         >>> for _ in range(steps):  # q_step (2, 1, 32, 128), k/v_step (2, 1, 8, 128)
         ...     out = s2attn.sparse_attention_with_kvcache(q_step, cache, k_step, v_step)
     """
+    region = autocast_dtype(q)
+    if region is not None and isinstance(cache, PagedKVCache):
+        # The cache's dtype, not the region's, is what the kernels read: compute in it, then hand
+        # the output back at the region's dtype as SDPA would. Autocast off inside, so the
+        # prefill's sparse_attention does not cast to the region's dtype again.
+        device_type = q.device.type
+        with torch.autocast(device_type, enabled=False):
+            result = sparse_attention_with_kvcache(
+                *cast_inputs(cache.dtype, device_type, q), cache,
+                *cast_inputs(cache.dtype, device_type, k, v),
+                softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q, return_lse=return_lse,
+                num_splits=num_splits,
+            )  # fmt: skip
+        if return_lse:
+            return result[0].to(region), result[1]
+        return result.to(region)
     scale, counts = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
     if k is None:
         if not _dec.kernels_available(q.device):

@@ -18,7 +18,10 @@ class SparseAttention(nn.Module):
         pattern: the :class:`s2attn.BlockPattern` every call uses.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
 
-    ``forward`` takes the arguments of :func:`s2attn.sparse_attention` after ``pattern``.
+    ``forward`` takes the arguments of :func:`s2attn.sparse_attention` after ``pattern``, and
+    follows ``torch.autocast`` as it does: inside a region q, k and v are cast to the region's
+    dtype and the output comes back in it. Float32 outside autocast runs far slower on a GPU than
+    bfloat16 (see :func:`s2attn.sparse_attention`).
 
     Example::
 

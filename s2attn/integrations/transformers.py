@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 try:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedConfig
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -53,6 +53,7 @@ from ..attention import sparse_attention
 from ..cache import PagedKVCache
 from ..inference import sparse_attention_with_kvcache
 from ..pattern import BlockPattern, dense_pattern, local_stride_pattern
+from ..precision import autocast_dtype, cast_inputs
 from ..reference import attention_reference
 
 __all__ = [
@@ -265,7 +266,9 @@ def attention_forward(
 
     query (batch, heads, seq, dim); key/value (batch, kv_heads, seq_k, dim): with an
     :class:`S2Cache` only this step's tokens (the cache holds the rest), else the whole context.
-    Returns (batch, seq, heads, dim) and no attention weights.
+    Returns (batch, seq, heads, dim) and no attention weights. Under ``torch.autocast`` (where
+    Llama hands over float32 q/k/v from its float32 rotary embedding) the entry points it calls
+    cast them to the region's dtype, and the output comes back in it.
     """
     _check_module(module, dropout)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -296,22 +299,54 @@ def reference_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The ``"s2attn_reference"`` implementation: the layer's pattern on the dense token mask,
-    over the whole context a transformers cache returns (not for :class:`S2Cache`)."""
+    over the whole context a transformers cache returns (not for :class:`S2Cache`). Under
+    ``torch.autocast`` it casts as ``"s2attn"`` does: q/k/v to the region's dtype, computed in
+    float32 with autocast off, the output in the region's dtype."""
     _check_module(module, dropout)
     if getattr(key, "_s2attn_cache_layer", None) is not None:
         raise ValueError(f"{REFERENCE_IMPLEMENTATION!r} needs a cache that returns every key")
+    region = autocast_dtype(query)
+    if region is not None:
+        device_type = query.device.type
+        with torch.autocast(device_type, enabled=False):
+            return reference_attention_forward(
+                module, *cast_inputs(region, device_type, query, key, value), attention_mask,
+                scaling, dropout, **kwargs,
+            )  # fmt: skip
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     pattern = _attention_pattern(module.config, module.layer_idx)
     return _attend_context(attention_reference, q, k, v, pattern, attention_mask, scaling), None
 
 
+def _saving_attention_choice(to_dict):
+    """Wrap ``PreTrainedConfig.to_dict`` so that a config carrying s2attn settings also writes its
+    attention implementation (``"attn_implementation"``), which transformers reads back when it
+    loads the config. transformers itself never serializes that choice; without this, a model
+    saved with ``save_pretrained`` would come back from ``from_pretrained`` with SDPA layers."""
+
+    @functools.wraps(to_dict)
+    def with_attention_choice(self) -> dict:
+        out = to_dict(self)
+        chosen = self.__dict__.get("_attn_implementation_internal")
+        if _CONFIG_KEY in out and chosen in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
+            out["attn_implementation"] = chosen
+        return out
+
+    with_attention_choice.s2attn_wrapped = True
+    return with_attention_choice
+
+
 def register() -> None:
     """Register both implementations (done on import; idempotent). The padding-mask hook hands
-    the attention a 2-D mask only when some token is padding."""
+    the attention a 2-D mask only when some token is padding. Configs made by :func:`configure`
+    save their attention choice, so ``from_pretrained`` restores the S2 layers with no extra call
+    once this module is imported."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionInterface.register(REFERENCE_IMPLEMENTATION, reference_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
     AttentionMaskInterface.register(REFERENCE_IMPLEMENTATION, flash_attention_mask)
+    if not getattr(PreTrainedConfig.to_dict, "s2attn_wrapped", False):
+        PreTrainedConfig.to_dict = _saving_attention_choice(PreTrainedConfig.to_dict)
 
 
 register()
@@ -352,9 +387,12 @@ class S2CacheLayer(CacheLayerMixin):
         self._pending = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # Under autocast the model hands over float32 keys (its projections' input dtype), but
+        # attention computes at the region's dtype: keep the cache there, not at twice the bytes.
+        dtype = autocast_dtype(key_states) or key_states.dtype
         self.paged = PagedKVCache(
             self.pattern, batch_size=key_states.shape[0], num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, dtype=key_states.dtype, device=key_states.device,
+            head_dim=self.head_dim, dtype=dtype, device=key_states.device,
             max_seq_len=self.max_seq_len, block_size=self.block_size, num_pages=self.num_pages,
         )  # fmt: skip
         self.batch_size = key_states.shape[0]

@@ -1,0 +1,53 @@
+"""Mixed precision: ``torch.autocast`` casts s2attn's inputs the way it casts SDPA's.
+
+Inside an enabled autocast region for the inputs' device, attention computes at the region's
+dtype (float16 or bfloat16): floating-point inputs other than float64 are cast to it, the output
+comes back in it, and the casts sit in the autograd graph, so float32 leaves get float32
+gradients. Outside a region, or inside ``autocast(enabled=False)``, the inputs are used as given
+and float32 keeps its exact float32 path.
+
+The public entry points ask :func:`autocast_dtype` at their boundary and, inside a region, call
+themselves again on :func:`cast_inputs`' tensors with autocast off (so that nothing below, the
+dense-mask reference's matmuls included, is cast a second time). Once the entry points are
+``torch.library`` custom ops (the torch.compile work), that boundary moves onto the ops' Autocast
+kernels and these two functions go with it. Note that ``torch.library.register_autocast`` casts
+to one dtype fixed at registration: to follow the region's dtype, register a kernel for the
+Autocast dispatch key that reads ``torch.get_autocast_dtype`` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["autocast_dtype", "cast_inputs"]
+
+
+def autocast_dtype(x: object) -> torch.dtype | None:
+    """The dtype of the enabled autocast region for tensor ``x``'s device type, else None (also
+    for a non-tensor ``x``, which the caller's validation then reports)."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    device_type = x.device.type
+    # Devices without autocast (meta, for one) make torch.is_autocast_enabled raise.
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def cast_inputs(
+    dtype: torch.dtype, device_type: str, *tensors: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` with the floating-point ones on ``device_type`` cast to ``dtype``; float64,
+    integer tensors (``cu_seqlens``), other devices' tensors and None pass unchanged, as under
+    autocast's own rule for SDPA. A tensor already in ``dtype`` is returned as is (no copy)."""
+    return tuple(
+        t.to(dtype)
+        if isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype != torch.float64
+        and t.device.type == device_type
+        else t
+        for t in tensors
+    )
