@@ -1,0 +1,207 @@
+"""End-to-end training speed: full steps of a ~1B Llama-shaped model, dense against HHST.
+
+Model (random weights, nothing downloaded): 16 layers, hidden 2048, 16 query / 4 KV heads of dim
+128, MLP 8192, vocabulary 32000 (~1.2B parameters), batch 1, gradient checkpointing on every
+layer for every variant, fused AdamW. One step = forward, backward and optimizer step on one
+sequence of ``--seqs`` tokens.
+
+Variants: dense SDPA with its FlashAttention-2 backend and with cuDNN; HHST through s2attn
+(``hhst-V64``: the first ``--dense-layers`` layers dense, the rest S2 with block 64, local
+16 blocks, vertical stride 64; ``hhst1-V64``: one dense layer); and the *floor*, where every
+attention is replaced by an elementwise op on q and v: the time of everything but attention,
+which no attention speed-up can pass. From it, each step splits into attention (step - floor)
+and the rest (floor), and the ceiling on HHST's speed-up over dense is dense step / floor step.
+
+    python benchmarks/bench_training.py                          # 8k, 32k, 128k on the GPU
+    python benchmarks/bench_training.py --seqs 8192 --steps 3    # one length
+    python benchmarks/bench_training.py --smoke                  # CPU: a tiny model, 2 steps
+
+Writes markdown and JSON with the device, versions and date to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from run_info import environment, result_stem, versions_line
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GIB = 2**30
+MODEL = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=128, vocab_size=32000, rope_theta=500000.0,
+)
+SMOKE_MODEL = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=256, rope_theta=10000.0,
+)
+FLOOR_IMPLEMENTATION = "bench_attention_floor"
+
+
+def floor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    """No attention at all: q plus v (repeated over the GQA group), elementwise. Keeps the q and v
+    projections in the graph; k's projection gets no gradient (a few % of a layer's matmuls)."""
+    groups = query.shape[1] // value.shape[1]
+    out = query + value.repeat_interleave(groups, dim=1)
+    return out.transpose(1, 2), None
+
+
+def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
+    import transformers
+
+    from s2attn.integrations import transformers as s2hf
+
+    transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
+    shape = SMOKE_MODEL if args.smoke else MODEL
+    impl = {"floor": FLOOR_IMPLEMENTATION}.get(variant, "sdpa")
+    config = transformers.LlamaConfig(
+        **shape, max_position_embeddings=seq, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, attn_implementation=impl,
+    )
+    if variant.startswith("hhst"):
+        # hhst-V64: --dense-layers dense layers, stride 64; hhst1-V64: one dense layer.
+        count, stride = variant[len("hhst"):].split("-V")
+        dense_layers = int(count) if count else args.dense_layers
+        block, local = (16, 2) if args.smoke else (64, 16)
+        s2hf.configure(config, block_size=block, local_blocks=local, vert_stride=int(stride),
+                       dense_layers=dense_layers, max_seq_len=seq)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def sdpa_backend(variant: str):
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"dense-flash": SDPBackend.FLASH_ATTENTION,
+               "dense-cudnn": SDPBackend.CUDNN_ATTENTION}.get(variant)
+    return nullcontext() if backend is None else sdpa_kernel(backend)
+
+
+def measure(variant: str, seq: int, args, device: str) -> dict:
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = build(variant, seq, args, device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step():
+        with sdpa_backend(variant):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    try:
+        for _ in range(args.warmup):
+            step()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.steps):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t0)
+    except RuntimeError as exc:  # out of memory, or a backend this build lacks
+        first = str(exc).splitlines()[0][:100]
+        print(f"  {variant} at {seq}: failed ({first})", file=sys.stderr)
+        return dict(variant=variant, seq=seq, error=first)
+    finally:
+        peak = torch.cuda.max_memory_allocated() / GIB if device == "cuda" else 0.0
+        model.to("meta")  # frees the weights, gradients and optimizer state for the next variant
+        opt.state.clear()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    step_s = statistics.median(times)
+    return dict(variant=variant, seq=seq, step_s=step_s, steps=times, tokens_per_s=seq / step_s,
+                peak_gib=peak)
+
+
+def markdown(rows: list[dict], env: dict, args) -> str:
+    lines = [
+        "# Training step, 1.2B Llama shape: dense against HHST",
+        "",
+        f"{env['device']} · {versions_line(env)}",
+        "",
+        "16 layers, hidden 2048, 16/4 heads of 128, MLP 8192, vocab 32000, bf16 weights, batch 1, "
+        f"gradient checkpointing, fused AdamW; HHST: first {args.dense_layers} layers dense, S2 "
+        "block 64, local 16 blocks. Median of "
+        f"{args.steps} steps after {args.warmup} warm-up. attention = step - floor.",
+        "",
+        "| seq | variant | step (s) | tokens/s | vs best dense | attention (s) | rest (s) | "
+        "peak GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for seq in sorted({r["seq"] for r in rows}):
+        at = [r for r in rows if r["seq"] == seq and "step_s" in r]
+        floor = next((r["step_s"] for r in at if r["variant"] == "floor"), None)
+        dense = min((r["step_s"] for r in at if r["variant"].startswith("dense")), default=None)
+        for r in at:
+            speed = f"{dense / r['step_s']:.2f}x" if dense else "—"
+            attn = f"{r['step_s'] - floor:.3f}" if floor is not None else "—"
+            rest = f"{floor:.3f}" if floor is not None else "—"
+            lines.append(f"| {seq // 1024}k | {r['variant']} | {r['step_s']:.3f} | "
+                         f"{r['tokens_per_s']:,.0f} | {speed} | {attn} | {rest} | "
+                         f"{r['peak_gib']:.1f} |")
+        if floor and dense:
+            lines.append(f"| {seq // 1024}k | ceiling (dense / floor) | | | "
+                         f"{dense / floor:.2f}x | | | |")
+    for r in rows:
+        if "error" in r:
+            lines.append(f"\n{r['variant']} at {r['seq']}: {r['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--variants", nargs="+",
+                    default=["dense-flash", "dense-cudnn", "hhst-V64", "hhst-V16", "floor"])
+    ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="training")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.seqs, args.steps, args.warmup = [256], 2, 1
+        args.variants = ["dense", "hhst-V4", "floor"]
+    env = environment()
+    rows = []
+    for seq in args.seqs:
+        for variant in args.variants:
+            row = measure(variant, seq, args, device)
+            rows.append(row)
+            if "step_s" in row:
+                print(f"{seq:>7} {variant:<12} {row['step_s'] * 1e3:9.1f} ms "
+                      f"{row['tokens_per_s']:10,.0f} tok/s  peak {row['peak_gib']:.1f} GiB",
+                      flush=True)
+    text = markdown(rows, env, args)
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(env, args.name)
+    (args.out_dir / f"{stem}.md").write_text(text)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(
+        dict(environment=env, model=SMOKE_MODEL if args.smoke else MODEL,
+             dense_layers=args.dense_layers, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

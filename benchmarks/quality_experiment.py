@@ -1,0 +1,222 @@
+"""The quality experiment: HHST against dense, all-S2, local-only and homogeneous strides.
+
+Trains every variant at equal parameters, tokens and seed with ``python -m s2attn train``
+(concurrently: the models are small, so one GPU holds them all and is busier shared), evaluates
+each with ``python -m s2attn eval`` (validation bits per byte, needle retrieval over a grid of
+lengths and depths), and writes one table, the validation curves and the needle heat maps.
+
+    python benchmarks/quality_experiment.py --preset small --steps 1500 --runs runs/quality
+    python benchmarks/quality_experiment.py --preset tiny --steps 20 --runs /tmp/q --smoke   # CPU
+
+Variants (name: train arguments): see ``VARIANTS``; ``--only`` picks some. Writes
+``<date>_<device>_quality.{md,json}``, ``..._quality_curves.png`` and ``..._quality_needle.png``
+to ``--out-dir`` (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from run_info import environment, result_stem, versions_line
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# name -> extra arguments of `s2attn train`; the preset's dense layers are layer 0.
+VARIANTS: dict[str, list[str]] = {
+    "dense": ["--variant", "dense"],
+    "hhst": ["--variant", "hhst"],
+    "hhst-mid": ["--variant", "hhst", "--dense-layers", "3"],
+    "hhst2-first": ["--variant", "hhst", "--dense-layers", "0,1"],
+    "hhst2-spread": ["--variant", "hhst", "--dense-layers", "0,3"],
+    "s2": ["--variant", "s2"],
+    "local": ["--variant", "local"],
+    "homo": ["--variant", "homo"],
+}
+
+
+def launch(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def run_all(jobs: dict[str, list[str]], runs: Path, parallel: int, env: dict) -> dict[str, int]:
+    """Run ``jobs`` (name -> command), at most ``parallel`` at once; return their exit codes."""
+    pending, running, codes = list(jobs.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, cmd = pending.pop(0)
+            running[name] = launch(cmd, runs / f"{name}.log", env)
+        time.sleep(2)
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                codes[name] = proc.returncode
+                del running[name]
+                status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
+                print(f"  {name}: {status}", flush=True)
+    return codes
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(names: list[str], runs: Path, train_len: int) -> list[dict]:
+    rows = []
+    for name in names:
+        run = runs / name
+        metrics = read_metrics(run / "metrics.jsonl")
+        val = [m for m in metrics if "val_loss" in m]
+        needle = json.loads((run / "needle.json").read_text())
+        grid = needle["accuracy"]
+        at_train = grid.get(str(train_len), {})
+        rows.append(dict(
+            variant=name,
+            tokens=metrics[-1]["tokens"],
+            val_bpb=val[-1]["val_loss"] if val else None,
+            eval_bpb=needle.get("val_bpb"),
+            needle_mean=sum(v for cells in grid.values() for v in cells.values())
+            / max(1, sum(len(cells) for cells in grid.values())),
+            needle_min_at_train_len=min(at_train.values()) if at_train else None,
+            needle=grid,
+            elapsed_s=metrics[-1].get("elapsed_s"),
+        ))
+    dense = next((r["val_bpb"] for r in rows if r["variant"] == "dense"), None)
+    for r in rows:
+        r["vs_dense"] = (r["val_bpb"] / dense - 1) if dense and r["val_bpb"] else None
+    return rows
+
+
+def markdown(rows: list[dict], env: dict, args, summary: dict) -> str:
+    lines = [
+        "# HHST quality: validation loss and needle retrieval against dense",
+        "",
+        f"{env['device']} · {versions_line(env)}",
+        "",
+        f"Preset `{args.preset}` ({summary.get('parameters', '?'):,} parameters each), "
+        f"{args.steps} steps, seed {args.seed}, trained at {args.train_len} tokens; "
+        f"`python benchmarks/quality_experiment.py {' '.join(sys.argv[1:])}`. Needle: accuracy "
+        f"of the whole answer, {args.samples} samples per cell, lengths {args.lengths}, "
+        f"depths {args.depths}.",
+        "",
+        "| variant | tokens | val bits/byte | vs dense | needle mean | needle min at train len |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        vs = "—" if r["vs_dense"] is None else f"{100 * r['vs_dense']:+.2f}%"
+        bpb = "—" if r["val_bpb"] is None else f"{r['val_bpb']:.4f}"
+        low = r["needle_min_at_train_len"]
+        lines.append(f"| {r['variant']} | {r['tokens']:,} | {bpb} | {vs} | "
+                     f"{r['needle_mean']:.3f} | {'—' if low is None else f'{low:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(names: list[str], runs: Path, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_needle) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        metrics = read_metrics(runs / name / "metrics.jsonl")
+        val = [m for m in metrics if "val_loss" in m]
+        tokens = [m["tokens"] / 1e6 for m in val]
+        ax_loss.plot(tokens, [m["val_loss"] for m in val], marker=".", label=name)
+        if any("val_needle" in m for m in val):
+            ax_needle.plot(tokens, [m.get("val_needle", float("nan")) for m in val],
+                           marker=".", label=name)
+    ax_loss.set(xlabel="training tokens (M)", ylabel="validation bits per byte", title=title)
+    ax_needle.set(xlabel="training tokens (M)", ylabel="needle accuracy (validation set)",
+                  ylim=(-0.02, 1.02))
+    ax_loss.legend(fontsize=8)
+    ax_loss.grid(alpha=0.3)
+    ax_needle.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=Path, required=True, help="where the trained models go")
+    ap.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--parallel", type=int, default=len(VARIANTS))
+    ap.add_argument("--train-len", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--lengths", default=None, help="needle lengths; default: 1/4, 1/2, 1x")
+    ap.add_argument("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1")
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--train-args", default="", help="extra arguments for every train run")
+    ap.add_argument("--skip-train", action="store_true", help="evaluate existing runs only")
+    ap.add_argument("--smoke", action="store_true", help="CPU: no GPU assumed")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="quality")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from s2attn.models.hhst import PRESETS, model_config, model_summary
+
+    preset = PRESETS[args.preset]
+    args.train_len = args.train_len or preset.seq_len
+    if args.lengths is None:
+        args.lengths = ",".join(str(args.train_len * k // 4) for k in (1, 2, 4))
+    summary = model_summary(model_config(preset, "dense", seq_len=args.train_len))
+    device = ["--device", "cpu"] if args.smoke else []
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    python = [sys.executable, "-m", "s2attn"]
+
+    if not args.skip_train:
+        print(f"training {len(args.only)} variants, {args.parallel} at once", flush=True)
+        jobs = {
+            name: [*python, "train", "--preset", args.preset, *VARIANTS[name],
+                   "--steps", str(args.steps), "--seed", str(args.seed),
+                   "--seq-len", str(args.train_len), "--out", str(args.runs / name),
+                   "--no-progress", *device, *args.train_args.split()]
+            for name in args.only
+        }
+        codes = run_all(jobs, args.runs, args.parallel, env)
+        if any(codes.values()):
+            print("some runs failed; see their logs in", args.runs)
+    trained = [n for n in args.only if (args.runs / n / "config.json").exists()]
+    print(f"evaluating {len(trained)} models", flush=True)
+    jobs = {
+        f"{name}.eval": [*python, "eval", str(args.runs / name), "--needle",
+                         "--lengths", args.lengths, "--depths", args.depths,
+                         "--samples", str(args.samples), "--seed", str(args.seed + 1),
+                         "--out", str(args.runs / name / "needle.json"), *device]
+        for name in trained
+    }
+    run_all(jobs, args.runs, args.parallel, env)
+    done = [n for n in trained if (args.runs / n / "needle.json").exists()]
+
+    result_env = environment()
+    rows = summarize(done, args.runs, args.train_len)
+    text = markdown(rows, result_env, args, summary)
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(result_env, args.name)
+    (args.out_dir / f"{stem}.md").write_text(text)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(
+        environment=result_env, preset=args.preset, steps=args.steps, seed=args.seed,
+        train_len=args.train_len, lengths=args.lengths, depths=args.depths,
+        samples=args.samples, model=summary, rows=rows), indent=1))
+    plot_curves(done, args.runs, args.out_dir / f"{stem}_curves.png",
+                f"{args.preset}, {args.steps} steps at {args.train_len} tokens")
+    from s2attn.models.evaluate import plot_needle_heatmaps
+
+    plot_needle_heatmaps({r["variant"]: json.loads((args.runs / r["variant"] / "needle.json")
+                                                   .read_text()) for r in rows},
+                         args.out_dir / f"{stem}_needle.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

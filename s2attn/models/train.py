@@ -1,0 +1,742 @@
+"""Training a language model of any variant: ``python -m s2attn train``.
+
+One run trains one variant (:data:`~s2attn.models.hhst.VARIANTS`) of one preset
+(:data:`~s2attn.models.hhst.PRESETS`) on the offline byte-level data of
+:mod:`s2attn.models.data`, and writes into its output directory:
+
+- ``run.json``: the resolved options, the preset, the model summary (parameters, layer kinds and
+  densities), what the data reads (both splits' ``describe()``), the device, library versions,
+  date and git commit.
+- ``metrics.jsonl``: one JSON object per logged step: ``step``, ``loss`` (mean training
+  cross-entropy since the previous row, in nats per token), ``train_bpb`` (the same in bits),
+  ``tokens`` (input tokens seen so far), ``lr``, ``grad_norm`` (before clipping),
+  ``tokens_per_s`` (training time only), ``elapsed_s`` (wall time since the run started,
+  summed over resumes) and on CUDA ``max_mem_gib``; validation rows add ``val_loss`` (bits per
+  byte on fixed held-out batches) and ``val_needle`` (retrieval accuracy on fixed samples at the
+  training length).
+- ``checkpoint/``: model, optimizer, schedule, data stream and RNG states, for ``--resume``.
+- at the end, the model (``save_pretrained``: ``config.json`` with the S2 settings and
+  ``model.safetensors``) and ``curves.png``.
+
+Recipe: AdamW (fused on CUDA; betas 0.9, 0.95; weight decay 0.1 on matrices only), linear
+warm-up then cosine decay to 10% of the peak learning rate, gradients clipped to norm 1.0. On
+CUDA the default precision keeps float32 master weights and runs under bf16 autocast; on the CPU
+everything is float32.
+
+Resuming (``--resume``) continues from the last checkpoint exactly: on one machine the losses
+after it equal those of a run that never stopped (bitwise on the CPU). ``--stop-at`` and
+``--time-limit`` end a run early with a checkpoint, to finish it in a later command. Every
+input is checked, and the data listed, before anything is written; an output directory that
+holds another run is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import hhst
+from .data import NeedleSample, SourceCorpus, TokenStream
+from .evaluate import needle_accuracy, needle_samples, validation_batches, validation_bpb
+
+__all__ = ["add_arguments", "run"]
+
+PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
+_BETAS = (0.9, 0.95)
+_WEIGHT_DECAY = 0.1
+_CLIP_NORM = 1.0
+_MIN_LR_RATIO = 0.1
+# Depths of the validation needles: evenly spread from the start (0) to the end (1) of the context.
+_NEEDLE_DEPTHS = 8
+# Options that change neither the trained weights nor the log, so a resumed run may differ in them.
+_RESUME_FREE = ("resume", "no_progress", "checkpoint_every", "stop_at", "time_limit")
+_RUN_FILE = "run.json"
+_METRICS_FILE = "metrics.jsonl"
+_CHECKPOINT = "checkpoint"
+
+
+# --------------------------------------------------------------------------- arguments
+def _dense_layers(text: str) -> list[int]:
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices or 'none', got {text!r}"
+        ) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``s2attn train``; those left unset take the preset's values."""
+    add = parser.add_argument
+    add(
+        "--preset",
+        default="tiny",
+        help=f"model shape and recipe: one of {', '.join(hhst.PRESETS)} (default tiny)",
+    )
+    add(
+        "--variant",
+        default="hhst",
+        help=f"attention per layer: one of {', '.join(hhst.VARIANTS)} (default hhst)",
+    )
+    add(
+        "--out",
+        type=Path,
+        required=True,
+        help="output directory: new or empty, or this run's own with --resume",
+    )
+    add(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint (same options)",
+    )
+    add("--steps", type=int, help="optimizer steps")
+    add("--seq-len", type=int, help="training context length in tokens")
+    add(
+        "--max-seq-len",
+        type=int,
+        help="length the S2 patterns and RoPE table cover (default --seq-len); set it higher to "
+        "evaluate the model beyond its training length",
+    )
+    add("--batch-size", type=int, help="sequences per micro-batch")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--lr", type=float, help="peak learning rate")
+    add("--warmup-steps", type=int, help="linear warm-up steps before the cosine decay")
+    add(
+        "--dense-layers",
+        type=_dense_layers,
+        help="dense layers of hhst/local/homo: comma-separated indices, or 'none' "
+        "(dense and s2 ignore it)",
+    )
+    add("--vert-stride", type=int, help="S2 vertical stride in blocks")
+    add("--local-blocks", type=int, help="S2 local window in blocks")
+    add("--device", choices=("cpu", "cuda"), help="default: cuda if available")
+    add(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="auto: float32 weights under bf16 autocast on CUDA, float32 on the CPU; bf16: "
+        "bf16 weights and optimizer state",
+    )
+    add(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass (less memory, ~30%% more time)",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="initial weights, batch order and validation data (default 0)",
+    )
+    add("--needle-fraction", type=float, help="share of training rows that are retrieval samples")
+    add(
+        "--data-root",
+        action="append",
+        type=Path,
+        help="directory of source files to train on (repeatable; default: the standard library "
+        "and site-packages)",
+    )
+    add(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="share of files (by path hash) in the validation split (default 0.05)",
+    )
+    add("--val-every", type=int, help="validate every N steps (0: only at the end)")
+    add("--val-batches", type=int, help="held-out batches per validation (0: none)")
+    add(
+        "--val-needles",
+        type=int,
+        default=32,
+        help="retrieval samples per validation, at depths spread over [0, 1] (default 32)",
+    )
+    add("--log-every", type=int, default=10, help="write a metrics row every N steps")
+    add(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="checkpoint every N steps (0: only at the end or when stopping)",
+    )
+    add(
+        "--stop-at",
+        type=int,
+        help="stop after this step with a checkpoint, as if interrupted; finish with --resume",
+    )
+    add(
+        "--time-limit",
+        type=float,
+        help="stop with a checkpoint once this many seconds have passed in this process",
+    )
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+# ------------------------------------------------------------------------------ the plan
+@dataclass
+class _Plan:
+    """Everything decided before the output directory is touched."""
+
+    options: dict
+    preset: hhst.Preset
+    config: object
+    out: Path
+    device: torch.device
+    train_corpus: SourceCorpus
+    val_corpus: SourceCorpus
+    val_batches: list[torch.Tensor]
+    val_needles: list[NeedleSample]
+    resume_from: Path | None
+    fresh: bool
+    stop_at: int | None
+    time_limit: float | None
+    progress: bool
+
+
+def _positive(name: str, value: int | float, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
+    """The run's options with the preset's defaults filled in (JSON-friendly, so a saved run
+    compares equal to a new one)."""
+    if args.preset not in hhst.PRESETS:
+        raise ValueError(f"--preset: unknown preset {args.preset!r}; choose one of "
+                         f"{sorted(hhst.PRESETS)}")  # fmt: skip
+    if args.variant not in hhst.VARIANTS:
+        raise ValueError(f"--variant: unknown variant {args.variant!r}; choose one of "
+                         f"{list(hhst.VARIANTS)}")  # fmt: skip
+    preset = hhst.PRESETS[args.preset]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    precision = args.precision
+    if precision == "auto":
+        precision = "bf16-autocast" if device == "cuda" else "fp32"
+
+    def pick(value, default):
+        return default if value is None else value
+
+    seq_len = pick(args.seq_len, preset.seq_len)
+    options = dict(
+        preset=args.preset,
+        variant=args.variant,
+        steps=pick(args.steps, preset.steps),
+        seq_len=seq_len,
+        max_seq_len=pick(args.max_seq_len, seq_len),
+        batch_size=pick(args.batch_size, preset.batch_size),
+        grad_accum=args.grad_accum,
+        lr=float(pick(args.lr, preset.lr)),
+        warmup_steps=pick(args.warmup_steps, preset.warmup_steps),
+        dense_layers=list(pick(args.dense_layers, preset.dense_layers)),
+        vert_stride=pick(args.vert_stride, preset.vert_stride),
+        local_blocks=pick(args.local_blocks, preset.local_blocks),
+        device=device,
+        precision=precision,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+        seed=args.seed,
+        needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),
+        data_root=None,  # filled in once the corpus has resolved the roots
+        val_fraction=float(args.val_fraction),
+        val_every=pick(args.val_every, preset.val_every),
+        val_batches=pick(args.val_batches, preset.val_batches),
+        val_needles=args.val_needles,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+    )
+    for name in ("steps", "seq_len", "max_seq_len", "batch_size", "grad_accum", "vert_stride",
+                 "local_blocks", "log_every"):  # fmt: skip
+        _positive("--" + name.replace("_", "-"), options[name])
+    for name in ("warmup_steps", "val_every", "val_batches", "val_needles", "checkpoint_every"):
+        _positive("--" + name.replace("_", "-"), options[name], minimum=0)
+    if not options["lr"] > 0 or not math.isfinite(options["lr"]):
+        raise ValueError(f"--lr must be a positive number, got {options['lr']}")
+    if options["seq_len"] > options["max_seq_len"]:
+        raise ValueError(
+            f"--seq-len {options['seq_len']} exceeds --max-seq-len {options['max_seq_len']}: the "
+            "S2 layers' patterns (and the RoPE table) would not cover the training context; "
+            "raise --max-seq-len"
+        )
+    if args.stop_at is not None:
+        _positive("--stop-at", args.stop_at)
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be a positive number of seconds, got "
+                         f"{args.time_limit}")  # fmt: skip
+    return options, preset
+
+
+def _comparable(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k not in _RESUME_FREE}
+
+
+def _check_out_dir(out: Path, options: dict, resume: bool) -> tuple[Path | None, bool]:
+    """Whether ``out`` may take this run: (checkpoint to resume from or None, fresh start).
+
+    Reads only; raises ``ValueError`` for a file, a directory of something else, another run,
+    or this run again without ``--resume``."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file, not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return None, True
+    record_path = out / _RUN_FILE
+    if not record_path.is_file():
+        raise ValueError(
+            f"--out {str(out)!r} is not empty and holds no {_RUN_FILE}: it is not an s2attn "
+            "training run; choose a new or empty directory"
+        )
+    try:
+        saved = json.loads(record_path.read_text())["options"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{record_path} is not a readable run record ({exc}); choose a new "
+                         "or empty --out") from None  # fmt: skip
+    mine = json.loads(json.dumps(_comparable(options)))
+    theirs = _comparable(saved)
+    if mine != theirs:
+        keys = sorted(set(mine) | set(theirs))
+        diff = ", ".join(f"{k}: saved {theirs.get(k)!r}, now {mine.get(k)!r}"
+                         for k in keys if mine.get(k) != theirs.get(k))  # fmt: skip
+        raise ValueError(f"--out {str(out)!r} holds a different run ({diff}); choose another "
+                         "directory")  # fmt: skip
+    if not resume:
+        raise ValueError(
+            f"--out {str(out)!r} already holds this run; pass --resume to continue it, or "
+            "choose another directory"
+        )
+    checkpoint = _find_checkpoint(out)
+    # A run that stopped before its first checkpoint starts over in place.
+    return checkpoint, checkpoint is None
+
+
+def _prepare(args: argparse.Namespace) -> _Plan:
+    """Check every input and load the validation data; writes nothing."""
+    options, preset = _resolve(args)
+    dense = options["dense_layers"]
+    if options["variant"] in ("hhst", "local", "homo"):
+        bad = [i for i in dense if not 0 <= i < preset.num_layers]
+        if bad:
+            raise ValueError(f"--dense-layers: {bad} out of range; preset {options['preset']!r} "
+                             f"has layers 0..{preset.num_layers - 1}")  # fmt: skip
+    config = hhst.model_config(
+        preset, options["variant"], seq_len=options["seq_len"],
+        max_seq_len=options["max_seq_len"], dense_layers=dense,
+        vert_stride=options["vert_stride"], local_blocks=options["local_blocks"],
+    )  # fmt: skip
+    roots = [Path(r) for r in args.data_root] if args.data_root else None
+    if roots:
+        for r in roots:
+            if not r.is_dir():
+                raise ValueError(f"--data-root {str(r)!r} is not a directory")
+    try:
+        train_corpus = SourceCorpus(roots, split="train", val_fraction=options["val_fraction"])
+        val_corpus = SourceCorpus(roots, split="val", val_fraction=options["val_fraction"])
+    except ValueError as exc:
+        raise ValueError(f"--data-root / --val-fraction: {exc}") from None
+    options["data_root"] = [str(r) for r in train_corpus.roots]
+    try:
+        # The stream checks the retrieval rows fit in seq_len; it is built again in _train.
+        _train_stream(options, train_corpus)
+    except ValueError as exc:
+        raise ValueError(f"--needle-fraction / --seq-len: {exc}") from None
+    out = Path(args.out)
+    resume_from, fresh = _check_out_dir(out, options, args.resume)
+    seed = options["seed"]
+    batches = []
+    if options["val_batches"]:
+        batches = validation_batches(val_corpus, options["seq_len"], options["batch_size"],
+                                     options["val_batches"], seed)  # fmt: skip
+    needles: list[NeedleSample] = []
+    if options["val_needles"]:
+        count = min(_NEEDLE_DEPTHS, options["val_needles"])
+        depths = [i / max(count - 1, 1) for i in range(count)]
+        try:
+            grid = needle_samples(val_corpus, options["seq_len"], depths,
+                                  options["val_needles"] // count, seed)  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(f"--val-needles (0 turns them off): {exc}") from None
+        needles = [s for group in grid.values() for s in group]
+    return _Plan(
+        options=options, preset=preset, config=config, out=out,
+        device=torch.device(options["device"]), train_corpus=train_corpus,
+        val_corpus=val_corpus, val_batches=batches, val_needles=needles,
+        resume_from=resume_from, fresh=fresh, stop_at=args.stop_at,
+        time_limit=args.time_limit, progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def _train_stream(options: dict, corpus: SourceCorpus) -> TokenStream:
+    return TokenStream(corpus, options["seq_len"], options["batch_size"], seed=options["seed"],
+                       needle_fraction=options["needle_fraction"])  # fmt: skip
+
+
+# ------------------------------------------------------------------------- run record
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], check=True, capture_output=True,
+                               text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "") if commit else None
+
+
+def _run_record(plan: _Plan) -> dict:
+    import transformers
+    import triton
+
+    device = plan.device
+    return {
+        "options": plan.options,
+        "preset": dataclasses.asdict(plan.preset),
+        "model": hhst.model_summary(plan.config, plan.options["seq_len"]),
+        "data": {"train": plan.train_corpus.describe(), "val": plan.val_corpus.describe()},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, "
+             f"{torch.get_num_threads()} threads)",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__,
+                     "triton": triton.__version__},
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "git_commit": _git_commit(),
+        "command": "python -m s2attn train " + " ".join(sys.argv[2:])
+        if sys.argv[1:2] == ["train"] else None,
+    }  # fmt: skip
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------- optimizer, schedule
+def _optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
+    # Decay matrices (projections, the tied embedding) only: decaying norms' gains pulls them to
+    # zero for no regularising benefit.
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": _WEIGHT_DECAY},
+              {"params": other, "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=lr, betas=_BETAS, fused=device.type == "cuda")
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of the peak: linear
+    warm-up over ``warmup_steps``, then a cosine from 1 down to 0.1 at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(steps - warmup_steps - 1, 1)
+    progress = min((step - warmup_steps) / decay_steps, 1.0)
+    return _MIN_LR_RATIO + (1 - _MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------- checkpoints
+@dataclass
+class _Progress:
+    """Counters a checkpoint carries besides the tensors' states."""
+
+    step: int = 0
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    # The running sums of the current metrics row (losses since the last row was written).
+    row_loss: float = 0.0
+    row_steps: int = 0
+    row_tokens: int = 0
+    row_train_s: float = 0.0
+
+
+def _find_checkpoint(out: Path) -> Path | None:
+    # checkpoint.old exists only if a save stopped between its two renames.
+    for name in (_CHECKPOINT, _CHECKPOINT + ".old"):
+        if (out / name / "state.pt").is_file():
+            return out / name
+    return None
+
+
+def _save_checkpoint(out: Path, model, optimizer, scheduler, stream: TokenStream,
+                     progress: _Progress, device: torch.device) -> None:  # fmt: skip
+    """Write the checkpoint to a temporary directory, then swap it in: a crash at any point
+    leaves one complete checkpoint behind."""
+    tmp, final, old = out / (_CHECKPOINT + ".tmp"), out / _CHECKPOINT, out / (_CHECKPOINT + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "rng": rng}, tmp / "state.pt")  # fmt: skip
+    (tmp / "progress.json").write_text(
+        json.dumps(
+            {"progress": dataclasses.asdict(progress), "stream": stream.state_dict()}, indent=1
+        )
+    )
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_checkpoint(path: Path, model, optimizer, scheduler, stream: TokenStream,
+                     device: torch.device) -> _Progress:  # fmt: skip
+    state = torch.load(path / "state.pt", map_location=device, weights_only=True)
+    saved = json.loads((path / "progress.json").read_text())
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    try:
+        stream.load_state_dict(saved["stream"])
+    except ValueError as exc:
+        raise ValueError(f"cannot resume from {path}: the training data changed ({exc})") from None
+    torch.set_rng_state(state["rng"]["torch"].cpu())
+    random.setstate(_as_tuple(state["rng"]["python"]))
+    if device.type == "cuda" and "cuda" in state["rng"]:
+        torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), device)
+    return _Progress(**saved["progress"])
+
+
+def _as_tuple(value):
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# ------------------------------------------------------------------------------ metrics
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the rows up to ``last_step`` (a resumed run writes the later ones again); a torn
+    last line from a crash goes too."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step", math.inf) <= last_step:
+            keep.append(line)
+    _write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+def _plot_curves(metrics_path: Path, out_path: Path, title: str, needle_rows: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [(r["tokens"], r["train_bpb"]) for r in rows if "train_bpb" in r]
+    val = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
+    needle = [(r["tokens"], r["val_needle"]) for r in rows if "val_needle" in r]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.14, top=0.92, wspace=0.25)
+    if train:
+        ax.plot(
+            *zip(*train), lw=1, label="train (incl. retrieval rows)" if needle_rows else "train"
+        )
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", ms=3)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if needle:
+        bx.plot(*zip(*needle), "o-", color="C2", ms=3)
+    bx.set_ylim(-0.05, 1.05)
+    bx.set_xlabel("tokens")
+    bx.set_ylabel("needle accuracy (validation)")
+    bx.grid(alpha=0.3)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+
+
+def _save_model(model, out: Path) -> None:
+    """``save_pretrained`` without transformers' one-shard progress bar in the run's output."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+# ------------------------------------------------------------------------------ training
+def run(args: argparse.Namespace) -> int:
+    """``s2attn train``: train one run into ``args.out``. Raises ``ValueError`` for bad input
+    before anything is written. Returns 0, also when ``--stop-at`` / ``--time-limit`` stopped
+    the run early (the message says so)."""
+    started = time.perf_counter()
+    plan = _prepare(args)
+    return _train(plan, started)
+
+
+def _train(plan: _Plan, started: float) -> int:
+    from tqdm.auto import tqdm
+
+    opts, out, device = plan.options, plan.out, plan.device
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / _METRICS_FILE
+    if plan.fresh:
+        _write_atomic(out / _RUN_FILE, json.dumps(_run_record(plan), indent=2) + "\n")
+        metrics_path.write_text("")
+        shutil.rmtree(out / _CHECKPOINT, ignore_errors=True)
+
+    torch.manual_seed(opts["seed"])
+    random.seed(opts["seed"])
+    model = hhst.build_model(plan.config, seed=opts["seed"])
+    if opts["precision"] == "bf16":
+        model.to(torch.bfloat16)
+    model.to(device)
+    if opts["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    autocast = torch.bfloat16 if opts["precision"] == "bf16-autocast" else None
+    optimizer = _optimizer(model, opts["lr"], device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, opts["steps"], opts["warmup_steps"])
+    )
+    stream = _train_stream(opts, plan.train_corpus)
+    progress = _Progress()
+    if plan.resume_from is not None:
+        progress = _load_checkpoint(plan.resume_from, model, optimizer, scheduler, stream, device)
+    _truncate_metrics(metrics_path, progress.step)
+
+    steps = opts["steps"]
+    last = min(steps, plan.stop_at) if plan.stop_at else steps
+    tokens_per_step = opts["batch_size"] * opts["grad_accum"] * opts["seq_len"]
+    elapsed_base = progress.elapsed_s
+    summary = hhst.model_summary(plan.config, opts["seq_len"])
+    layers = "".join("D" if t == "dense" else "S" for t in summary["layer_types"])
+    print(
+        f"s2attn train: {opts['variant']} ({opts['preset']}), {summary['parameters'] / 1e6:.2f}M "
+        f"parameters, layers {layers} (D dense, S sparse), mean density "
+        f"{summary['mean_density']}; {steps} steps x {tokens_per_step} tokens on "
+        f"{device} ({opts['precision']}); "
+        + (f"resuming at step {progress.step}" if progress.step else "starting")
+        + f"; writing {out}",
+        flush=True,
+    )
+
+    def validate(row: dict) -> None:
+        if plan.val_batches:
+            row["val_loss"] = validation_bpb(model, plan.val_batches, device=device,
+                                             autocast_dtype=autocast)  # fmt: skip
+        if plan.val_needles:
+            row["val_needle"] = needle_accuracy(model, plan.val_needles, device=device,
+                                                autocast_dtype=autocast,
+                                                batch_size=opts["batch_size"])  # fmt: skip
+
+    stopped = None
+    with metrics_path.open("a") as log, tqdm(
+        total=steps, initial=progress.step, unit="step", file=sys.stderr, dynamic_ncols=True,
+        mininterval=1.0, disable=True if not plan.progress else None,
+    ) as bar:  # fmt: skip
+        row_loss = torch.tensor(progress.row_loss, dtype=torch.float32, device=device)
+        while progress.step < last:
+            t0 = time.perf_counter()
+            for _ in range(opts["grad_accum"]):
+                batch = stream.next_batch().to(device, non_blocking=True)
+                with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+                # Cross-entropy in float32 whatever the logits' dtype: bf16 would round it.
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+                (loss / opts["grad_accum"]).backward()
+                row_loss += loss.detach() / opts["grad_accum"]
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _CLIP_NORM)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.step += 1
+            progress.tokens += tokens_per_step
+            progress.row_steps += 1
+            progress.row_tokens += tokens_per_step
+            step = progress.step
+            is_val = step == steps or (opts["val_every"] and step % opts["val_every"] == 0)
+            if step % opts["log_every"] == 0 or is_val:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                progress.row_train_s += time.perf_counter() - t0
+                mean_loss = row_loss.item() / progress.row_steps
+                if not math.isfinite(mean_loss):
+                    raise FloatingPointError(
+                        f"the training loss became {mean_loss} by step {step}; lower --lr or "
+                        "raise --warmup-steps"
+                    )
+                row = {
+                    "step": step, "loss": mean_loss, "train_bpb": mean_loss / math.log(2),
+                    "tokens": progress.tokens, "lr": lr, "grad_norm": float(grad_norm),
+                    "tokens_per_s": progress.row_tokens / max(progress.row_train_s, 1e-9),
+                }  # fmt: skip
+                if is_val:
+                    validate(row)
+                row["elapsed_s"] = elapsed_base + time.perf_counter() - started
+                if device.type == "cuda":
+                    row["max_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{mean_loss:.3f}",
+                                tok_s=f"{row['tokens_per_s']:.3g}", refresh=False)  # fmt: skip
+                if is_val:
+                    bar.write(
+                        f"step {step}/{steps}: loss {mean_loss:.4f} nats, "
+                        + (f"val {row['val_loss']:.4f} bits/byte, " if "val_loss" in row else "")
+                        + (f"needle {row['val_needle']:.2f}, " if "val_needle" in row else "")
+                        + f"{row['tokens_per_s']:.4g} tokens/s",
+                        file=sys.stdout,
+                    )
+                row_loss.zero_()
+                progress.row_loss = 0.0
+                progress.row_steps = progress.row_tokens = 0
+                progress.row_train_s = 0.0
+            else:
+                progress.row_train_s += time.perf_counter() - t0
+            bar.update()
+            over_time = plan.time_limit and time.perf_counter() - started > plan.time_limit
+            if over_time and step < steps:
+                stopped = f"--time-limit {plan.time_limit:g} s"
+                last = step
+            if step == last or (opts["checkpoint_every"] and step % opts["checkpoint_every"] == 0):
+                # The GPU's queued work belongs to the row's training time, not to the save.
+                t1 = time.perf_counter()
+                progress.row_loss = row_loss.item()
+                progress.row_train_s += time.perf_counter() - t1
+                progress.elapsed_s = elapsed_base + time.perf_counter() - started
+                _save_checkpoint(out, model, optimizer, scheduler, stream, progress, device)
+                progress.row_loss = 0.0
+
+    title = f"{opts['variant']} ({opts['preset']}, seq {opts['seq_len']}, seed {opts['seed']})"
+    _plot_curves(metrics_path, out / "curves.png", title, opts["needle_fraction"] > 0)
+    if progress.step < steps:
+        stopped = stopped or f"--stop-at {plan.stop_at}"
+        print(f"stopped at step {progress.step} of {steps} ({stopped}); checkpoint in "
+              f"{out / _CHECKPOINT}; continue with the same options and --resume")  # fmt: skip
+        return 0
+    _save_model(model, out)
+    print(f"done: {steps} steps, {progress.tokens} tokens; model, metrics and curves in {out}")
+    return 0

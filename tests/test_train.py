@@ -1,0 +1,256 @@
+"""Training (s2attn.models.train): a tiny model learns, a resumed run repeats the uninterrupted one
+exactly, the saved model loads back as S2, and bad input fails before anything is written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+import s2attn  # noqa: E402
+from s2attn.integrations import transformers as s2hf  # noqa: E402
+from s2attn.models import data, hhst, train  # noqa: E402
+
+# Shorter than the tiny preset's 256 tokens (the tests train on the CPU), long enough for the
+# validation needles; the training rows carry no needles (4 of them need 96 tokens).
+SMALL = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "4", "--device", "cpu",
+         "--needle-fraction", "0", "--val-batches", "1", "--val-needles", "2",
+         "--val-fraction", "0.3", "--no-progress"]  # fmt: skip
+# Everything but time varies with the weights; time fields differ run to run.
+_TIMING = ("tokens_per_s", "elapsed_s", "max_mem_gib")
+
+
+def _s2_layers_on_reference(mp: pytest.MonkeyPatch) -> None:
+    # conftest turns on the Triton interpreter, which takes seconds per S2 forward pass: the S2
+    # layers use the exact dense-mask reference instead (as on a CPU without the interpreter),
+    # while the config still says "s2attn". The kernels have their own tests.
+    mp.setattr(s2hf, "sparse_attention", s2attn.attention_reference)
+
+
+@pytest.fixture(autouse=True)
+def _reference_attention(monkeypatch):
+    _s2_layers_on_reference(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory) -> Path:
+    """Source-like files in both splits at val_fraction 0.3, so no test walks site-packages."""
+    root = tmp_path_factory.mktemp("corpus")
+    names = [f"pkg/mod_{i}.py" for i in range(16)]
+    splits = {data.split_of(n, 0.3) for n in names}
+    assert splits == {"train", "val"}, "the fixture's file names must fall in both splits"
+    for i, name in enumerate(names):
+        path = root / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n"
+                                for j in range(30)))  # fmt: skip
+    return root
+
+
+def _args(out: Path, root: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return parser.parse_args([*SMALL, "--data-root", str(root), "--out", str(out), *extra])
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in _TIMING} for r in rows]
+
+
+# Options of the run that `trained` makes, shared by the tests that read it.
+TRAINED = ["--steps", "30", "--val-every", "15", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus_root) -> Path:
+    out = tmp_path_factory.mktemp("run") / "hhst"
+    with pytest.MonkeyPatch.context() as mp:
+        _s2_layers_on_reference(mp)
+        assert train.run(_args(out, corpus_root, *TRAINED)) == 0
+    return out
+
+
+def test_tiny_model_learns_and_logs(trained):
+    rows = _rows(trained)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    for r in rows:
+        for key in ("step", "loss", "train_bpb", "tokens", "lr", "grad_norm", "tokens_per_s",
+                    "elapsed_s"):  # fmt: skip
+            assert key in r and math.isfinite(r[key]), f"row {r['step']}: {key} missing or bad"
+        assert r["tokens"] == r["step"] * 4 * 64
+    val = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in val] == [15, 30]
+    assert all(0 <= r["val_needle"] <= 1 for r in val)
+    first = sum(r["loss"] for r in rows[:5]) / 5
+    last = sum(r["loss"] for r in rows[-5:]) / 5
+    print(f"mean loss of steps 1-5: {first:.3f} nats, of steps 26-30: {last:.3f}")
+    # Uniform guessing over 260 tokens is ln 260 = 5.56 nats; this repetitive code falls well
+    # below 4 within 30 steps.
+    assert first > 4.5 and last < 0.75 * first
+    assert val[-1]["val_loss"] < val[0]["val_loss"] < math.log2(data.VOCAB_SIZE)
+
+    record = json.loads((trained / "run.json").read_text())
+    assert record["options"]["variant"] == "hhst" and record["options"]["seq_len"] == 64
+    assert record["model"]["layer_types"] == ["dense", "s2"]
+    assert record["data"]["train"]["split"] == "train" and record["data"]["val"]["split"] == "val"
+    for name in ("config.json", "model.safetensors", "curves.png", "checkpoint/state.pt"):
+        assert (trained / name).is_file(), name
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth():
+    factors = [train.lr_factor(s, 100, 10) for s in range(100)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+
+
+def test_saved_model_loads_as_s2_with_the_trained_weights(trained):
+    loaded = LlamaForCausalLM.from_pretrained(trained)
+    expected = hhst.model_config("tiny", "hhst", seq_len=64)
+    assert loaded.config._attn_implementation == "s2attn"
+    assert loaded.config.s2attn == expected.s2attn
+    assert loaded.config.s2attn["layer_types"] == ["dense", "s2"]
+    # The final checkpoint holds the trained weights, reached by a different route than
+    # save_pretrained: both must give the same model.
+    reference = hhst.build_model(expected, seed=123)
+    state = torch.load(trained / "checkpoint" / "state.pt", weights_only=True)["model"]
+    reference.load_state_dict(state)
+    assert not torch.equal(
+        reference.model.embed_tokens.weight,
+        hhst.build_model(expected, seed=0).model.embed_tokens.weight,
+    )
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = loaded.eval()(ids, use_cache=False).logits
+        want = reference.eval()(ids, use_cache=False).logits
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.2e}"
+    saved = load_file(trained / "model.safetensors")
+    assert torch.equal(saved["model.embed_tokens.weight"], state["model.embed_tokens.weight"])
+
+
+def test_resume_repeats_the_uninterrupted_run(tmp_path, corpus_root, monkeypatch):
+    opts = ["--steps", "6", "--log-every", "1", "--val-every", "3", "--checkpoint-every", "2"]
+    whole = tmp_path / "whole"
+    assert train.run(_args(whole, corpus_root, *opts)) == 0
+
+    # A crash at the start of step 4: the last checkpoint is step 2's, and the log already has
+    # step 3's row, which the resumed run must replace rather than repeat.
+    real_stream = train._train_stream
+
+    def crashing_stream(options, corpus):
+        stream = real_stream(options, corpus)
+        batches = stream.next_batch
+
+        def next_batch():
+            if stream.rows >= 3 * stream.batch_size:
+                raise RuntimeError("simulated crash")
+            return batches()
+
+        stream.next_batch = next_batch
+        return stream
+
+    split = tmp_path / "split"
+    monkeypatch.setattr(train, "_train_stream", crashing_stream)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train.run(_args(split, corpus_root, *opts))
+    monkeypatch.setattr(train, "_train_stream", real_stream)
+    assert [r["step"] for r in _rows(split)] == [1, 2, 3]
+    assert train.run(_args(split, corpus_root, *opts, "--resume")) == 0
+
+    # And a planned stop (--stop-at) in the middle of a log interval: the checkpoint carries the
+    # half-summed row, so step 6's row still averages steps 5 and 6.
+    stopped = tmp_path / "stopped"
+    assert train.run(_args(stopped, corpus_root, *opts, "--log-every", "2", "--stop-at", "5")) == 0
+    assert not (stopped / "model.safetensors").exists()
+    assert train.run(_args(stopped, corpus_root, *opts, "--log-every", "2", "--resume")) == 0
+
+    expected = _untimed(_rows(whole))
+    assert [r["step"] for r in expected] == [1, 2, 3, 4, 5, 6]
+    assert _untimed(_rows(split)) == expected
+    loss = {r["step"]: r["loss"] for r in expected}
+    want = {2: (loss[1] + loss[2]) / 2, 3: loss[3], 4: loss[4], 6: (loss[5] + loss[6]) / 2}
+    got = _untimed(_rows(stopped))
+    assert {r["step"]: r["loss"] for r in got} == pytest.approx(want, rel=1e-6)
+    assert [r.get("val_loss") for r in got] == [
+        None,
+        loss_of(expected, 3),
+        None,
+        loss_of(expected, 6),
+    ]
+    weights = [load_file(d / "model.safetensors") for d in (whole, split, stopped)]
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]) and torch.equal(tensor, weights[2][name])
+
+
+def loss_of(rows: list[dict], step: int) -> float:
+    return next(r["val_loss"] for r in rows if r["step"] == step)
+
+
+def _snapshot(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+            for p in sorted(path.rglob("*"))}  # fmt: skip
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("seq_len", ["--seq-len", "128", "--max-seq-len", "64"], "exceeds --max-seq-len"),
+    ("dense_layer", ["--dense-layers", "0,2"], r"--dense-layers: \[2\] out of range"),
+    ("preset", ["--preset", "huge"], "unknown preset 'huge'"),
+    ("variant", ["--variant", "sparse"], "unknown variant 'sparse'"),
+    ("empty_root", [], "--data-root .* hold no non-empty .py files"),
+    ("foreign_dir", [], "holds no run.json"),
+    ("other_run", ["--steps", "31"], r"holds a different run \(steps: saved 30, now 31\)"),
+    ("same_run", [], "already holds this run; pass --resume"),
+])  # fmt: skip
+def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_root, trained):
+    root, out = corpus_root, tmp_path / "out"
+    if case == "empty_root":
+        root = tmp_path / "empty"
+        (root / "pkg").mkdir(parents=True)
+        (root / "pkg" / "notes.txt").write_text("not python")
+    elif case == "foreign_dir":
+        out.mkdir()
+        (out / "results.csv").write_text("a,b\n")
+    elif case in ("other_run", "same_run"):
+        out, extra = trained, [*TRAINED, *extra]
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=message) as info:
+        train.run(_args(out, root, *extra))
+    print(info.value)
+    assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("variant, extra", [
+    ("dense", ["--grad-accum", "2"]),
+    ("s2", ["--gradient-checkpointing"]),
+    ("local", []),
+    ("homo", ["--dense-layers", "1"]),
+])  # fmt: skip
+def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
+    out = tmp_path / variant
+    assert train.run(_args(out, corpus_root, "--variant", variant, "--steps", "2",
+                           "--log-every", "1", *extra)) == 0  # fmt: skip
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2] and "val_loss" in rows[-1]
+    assert rows[-1]["tokens"] == 2 * 4 * 64 * (2 if "--grad-accum" in extra else 1)
+    config = json.loads((out / "config.json").read_text())
+    want = hhst.model_config(
+        "tiny", variant, seq_len=64, dense_layers=[1] if "--dense-layers" in extra else None
+    )
+    assert config.get("s2attn") == getattr(want, "s2attn", None)
