@@ -197,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         _ensure_backend()
+    if args.command in _MODEL_COMMANDS:
+        try:
+            return args.func(args)
+        except ValueError as exc:  # bad input, caught before anything was written
+            print(f"s2attn {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     return args.func(args)
 
 

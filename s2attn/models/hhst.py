@@ -55,6 +55,7 @@ class Preset:
     val_every: int
     val_batches: int
     needle_fraction: float
+    needles_per_sample: int = 4
     vocab_size: int = VOCAB_SIZE
 
     @property

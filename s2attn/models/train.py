@@ -146,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="initial weights, batch order and validation data (default 0)",
     )
     add("--needle-fraction", type=float, help="share of training rows that are retrieval samples")
+    add("--needles-per-sample", type=int,
+        help="needles planted in each retrieval row, each asked for at its end")
     add(
         "--data-root",
         action="append",
@@ -252,6 +254,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         gradient_checkpointing=bool(args.gradient_checkpointing),
         seed=args.seed,
         needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),
+        needles_per_sample=pick(args.needles_per_sample, preset.needles_per_sample),
         data_root=None,  # filled in once the corpus has resolved the roots
         val_fraction=float(args.val_fraction),
         val_every=pick(args.val_every, preset.val_every),
@@ -261,7 +264,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         checkpoint_every=args.checkpoint_every,
     )
     for name in ("steps", "seq_len", "max_seq_len", "batch_size", "grad_accum", "vert_stride",
-                 "local_blocks", "log_every"):  # fmt: skip
+                 "local_blocks", "log_every", "needles_per_sample"):  # fmt: skip
         _positive("--" + name.replace("_", "-"), options[name])
     for name in ("warmup_steps", "val_every", "val_batches", "val_needles", "checkpoint_every"):
         _positive("--" + name.replace("_", "-"), options[name], minimum=0)
@@ -381,7 +384,8 @@ def _prepare(args: argparse.Namespace) -> _Plan:
 
 def _train_stream(options: dict, corpus: SourceCorpus) -> TokenStream:
     return TokenStream(corpus, options["seq_len"], options["batch_size"], seed=options["seed"],
-                       needle_fraction=options["needle_fraction"])  # fmt: skip
+                       needle_fraction=options["needle_fraction"],
+                       needles_per_sample=options["needles_per_sample"])  # fmt: skip
 
 
 # ------------------------------------------------------------------------- run record
