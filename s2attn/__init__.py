@@ -13,6 +13,8 @@ from .reference import attention_reference
 
 __all__ = [
     "BlockPattern",
+    "ModelKVCache",
+    "PagedKVCache",
     "SparseAttention",
     "attention_reference",
     "dense_pattern",
@@ -20,8 +22,6 @@ __all__ = [
     "merge_partials",
     "sparse_attention",
     "sparse_attention_qkvpacked",
-    "ModelKVCache",
-    "PagedKVCache",
     "sparse_attention_with_kvcache",
 ]
 

@@ -6,25 +6,23 @@ Everything a user calls goes through here; nothing above this module touches Tri
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .layout import backward_layout, forward_layout
-from .ops import backward as _bwd
-from .ops import forward as _fwd
+from .ops import dispatch
+from .ops.options import KernelOptions
 from .pattern import BlockPattern
 from .precision import autocast_dtype, cast_inputs
 from .reference import attention_reference
 
-__all__ = ["sparse_attention", "sparse_attention_qkvpacked", "merge_partials"]
+__all__ = ["merge_partials", "sparse_attention", "sparse_attention_qkvpacked"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
-# Whether the backward passes take gathered KV tiles (dQ, dK/dV) when the pattern's blocks are
-# smaller than their KV tiles. Both on; a switch for benchmarks and tests of the plain path.
-BACKWARD_GATHER = (True, True)
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -72,7 +70,8 @@ def check_cu_seqlens(
 def _validate(
     q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 ):
-    """Check every user input; return (varlen, seq_q lengths, seq_k lengths, scale, head div)."""
+    """Check every user input; return (varlen, seq_q lengths, seq_k lengths, scale, query heads
+    per pattern head)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not isinstance(pattern, BlockPattern):
@@ -125,9 +124,9 @@ def _validate(
             f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads}) for GQA/MQA"
         )
     if pattern.num_heads == num_heads:
-        head_div = 1
+        q_heads_per_pattern_head = 1
     elif pattern.num_heads == num_kv_heads:
-        head_div = num_heads // num_kv_heads
+        q_heads_per_pattern_head = num_heads // num_kv_heads
     else:
         raise ValueError(
             f"pattern has {pattern.num_heads} heads; expected the q heads ({num_heads}) "
@@ -167,64 +166,107 @@ def _validate(
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    return varlen, lens_q, lens_k, float(softmax_scale), head_div
+    return varlen, lens_q, lens_k, float(softmax_scale), q_heads_per_pattern_head
 
 
-def _kernel_available(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and _fwd.INTERPRETED)
+@torch.compiler.disable
+def _note_graph_break() -> None:
+    # Python shows a warning once per place it is raised from, so this speaks once per process.
+    warnings.warn(
+        "s2attn: torch.compile does not trace sparse_attention yet: the graph breaks at the call, "
+        "which runs eagerly (layouts, kernel launches and its backward); the code around it still "
+        "compiles. Registering the kernels as custom ops will keep the call in the graph.",
+        stacklevel=1,
+    )
 
 
 @dataclass(frozen=True)
-class _Call:
-    """Everything about one call that is not a tensor the autograd graph tracks."""
+class _AttentionPlan:
+    """One call's plan and its launcher: everything about the call that is not a tensor the
+    autograd graph tracks, and its two passes, which fetch the layouts the plan needs (cached per
+    pattern, tile sizes and device) and hand them to the kernels (``s2attn.ops.dispatch``).
+
+    ``torch.compile`` does not trace the passes (Python-side layout caches, Triton and Gluon
+    launches): it breaks the graph around them and says so once.
+    """
 
     pattern: BlockPattern
     scale: float
-    head_div: int
+    q_heads_per_pattern_head: int
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
+    options: KernelOptions = dispatch.DEFAULT_OPTIONS
 
-    @property
-    def lengths(self) -> dict:
-        return dict(
-            cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
-        )  # fmt: skip
+    def __post_init__(self) -> None:
+        # Plans are made in traced code; the passes run eagerly, where this reads False.
+        if torch.compiler.is_compiling():
+            _note_graph_break()
 
+    @torch.compiler.disable
     def forward(self, q, k, v):
-        block_m, block_n = _fwd.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them."""
+        block_m, block_n = dispatch.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
         # A causal tile never lists KV tiles past its queries, so one layout serves every length;
         # bidirectional tiles list everything, so crop the pattern to the longest sequence.
         num_blocks = None if self.pattern.causal else self._num_blocks
         # Gathered KV tiles pack lone stride blocks smaller than block_n.
         layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks, gather=True)
-        return _fwd.forward(
-            q, k, v, layout, softmax_scale=self.scale, pattern_head_div=self.head_div,
-            **self.lengths,
-        )  # fmt: skip
+        return dispatch.forward(
+            q,
+            k,
+            v,
+            layout,
+            softmax_scale=self.scale,
+            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            options=self.options,
+        )
 
+    @torch.compiler.disable
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
-        (dkdv_m, dkdv_n), (dq_m, dq_n) = _bwd.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        """(dq, dk, dv), as ``s2attn.ops.dispatch.backward`` returns them; ``grad_out`` None when
+        only the LSE was used."""
+        tiles = dispatch.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        (dkdv_m, dkdv_n), (dq_m, dq_n) = tiles
         # Lone blocks smaller than a KV tile go to gathered tiles, as in the forward: in dQ's
         # lists, and in dK/dV's when each KV head has one pattern head (a gathered tile's sums
         # then belong to one KV head alone).
-        gather_dq, gather_dkdv = BACKWARD_GATHER
-        gather_dkdv = gather_dkdv and self.pattern.num_heads == k.shape[-2]
+        gather_dq = self.options.gather_dq
+        gather_dkdv = self.options.gather_dkdv and self.pattern.num_heads == k.shape[-2]
         # The per-KV-tile lists run to the end of the pattern even when causal: crop them.
         dkdv_layout = backward_layout(
             self.pattern, dkdv_m, dkdv_n, q.device, self._num_blocks, gather=gather_dkdv
         )
         num_blocks = None if self.pattern.causal else self._num_blocks
         dq_layout = forward_layout(self.pattern, dq_m, dq_n, q.device, num_blocks, gather=gather_dq)
-        if grad_out is None:  # only the LSE was used
+        if grad_out is None:
             grad_out = torch.zeros_like(out)
-        return _bwd.backward(
-            grad_out, q, k, v, out, lse, grad_lse, dkdv_layout, dq_layout,
-            softmax_scale=self.scale, pattern_head_div=self.head_div, **self.lengths,
-            dq=dq, dk=dk, dv=dv,
-        )  # fmt: skip
+        return dispatch.backward(
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_lse,
+            dkdv_layout,
+            dq_layout,
+            softmax_scale=self.scale,
+            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            options=self.options,
+        )
 
     @property
     def _num_blocks(self) -> int:
@@ -233,10 +275,10 @@ class _Call:
 
 class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, call: _Call):
-        out, lse = call.forward(q, k, v)
+    def forward(ctx, q, k, v, plan: _AttentionPlan):
+        out, lse = plan.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -244,7 +286,7 @@ class _SparseAttentionFunction(torch.autograd.Function):
     @once_differentiable  # no double backward: asking for one raises instead of giving zeros
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.call.backward(grad_out, grad_lse, q, k, v, out, lse)
+        dq, dk, dv = ctx.plan.backward(grad_out, grad_lse, q, k, v, out, lse)
         return dq, dk, dv, None
 
 
@@ -253,11 +295,11 @@ class _PackedQKVFunction(torch.autograd.Function):
     of that shape, written slice by slice by the kernels (no concatenation copy)."""
 
     @staticmethod
-    def forward(ctx, qkv, call: _Call):
+    def forward(ctx, qkv, plan: _AttentionPlan):
         q, k, v = qkv.unbind(-3)
-        out, lse = call.forward(q, k, v)
+        out, lse = plan.forward(q, k, v)
         ctx.save_for_backward(qkv, out, lse)
-        ctx.call = call
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -267,7 +309,7 @@ class _PackedQKVFunction(torch.autograd.Function):
         qkv, out, lse = ctx.saved_tensors
         dqkv = torch.empty_like(qkv)
         dq, dk, dv = dqkv.unbind(-3)
-        ctx.call.backward(grad_out, grad_lse, *qkv.unbind(-3), out, lse, dq=dq, dk=dk, dv=dv)
+        ctx.plan.backward(grad_out, grad_lse, *qkv.unbind(-3), out, lse, dq=dq, dk=dk, dv=dv)
         return dqkv, None
 
 
@@ -333,17 +375,25 @@ def sparse_attention(
                 softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
             )  # fmt: skip
-    varlen, lens_q, lens_k, scale, head_div = _validate(
+    varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    if not _kernel_available(q.device):
+    if not dispatch.supports_triton(q.device):
         # No Triton backend here (CPU without the interpreter): the dense-mask reference is exact.
         return attention_reference(
             q, k, v, pattern, softmax_scale=scale,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, return_lse=return_lse,
         )  # fmt: skip
-    call = _Call(pattern, scale, head_div, cu_seqlens_q, cu_seqlens_k, max(lens_q), max(lens_k))
-    out, lse = _SparseAttentionFunction.apply(q, k, v, call)
+    plan = _AttentionPlan(
+        pattern,
+        scale,
+        q_heads_per_pattern_head,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max(lens_q),
+        max(lens_k),
+    )
+    out, lse = _SparseAttentionFunction.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
 
 
@@ -394,16 +444,18 @@ def sparse_attention_qkvpacked(
             f"got shape {tuple(qkv.shape)}"
         )
     q, k, v = qkv.unbind(-3)
-    varlen, lens_q, lens_k, scale, head_div = _validate(
+    varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
     )
-    if not _kernel_available(qkv.device):
+    if not dispatch.supports_triton(qkv.device):
         return attention_reference(
             q, k, v, pattern, softmax_scale=scale,
             cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, return_lse=return_lse,
         )  # fmt: skip
-    call = _Call(pattern, scale, head_div, cu_seqlens, cu_seqlens, max(lens_q), max(lens_k))
-    out, lse = _PackedQKVFunction.apply(qkv, call)
+    plan = _AttentionPlan(
+        pattern, scale, q_heads_per_pattern_head, cu_seqlens, cu_seqlens, max(lens_q), max(lens_k)
+    )
+    out, lse = _PackedQKVFunction.apply(qkv, plan)
     return (out, lse) if return_lse else out
 
 

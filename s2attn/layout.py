@@ -31,7 +31,17 @@ import torch
 
 from .pattern import BlockPattern
 
-__all__ = ["GatheredKVTiles", "TileLayout", "forward_layout", "backward_layout", "MAX_ENTRY_BITS"]
+__all__ = [
+    "MAX_ENTRY_BITS",
+    "DecodeLayout",
+    "GatheredKVTiles",
+    "TileLayout",
+    "backward_layout",
+    "decode_layout",
+    "dense_decode_layout",
+    "forward_layout",
+    "kv_last_use",
+]
 
 MAX_ENTRY_BITS = 64
 
@@ -275,8 +285,9 @@ def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, caus
     return keep, (gkey_of // 2, blocks, gbits, gfull)
 
 
-def _gather_kv(h, t, n, bits, num_heads, num_q_tiles, num_kv_tiles, block_m, block_n, block_size,
-               causal):  # fmt: skip
+def _gather_kv(
+    h, t, n, bits, num_heads, num_q_tiles, num_kv_tiles, block_m, block_n, block_size, causal
+):
     """Split the far entries that use at most half their KV tile's blocks out of a backward
     layout's entries (h, q tile t, KV tile n, bits) and pack their key blocks, ``block_n /
     block_size`` of one head at a time, into gathered KV tiles (``GatheredKVTiles``).
@@ -362,12 +373,13 @@ def _build(
     h, t, n, bits, full, num_q_tiles, num_kv_tiles, geometry = _tile_entries(
         pattern, block_m, block_n, device, num_blocks
     )
+    # The tile geometry every gathering step needs besides the entries.
+    tiles = (block_m, block_n, pattern.block_size, pattern.causal)
     gathered = {}
     if gather and not transpose and pattern.block_size < block_n:
         (h, t, n, bits, full), (g_key, g_blocks, g_bits, g_full) = _gather(
-            h, t, n, bits, full, num_q_tiles, block_m, block_n, pattern.block_size,
-            pattern.causal,
-        )  # fmt: skip
+            h, t, n, bits, full, num_q_tiles, *tiles
+        )
         width = block_n // pattern.block_size
         total_g = pattern.num_heads * num_q_tiles
         gathered = dict(
@@ -381,9 +393,8 @@ def _build(
     gathered_kv = None
     if gather and transpose and pattern.block_size < block_n:
         keep, gathered_kv = _gather_kv(
-            h, t, n, bits, pattern.num_heads, num_q_tiles, num_kv_tiles, block_m, block_n,
-            pattern.block_size, pattern.causal,
-        )  # fmt: skip
+            h, t, n, bits, pattern.num_heads, num_q_tiles, num_kv_tiles, *tiles
+        )
         h, t, n, bits, full = h[keep], t[keep], n[keep], bits[keep], full[keep]
     if transpose:
         num_groups, key, col = num_kv_tiles, h * num_kv_tiles + n, t
@@ -653,6 +664,3 @@ def dense_decode_layout(
         partial_bits=empty.to(torch.int64),
         list_lengths=torch.arange(num_q_blocks, dtype=torch.int64) + 2,
     )
-
-
-__all__ += ["DecodeLayout", "decode_layout", "dense_decode_layout", "kv_last_use"]

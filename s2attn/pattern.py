@@ -15,7 +15,7 @@ import math
 
 import torch
 
-__all__ = ["BlockPattern", "local_stride_pattern", "dense_pattern"]
+__all__ = ["BlockPattern", "dense_pattern", "local_stride_pattern"]
 
 
 def _check_block_size(block_size: int) -> None:

@@ -24,7 +24,8 @@ from triton.runtime.jit import mangle_type
 
 from s2attn import local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
-from s2attn.ops import backward_hopper, forward_hopper
+from s2attn.ops.gluon import backward_sm90, forward_sm90
+from s2attn.ops.options import GluonDkdvConfig, GluonDqConfig, GluonForwardConfig
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 SEQ, HEADS = 1024, 4
@@ -50,33 +51,59 @@ def _launch(case: str) -> tuple:
     lse, delta = torch.empty(1, HEADS, SEQ), torch.empty(1, HEADS, SEQ)
     stats = torch.empty(HEADS, 2, SEQ)
     pattern = local_stride_pattern(HEADS, SEQ, 64, 4, 3)
-    for module in (forward_hopper, backward_hopper):
-        module._num_sms = lambda device: 132
+    for module in (forward_sm90, backward_sm90):
+        module.num_sms = lambda device: 132
         module.item_counter = lambda device: torch.zeros(1, dtype=torch.int32)
     module, kernel_name = {
-        "forward": (forward_hopper, "_forward_kernel"),
-        "dq": (backward_hopper, "_dq_kernel"),
-        "dkdv": (backward_hopper, "_dkdv_kernel"),
+        "forward": (forward_sm90, "_forward_kernel"),
+        "dq": (backward_sm90, "_dq_kernel"),
+        "dkdv": (backward_sm90, "_dkdv_kernel"),
     }[name]
     recorder = _Recorder(getattr(module, kernel_name))
     setattr(module, kernel_name, recorder)
     if name == "forward":
-        forward_hopper.forward_hopper(
-            q, k, v, out, lse, forward_layout(pattern, 128, 64, "cpu"),
-            softmax_scale=0.1, pattern_head_div=1, num_tiles=SEQ // 128, heads_per_group=1,
-        )  # fmt: skip
+        forward_sm90.forward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            forward_layout(pattern, 128, 64, "cpu"),
+            softmax_scale=0.1,
+            q_heads_per_pattern_head=1,
+            config=GluonForwardConfig(),
+        )
     elif name == "dq":
-        backward_hopper.dq_hopper(
-            grad_out, q, k, v, out, lse, None, delta, stats, grad,
-            forward_layout(pattern, 128, 64, "cpu"), softmax_scale=0.1, pattern_head_div=1,
-            num_tiles=SEQ // 128,
-        )  # fmt: skip
+        backward_sm90.dq(
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            delta,
+            stats,
+            grad,
+            forward_layout(pattern, 128, 64, "cpu"),
+            softmax_scale=0.1,
+            q_heads_per_pattern_head=1,
+            config=GluonDqConfig(),
+        )
     else:
-        backward_hopper.dkdv_hopper(
-            grad_out, q, k, v, stats, grad, torch.empty_like(grad),
-            backward_layout(pattern, 64, 64, "cpu", SEQ // 64), softmax_scale=0.1,
-            pattern_head_div=1,
-        )  # fmt: skip
+        backward_sm90.dkdv(
+            grad_out,
+            q,
+            k,
+            v,
+            stats,
+            grad,
+            torch.empty_like(grad),
+            backward_layout(pattern, 64, 64, "cpu", SEQ // 64),
+            softmax_scale=0.1,
+            q_heads_per_pattern_head=1,
+            config=GluonDkdvConfig(),
+        )
     ((args, kwargs),) = recorder.calls
     return recorder.kernel, args, kwargs
 

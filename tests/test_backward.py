@@ -16,6 +16,7 @@ from helpers import DEVICE, DTYPES, ON_GPU, assert_close, gpu_only, skip_without
 
 import s2attn
 from s2attn import BlockPattern, local_stride_pattern
+from s2attn.ops.options import KernelOptions
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 
@@ -34,8 +35,9 @@ def _leaves(shapes, dtype, seed: int) -> list[torch.Tensor]:
 def _qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype, seed=0) -> list[torch.Tensor]:
     return _leaves(
         [(batch, seq_q, heads, dim), (batch, seq_k, kv_heads, dim), (batch, seq_k, kv_heads, dim)],
-        dtype, seed,
-    )  # fmt: skip
+        dtype,
+        seed,
+    )
 
 
 def _varlen_qkv(lens_q, lens_k, heads, kv_heads, dim, dtype, seed=0):
@@ -123,9 +125,17 @@ def test_grads_varlen(dtype, causal):
     lens_q, lens_k = [33, 1, 0, 100, 20], [33, 5, 40, 190, 64]
     q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, 4, 2, 32, dtype, seed=3)
     _check_grads(
-        q, k, v, _pattern(4, 190, causal=causal), dtype, f"varlen causal={causal}",
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=100, max_seqlen_k=190,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        _pattern(4, 190, causal=causal),
+        dtype,
+        f"varlen causal={causal}",
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=100,
+        max_seqlen_k=190,
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
@@ -159,7 +169,8 @@ def test_grads_block_sizes(block_size, causal):
 
 # ----------------------------------------------------------------------- gathered KV tiles
 class _LaunchSpy:
-    """Stands in for a Triton kernel of ops/backward.py and records each launch's keywords."""
+    """Stands in for a Triton kernel of ops/triton/backward.py and records each launch's
+    keywords."""
 
     def __init__(self, kernel):
         self.kernel, self.calls = kernel, []
@@ -176,7 +187,7 @@ class _LaunchSpy:
 
 @pytest.fixture
 def backward_spies(monkeypatch) -> dict[str, _LaunchSpy]:
-    from s2attn.ops import backward as bwd
+    from s2attn.ops.triton import backward as bwd
 
     names = ("_dkdv_gathered_kernel", "_dq_kernel")
     spies = {name: _LaunchSpy(getattr(bwd, name)) for name in names}
@@ -199,8 +210,13 @@ def test_grads_gathered_kv_tiles(backward_spies, case, causal):
         kv_heads = 2
     if case == "fewer-q":
         seq_q = 150
-    pattern = _pattern(2 if case == "gqa-per-kv-head" else heads, seq_k, causal=causal,
-                       local_blocks=2, vert_stride=4)  # fmt: skip
+    pattern = _pattern(
+        2 if case == "gqa-per-kv-head" else heads,
+        seq_k,
+        causal=causal,
+        local_blocks=2,
+        vert_stride=4,
+    )
     if case == "varlen":
         lens_q, lens_k = [384, 90, 200], [384, 250, 200]
         q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, heads, kv_heads, 32, dtype, seed=7)
@@ -214,18 +230,23 @@ def test_grads_gathered_kv_tiles(backward_spies, case, causal):
     assert dq_gather == [True]  # head dim 32: never the Gluon dQ
 
 
-def test_gathered_and_contiguous_backward_agree(monkeypatch):
-    """The same gradients with and without gathered KV tiles, up to summation order."""
+def test_gathered_and_contiguous_backward_agree(backward_spies):
+    """The same gradients with and without gathered KV tiles (``KernelOptions``' switches), up
+    to summation order."""
+    from s2attn.attention import _AttentionPlan
+
     dtype = DTYPES[0]
-    q, k, v = _qkv(1, 384, 384, 2, 2, 32, dtype, seed=8)
+    q, k, v = (t.detach() for t in _qkv(1, 384, 384, 2, 2, 32, dtype, seed=8))
     pattern = _pattern(2, 384, local_blocks=2, vert_stride=4)
+    (grad,) = _upstream([q], 9)
     grads = []
-    for gather in ((True, True), (False, False)):
-        monkeypatch.setattr(s2attn.attention, "BACKWARD_GATHER", gather)
-        for t in (q, k, v):
-            t.grad = None
-        s2attn.sparse_attention(q, k, v, pattern).backward(_upstream([q], 9)[0])
-        grads.append([t.grad.float() for t in (q, k, v)])
+    for gather in (True, False):
+        options = KernelOptions(gather_dq=gather, gather_dkdv=gather)
+        plan = _AttentionPlan(pattern, 32**-0.5, 1, None, None, 384, 384, options)
+        out, lse = plan.forward(q, k, v)
+        grads.append([g.float() for g in plan.backward(grad, None, q, k, v, out, lse)])
+    assert len(backward_spies["_dkdv_gathered_kernel"].calls) == 1  # with gather only
+    assert [call["GATHER"] for call in backward_spies["_dq_kernel"].calls] == [True, False]
     for name, a, b in zip(("dq", "dk", "dv"), *grads):
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() <= 4e-3 * scale, name
@@ -500,9 +521,16 @@ def test_grads_large_varlen(dtype, block_size):
     q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, 8, 1, 128, dtype, seed=15)
     pattern = local_stride_pattern(1, 1024, block_size, 2048 // block_size // 8, 4)
     _check_grads(
-        q, k, v, pattern, dtype, f"large varlen block {block_size}", return_lse=True,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        pattern,
+        dtype,
+        f"large varlen block {block_size}",
+        return_lse=True,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+    )
 
 
 @gpu_only
@@ -588,11 +616,11 @@ def test_grads_in_cuda_graph(dtype):
 
 
 def test_dkdv_item_order():
-    # The Gluon dK/dV kernel's queue (ops/backward_hopper.py): a permutation of the items, one
+    # The Gluon dK/dV kernel's queue (ops/gluon/backward_sm90.py): a permutation of the items, one
     # group of (batch, KV head) pairs after another, longest list first within a group, each
     # group's long lists ahead of the previous group's short ones, short ones last.
     from s2attn.layout import backward_layout
-    from s2attn.ops.backward_hopper import dkdv_order
+    from s2attn.ops.gluon.backward_sm90 import dkdv_order
 
     heads, tiles = 8, 128
     pattern = local_stride_pattern(heads, tiles * 64, 64, 16, 64)

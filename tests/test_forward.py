@@ -17,7 +17,7 @@ from helpers import DEVICE, DTYPES, REL_TOL, assert_close, relative_error, skip_
 
 import s2attn
 from s2attn import BlockPattern, local_stride_pattern
-from s2attn.ops import forward as fwd_ops
+from s2attn.ops import dispatch
 
 SEEDS = [0, 1]
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
@@ -81,9 +81,15 @@ def test_local_stride_pattern(
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "seq, block_size, causal",
-    [(1, 16, True), (17, 16, False), (100, 32, True), (130, 16, True), (257, 64, False),
-     (257, 128, True)],
-)  # fmt: skip
+    [
+        (1, 16, True),
+        (17, 16, False),
+        (100, 32, True),
+        (130, 16, True),
+        (257, 64, False),
+        (257, 128, True),
+    ],
+)
 def test_random_pattern(gen, dtype, seq, block_size, causal):
     # Sparse enough that some rows attend nothing, in both causal and bidirectional patterns.
     p = _random_pattern(gen, 2, seq, block_size, causal)
@@ -161,9 +167,15 @@ def test_varlen(gen, dtype, causal):
     v = _randn(gen, sum(lens_k), heads, 64, dtype=dtype)
     p = local_stride_pattern(heads, 130, 16, 2, 3, causal=causal)
     out, lse = _check(
-        q, k, v, p, cu_seqlens_q=_cu(lens_q), cu_seqlens_k=_cu(lens_k),
-        max_seqlen_q=130, max_seqlen_k=130,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        p,
+        cu_seqlens_q=_cu(lens_q),
+        cu_seqlens_k=_cu(lens_k),
+        max_seqlen_q=130,
+        max_seqlen_k=130,
+    )
     assert lse.shape == (heads, sum(lens_q))
 
 
@@ -316,15 +328,49 @@ def test_qkvpacked_matches_slices(gen, varlen):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "block_size, block_m, block_n",
-    [(16, 128, 64), (64, 64, 64), (16, 16, 16), (32, 32, 128), (16, 128, 128), (128, 64, 32),
-     (64, 128, 16)],
-)  # fmt: skip
+    [
+        (16, 128, 64),
+        (64, 64, 64),
+        (16, 16, 16),
+        (32, 32, 128),
+        (16, 128, 128),
+        (128, 64, 32),
+        (64, 128, 16),
+    ],
+)
 def test_tile_geometries(gen, monkeypatch, causal, block_size, block_m, block_n):
     """The GPU's tile shapes (and odd ones) through the public path, by overriding the choice."""
     dtype = DTYPES[0]
-    monkeypatch.setattr(fwd_ops, "forward_tile_sizes", lambda *_: (block_m, block_n))
+    monkeypatch.setattr(dispatch, "forward_tile_sizes", lambda *_: (block_m, block_n))
     p = _random_pattern(gen, 2, 280, block_size, causal, density=0.6)
     _check(*_qkv(gen, 1, 200, 270, 2, 2, 64, dtype), p)
+
+
+# ------------------------------------------------------------------------------ torch.compile
+def test_torch_compile_runs_the_call_eagerly(gen):
+    """Compiled code breaks its graph at the call, says so, and gets the eager results and
+    gradients; a full graph is refused rather than traced wrongly."""
+    dtype = DTYPES[0]
+    q, k, v = (t.requires_grad_() for t in _qkv(gen, 1, 64, 64, 2, 2, 16, dtype))
+    p = local_stride_pattern(2, 64, 16, 1, 2)
+
+    def fn(q, k, v):
+        return s2attn.sparse_attention(q, k, v, p) * 2
+
+    upstream = _randn(gen, *q.shape, dtype=dtype)
+    try:
+        with pytest.warns(UserWarning, match="graph breaks at the call"):
+            out = torch.compile(fn)(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), upstream)
+        eager = fn(q, k, v)
+        assert torch.equal(out, eager)
+        for got, want in zip(grads, torch.autograd.grad(eager, (q, k, v), upstream)):
+            assert torch.equal(got, want)
+        torch._dynamo.reset()  # else the compiled code above serves the call below
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            torch.compile(fn, fullgraph=True)(q, k, v)
+    finally:
+        torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------- the tests can fail

@@ -1,5 +1,5 @@
-"""The Gluon kernels for Hopper (ops/forward_hopper.py, ops/backward_hopper.py's dQ and dK/dV)
-against the float32 dense-mask reference.
+"""The Gluon kernels for Hopper (ops/gluon/forward_sm90.py, ops/gluon/backward_sm90.py's dQ and
+dK/dV) against the float32 dense-mask reference.
 
 Runs only on an sm_90 GPU, the one place that kernel runs. Every case first asserts that the call
 takes the Gluon path, so none of these can pass on the Triton kernel by mistake. Outputs start as
@@ -20,8 +20,14 @@ from helpers import ON_GPU, assert_close
 import s2attn
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
-from s2attn.ops import backward as bwd_ops
-from s2attn.ops import forward as fwd_ops
+from s2attn.ops import dispatch
+from s2attn.ops.launch import check_k_bounds
+from s2attn.ops.options import (
+    GluonDkdvConfig,
+    GluonDqConfig,
+    GluonForwardConfig,
+    KernelOptions,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,25 +49,36 @@ def _randn(gen, *shape, dtype):
     return torch.randn(*shape, generator=gen).to("cuda", dtype)
 
 
-def _run(q, k, v, pattern, launch_options=None):
-    """The forward through ``ops.forward`` with the launch options, after checking that the
-    Gluon kernel takes it; returns (out, lse)."""
-    block_m, block_n = fwd_ops.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
+def _run(q, k, v, pattern, config=None):
+    """The forward through ``ops.dispatch.forward`` with the Gluon kernel's settings ``config``
+    (a GluonForwardConfig), after checking that the Gluon kernel takes it; returns (out, lse)."""
+    block_m, block_n = dispatch.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
     layout = forward_layout(pattern, block_m, block_n, q.device, gather=True)
     scale = q.shape[-1] ** -0.5
-    takes = fwd_ops._hopper_kernel_takes(
-        q, k, v, layout, varlen=False,
-        check_k_bounds=fwd_ops.check_k_bounds(layout, k.shape[1], False), softmax_scale=scale,
-    )  # fmt: skip
+    takes = dispatch.supports_gluon_forward(
+        q,
+        k,
+        v,
+        layout,
+        varlen=False,
+        check_k_bounds=check_k_bounds(layout, k.shape[1], False),
+        softmax_scale=scale,
+    )
     assert takes, "this case was meant for the Gluon kernel"
-    div = q.shape[2] // pattern.num_heads
-    return fwd_ops.forward(
-        q, k, v, layout, softmax_scale=scale, pattern_head_div=div, launch_options=launch_options
+    options = KernelOptions(gluon_forward=config or GluonForwardConfig())
+    return dispatch.forward(
+        q,
+        k,
+        v,
+        layout,
+        softmax_scale=scale,
+        q_heads_per_pattern_head=q.shape[2] // pattern.num_heads,
+        options=options,
     )
 
 
-def _check(q, k, v, pattern, launch_options=None):
-    out, lse = _run(q, k, v, pattern, launch_options)
+def _check(q, k, v, pattern, config=None):
+    out, lse = _run(q, k, v, pattern, config)
     ref, ref_lse = s2attn.attention_reference(
         q.float(), k.float(), v.float(), pattern, return_lse=True
     )
@@ -79,21 +96,32 @@ def test_local_stride(gen, dtype, dim, causal, stride, entries):
     # 2 x 8 heads x 24 tiles = 384 work items: every persistent program walks several.
     seq, heads = 3072, 8
     q, k, v = (_randn(gen, 2, seq, heads, dim, dtype=dtype) for _ in range(3))
-    options = {"entries_per_step": entries, "num_buffers": 2, "q_in_regs": dim == 64}
+    config = GluonForwardConfig(entries_per_step=entries, num_buffers=2, q_in_regs=dim == 64)
     pattern = local_stride_pattern(heads, seq, 64, 4, stride, causal=causal)
-    _check(q, k, v, pattern, launch_options=options if entries == 2 else None)
+    _check(q, k, v, pattern, config if entries == 2 else None)
 
 
-@pytest.mark.parametrize("options", [
-    {"num_buffers": 2}, {"num_buffers": 3}, {"num_buffers": 4},
-    {"persistent": False}, {"q_in_regs": False}, {"num_buffers": 2, "persistent": False},
-    {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False},
-    {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False, "persistent": False},
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))  # fmt: skip
-def test_kernel_options(gen, options):
+_KERNEL_SETTINGS = [
+    dict(num_buffers=2),
+    dict(num_buffers=3),
+    dict(num_buffers=4),
+    dict(persistent=False),
+    dict(q_in_regs=False),
+    dict(num_buffers=2, persistent=False),
+    dict(entries_per_step=2, num_buffers=2, q_in_regs=False),
+    dict(entries_per_step=2, num_buffers=2, q_in_regs=False, persistent=False),
+    dict(heads_per_group=4),
+]
+
+
+@pytest.mark.parametrize(
+    "settings", _KERNEL_SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items())
+)
+def test_kernel_options(gen, settings):
     seq, heads = 3072, 8
     q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
-    _check(q, k, v, local_stride_pattern(heads, seq, 64, 3, 4), launch_options=options)
+    pattern = local_stride_pattern(heads, seq, 64, 3, 4)
+    _check(q, k, v, pattern, GluonForwardConfig(**settings))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -107,8 +135,8 @@ def test_random_pattern(gen, dtype, causal, block_size):
     mask[:, 3] = False  # a block of rows that attends nothing
     pattern = BlockPattern(mask, block_size, causal)
     q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=dtype) for _ in range(3))
-    for options in ({}, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}):
-        _, lse = _check(q, k, v, pattern, launch_options=options)
+    for config in (None, GluonForwardConfig(entries_per_step=2, num_buffers=2, q_in_regs=False)):
+        _, lse = _check(q, k, v, pattern, config)
         assert torch.isinf(lse[:, :, 3 * block_size : 4 * block_size]).all()
 
 
@@ -136,10 +164,8 @@ def test_entries_one_half_of_the_tile_skips(gen, dtype, dim, causal, buffers):
     seq, heads = 2048, 4
     pattern = _half_tile_pattern(heads, seq, causal)
     q, k, v = (_randn(gen, 1, seq, heads, dim, dtype=dtype) for _ in range(3))
-    options = {"num_buffers": buffers}
-    if dim == 64:
-        options["entries_per_step"] = 2
-    _, lse = _check(q, k, v, pattern, launch_options=options)
+    config = GluonForwardConfig(num_buffers=buffers, entries_per_step=2 if dim == 64 else None)
+    _, lse = _check(q, k, v, pattern, config)
     assert torch.isinf(lse[:, 0, 6 * 64 : 7 * 64]).all()
 
 
@@ -156,9 +182,13 @@ def test_gqa(gen, per_kv_head):
     q = _randn(gen, 2, seq, heads, 128, dtype=torch.bfloat16)
     k, v = (_randn(gen, 2, seq, kv_heads, 128, dtype=torch.bfloat16) for _ in range(2))
     pattern = local_stride_pattern(
-        kv_heads if per_kv_head else heads, seq, 64, 4, 3,
+        kv_heads if per_kv_head else heads,
+        seq,
+        64,
+        4,
+        3,
         num_kv_heads=kv_heads if per_kv_head else None,
-    )  # fmt: skip
+    )
     _check(q, k, v, pattern)
 
 
@@ -220,8 +250,8 @@ def test_running_max_moves_mid_list(gen):
     pattern = local_stride_pattern(heads, seq, 64, 4, 3)
     layout = forward_layout(pattern, 128, 64, q.device, gather=True)
     assert _max_jumps_mid_list(q, k, pattern, layout, dim**-0.5 * math.log2(math.e)) > 100
-    for options in (None, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}):
-        _check(q, k, v, pattern, launch_options=options)
+    for config in (None, GluonForwardConfig(entries_per_step=2, num_buffers=2, q_in_regs=False)):
+        _check(q, k, v, pattern, config)
 
 
 def test_matches_the_triton_kernel(gen):
@@ -230,10 +260,15 @@ def test_matches_the_triton_kernel(gen):
     pattern = local_stride_pattern(heads, seq, 64, 4, 4)
     out, lse = _run(q, k, v, pattern)
     layout = forward_layout(pattern, 128, 64, q.device, gather=True)
-    ref_out, ref_lse = fwd_ops.forward(
-        q, k, v, layout, softmax_scale=128**-0.5, pattern_head_div=1,
-        launch_options={"IMPL": "triton"},
-    )  # fmt: skip
+    ref_out, ref_lse = dispatch.forward(
+        q,
+        k,
+        v,
+        layout,
+        softmax_scale=128**-0.5,
+        q_heads_per_pattern_head=1,
+        options=KernelOptions(forward_backend="triton"),
+    )
     # Same arithmetic up to the order of MMA accumulation: far inside the fp16 tolerance.
     assert (out.float() - ref_out.float()).abs().max().item() < 2e-3
     assert (lse - ref_lse).abs().max().item() < 1e-3
@@ -244,18 +279,18 @@ def test_other_cases_fall_back():
     q = torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
     pattern = local_stride_pattern(4, 1000, 64, 4, 3, causal=False)
     layout = forward_layout(pattern, 128, 64, q.device, gather=True)
-    bounds = fwd_ops.check_k_bounds(layout, 1000, False)
+    bounds = check_k_bounds(layout, 1000, False)
     assert bounds  # bidirectional, seq_k inside a tile
-    assert not fwd_ops._hopper_kernel_takes(
+    assert not dispatch.supports_gluon_forward(
         q, q, q, layout, varlen=False, check_k_bounds=bounds, softmax_scale=0.1
     )
     small = forward_layout(local_stride_pattern(4, 4096, 16, 4, 16), 128, 64, q.device, gather=True)
     assert small.gather_width  # lone 16-token blocks share gathered KV tiles
-    assert not fwd_ops._hopper_kernel_takes(
+    assert not dispatch.supports_gluon_forward(
         q, q, q, small, varlen=False, check_k_bounds=False, softmax_scale=0.1
     )
     f32 = q.float()
-    assert not fwd_ops._hopper_kernel_takes(
+    assert not dispatch.supports_gluon_forward(
         f32, f32, f32, layout, varlen=False, check_k_bounds=False, softmax_scale=0.1
     )
 
@@ -272,35 +307,38 @@ def _check_gradients(gen, q, k, v, pattern, dtype, *, return_lse=False):
     refs = s2attn.attention_reference(ref_q, ref_k, ref_v, pattern, return_lse=return_lse)
     refs = refs if return_lse else (refs,)
     torch.autograd.backward(refs, [g.float() for g in grads])
-    for name, got, ref in (("dq", q.grad, ref_q.grad), ("dk", k.grad, ref_k.grad),
-                           ("dv", v.grad, ref_v.grad)):  # fmt: skip
+    for name, got, ref in (
+        ("dq", q.grad, ref_q.grad),
+        ("dk", k.grad, ref_k.grad),
+        ("dv", v.grad, ref_v.grad),
+    ):
         assert_close(got, ref, dtype, name)
 
 
 def _launcher_calls(monkeypatch, name: str) -> list:
-    """Records the calls of a Gluon launcher in ops/backward_hopper.py, so a case can assert
+    """Records the calls of a Gluon launcher in ops/gluon/backward_sm90.py, so a case can assert
     that the kernel it was meant for ran."""
-    from s2attn.ops import backward_hopper
+    from s2attn.ops.gluon import backward_sm90
 
     calls = []
-    launch = getattr(backward_hopper, name)
+    launch = getattr(backward_sm90, name)
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(backward_hopper, name, spy)
+    monkeypatch.setattr(backward_sm90, name, spy)
     return calls
 
 
 @pytest.fixture
 def dq_calls(monkeypatch) -> list:
-    return _launcher_calls(monkeypatch, "dq_hopper")
+    return _launcher_calls(monkeypatch, "dq")
 
 
 @pytest.fixture
 def dkdv_calls(monkeypatch) -> list:
-    return _launcher_calls(monkeypatch, "dkdv_hopper")
+    return _launcher_calls(monkeypatch, "dkdv")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -336,20 +374,30 @@ def test_gradients_through_the_dq_kernel(gen, dq_calls, dtype, causal, case):
 
 def _backward_with(gen):
     """fp16 inputs (2k tokens, 4 heads, dim 128), their forward and dK/dV layout: returns a
-    function of (dQ layout tiles, dK/dV and dQ launch options) giving (dq, dk, dv), for setting
-    the Gluon backward kernels beside the Triton ones."""
+    function of (dQ layout tiles, KernelOptions) giving (dq, dk, dv), for setting the Gluon
+    backward kernels beside the Triton ones."""
     seq, heads = 2048, 4
     q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
     pattern = local_stride_pattern(heads, seq, 64, 4, 3)
     out, lse = _run(q, k, v, pattern)
     layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
 
-    def backward(dq_tiles, launch_options):
+    def backward(dq_tiles, options):
         layout_q = forward_layout(pattern, *dq_tiles, q.device)
-        return bwd_ops.backward(
-            g, q, k, v, out, lse, None, layout_kv, layout_q, softmax_scale=128**-0.5,
-            pattern_head_div=1, launch_options=launch_options,
-        )  # fmt: skip
+        return dispatch.backward(
+            g,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            layout_kv,
+            layout_q,
+            softmax_scale=128**-0.5,
+            q_heads_per_pattern_head=1,
+            options=options,
+        )
 
     return backward
 
@@ -362,9 +410,10 @@ def _assert_same_arithmetic(gluon: torch.Tensor, triton: torch.Tensor) -> None:
 
 def test_dq_kernel_matches_the_triton_one(gen):
     backward = _backward_with(gen)
-    triton_dq = backward((64, 64), ({}, {"IMPL": "triton"}))[0]
-    for options in ({}, {"num_buffers": 4}):
-        _assert_same_arithmetic(backward((128, 64), ({}, options))[0], triton_dq)
+    triton_dq = backward((64, 64), KernelOptions(dq_backend="triton"))[0]
+    for config in (GluonDqConfig(), GluonDqConfig(num_buffers=4)):
+        gluon_dq = backward((128, 64), KernelOptions(gluon_dq=config))[0]
+        _assert_same_arithmetic(gluon_dq, triton_dq)
 
 
 # --------------------------------------------------------------------------------- dK/dV kernel
@@ -394,27 +443,42 @@ def test_gradients_through_the_dkdv_kernel(gen, dkdv_calls, dtype, dim, causal, 
     assert len(dkdv_calls) == 1, "this case was meant for the Gluon dK/dV kernel"
 
 
-@pytest.mark.parametrize("options", [
-    {"num_buffers": 2, "heads_per_group": 3},
-    {"num_buffers": 3},  # dim 64 only (shared memory)
-    {"num_buffers": 4},
-])  # fmt: skip
-def test_dkdv_kernel_options(gen, options):
-    seq, heads, dim = 2048, 4, 128 if options["num_buffers"] == 2 else 64
+@pytest.mark.parametrize(
+    "config",
+    [
+        GluonDkdvConfig(num_buffers=2, heads_per_group=3),
+        GluonDkdvConfig(num_buffers=3),  # dim 64 only (shared memory)
+        GluonDkdvConfig(num_buffers=4),
+    ],
+    ids=str,
+)
+def test_dkdv_kernel_options(gen, dkdv_calls, config):
+    seq, heads, dim = 2048, 4, 128 if config.num_buffers == 2 else 64
     q, k, v, g = (_randn(gen, 2, seq, heads, dim, dtype=torch.float16) for _ in range(4))
     pattern = local_stride_pattern(heads, seq, 64, 4, 3)
     out, lse = _run(q, k, v, pattern)
     layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
-    (_, _), dq_tiles = bwd_ops.backward_tile_sizes(dim, q.dtype, q.device)
+    (_, _), dq_tiles = dispatch.backward_tile_sizes(dim, q.dtype, q.device)
     layout_q = forward_layout(pattern, *dq_tiles, q.device)
-    grads = bwd_ops.backward(
-        g, q, k, v, out, lse, None, layout_kv, layout_q, softmax_scale=dim**-0.5,
-        pattern_head_div=1, launch_options=(options, {}),
-    )  # fmt: skip
+    grads = dispatch.backward(
+        g,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        None,
+        layout_kv,
+        layout_q,
+        softmax_scale=dim**-0.5,
+        q_heads_per_pattern_head=1,
+        options=KernelOptions(gluon_dkdv=config),
+    )
     ref = [t.float().requires_grad_() for t in (q, k, v)]
     s2attn.attention_reference(*ref, pattern).backward(g.float())
     for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
         assert_close(got, r.grad, q.dtype, name)
+    assert [call["config"] for call in dkdv_calls] == [config], "meant for the Gluon dK/dV kernel"
 
 
 def test_dkdv_strided_outputs(gen, dkdv_calls):
@@ -433,8 +497,8 @@ def test_dkdv_strided_outputs(gen, dkdv_calls):
 
 def test_dkdv_kernel_matches_the_triton_one(gen):
     backward = _backward_with(gen)
-    gluon = backward((128, 64), ({}, {}))[1:]
-    triton = backward((128, 64), ({"IMPL": "triton"}, {}))[1:]
+    gluon = backward((128, 64), KernelOptions())[1:]
+    triton = backward((128, 64), KernelOptions(dkdv_backend="triton"))[1:]
     for got, want in zip(gluon, triton):
         _assert_same_arithmetic(got, want)
 
@@ -442,9 +506,9 @@ def test_dkdv_kernel_matches_the_triton_one(gen):
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
 def test_work_counter_left_at_zero(gen, dq_calls, dkdv_calls, persistent):
     # The three kernels share one work-item counter per stream and each launch puts it back to
-    # zero (forward_hopper.item_counter): launches back to back, on the default stream and on a
-    # second one, each stay exact, and the counters read zero after.
-    from s2attn.ops.forward_hopper import item_counter
+    # zero (ops/gluon/common_sm90.py, item_counter): launches back to back, on the default stream
+    # and on a second one, each stay exact, and the counters read zero after.
+    from s2attn.ops.gluon.common_sm90 import item_counter
 
     seq, heads = 2048, 4
     pattern = local_stride_pattern(heads, seq, 64, 4, 3)
@@ -454,8 +518,14 @@ def test_work_counter_left_at_zero(gen, dq_calls, dkdv_calls, persistent):
             q, k, v = (
                 _randn(gen, 1, seq, heads, 128, dtype=torch.float16).requires_grad_()
                 for _ in range(3)
-            )  # fmt: skip
-            _check(q.detach(), k.detach(), v.detach(), pattern, {"persistent": persistent})
+            )
+            _check(
+                q.detach(),
+                k.detach(),
+                v.detach(),
+                pattern,
+                GluonForwardConfig(persistent=persistent),
+            )
             _check_gradients(gen, q, k, v, pattern, torch.float16)
             assert item_counter(q.device).item() == 0
     assert len(dq_calls) == 3 and len(dkdv_calls) == 3, "meant for the Gluon backward kernels"

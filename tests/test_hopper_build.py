@@ -23,8 +23,13 @@ BUILD = Path(__file__).with_name("hopper_build.py")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 # Spill bytes (stores, loads) each build may have: the dim-128 dK/dV kernel spills a few scalars
 # in its entry loop, as it did when it landed (benchmarks/NOTES.md, change 15).
-SPILLS = {"forward-64": (0, 0), "forward-128": (0, 0), "dq-128": (0, 0), "dkdv-64": (0, 0),
-          "dkdv-128": (44, 56)}  # fmt: skip
+SPILLS = {
+    "forward-64": (0, 0),
+    "forward-128": (0, 0),
+    "dq-128": (0, 0),
+    "dkdv-64": (0, 0),
+    "dkdv-128": (44, 56),
+}
 
 pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's bundled ptxas is missing")
 
@@ -33,9 +38,12 @@ pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's bundled ptx
 def test_builds_without_spills_or_serialized_wgmma(case):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, os.fspath(BUILD), case], capture_output=True, text=True, env=env,
+        [sys.executable, os.fspath(BUILD), case],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=300,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = done.stdout
     assert "Used " in report, report  # ptxas did report on the kernel

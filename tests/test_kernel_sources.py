@@ -1,4 +1,4 @@
-"""Static checks on the Triton kernels that the CPU interpreter cannot make.
+"""Static checks on the Triton and Gluon kernels that the CPU interpreter cannot make.
 
 The interpreter runs kernels as Python, so a kernel reading a module-level float (say ``LOG2E``)
 works on the CPU and fails to compile on a GPU: compiled kernels may read only constexpr globals.
@@ -12,7 +12,15 @@ import types
 import pytest
 import triton.language as tl
 
-MODULES = ["s2attn.ops.common", "s2attn.ops.forward", "s2attn.ops.backward", "s2attn.ops.decode"]
+MODULES = [
+    "s2attn.ops.triton.common",
+    "s2attn.ops.triton.forward",
+    "s2attn.ops.triton.backward",
+    "s2attn.ops.decode",
+    "s2attn.ops.gluon.common_sm90",
+    "s2attn.ops.gluon.forward_sm90",
+    "s2attn.ops.gluon.backward_sm90",
+]
 
 
 def _kernels(module):

@@ -187,9 +187,16 @@ def test_layouts_are_cached_per_pattern_tiles_and_direction():
 
 @pytest.mark.parametrize(
     "block_m, block_n, match",
-    [(8, 32, "block_m"), (48, 32, "block_m"), (0, 32, "block_m"), (64, 24, "block_n"),
-     (64, 8, "block_n"), (256, 128, "bits"), (128, 256, "bits")],
-)  # fmt: skip
+    [
+        (8, 32, "block_m"),
+        (48, 32, "block_m"),
+        (0, 32, "block_m"),
+        (64, 24, "block_n"),
+        (64, 8, "block_n"),
+        (256, 128, "bits"),
+        (128, 256, "bits"),
+    ],
+)
 def test_invalid_tile_sizes_raise(block_m, block_n, match):
     p = local_stride_pattern(2, 512, 16, 2, 3)
     with pytest.raises(ValueError, match=match):

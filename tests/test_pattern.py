@@ -173,8 +173,19 @@ def test_draw_and_repr():
 
 
 # ------------------------------------------------------------------------------------ builders
-def _local_stride_by_definition(h, i, j, *, group_size, num_sparse_groups, local_blocks,
-                                vert_stride, homo_head, head_offset, causal):  # fmt: skip
+def _local_stride_by_definition(
+    h,
+    i,
+    j,
+    *,
+    group_size,
+    num_sparse_groups,
+    local_blocks,
+    vert_stride,
+    homo_head,
+    head_offset,
+    causal,
+):
     """DESIGN.md's definition, one entry at a time."""
     g = h // group_size
     if g >= num_sparse_groups:
@@ -303,9 +314,14 @@ def test_kv_efficiency_on_hand_made_patterns():
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "num_heads, local_blocks, vert_stride, kwargs",
-    [(4, 2, 4, {}), (8, 1, 5, {}), (2, 3, 7, {"homo_head": True}), (8, 2, 4, {"num_kv_heads": 2}),
-     (6, 1, 3, {"num_dense_heads": 2, "head_offset": 5})],
-)  # fmt: skip
+    [
+        (4, 2, 4, {}),
+        (8, 1, 5, {}),
+        (2, 3, 7, {"homo_head": True}),
+        (8, 2, 4, {"num_kv_heads": 2}),
+        (6, 1, 3, {"num_dense_heads": 2, "head_offset": 5}),
+    ],
+)
 def test_absolute_stride_patterns_are_kv_efficient(
     causal, num_heads, local_blocks, vert_stride, kwargs
 ):

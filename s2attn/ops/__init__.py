@@ -1,1 +1,11 @@
-"""Triton kernels and their launchers. They take layouts and strides, never patterns."""
+"""The attention kernels and the choice among them. Kernels take layouts and strides, never
+patterns.
+
+    dispatch.py   the entry points (forward, backward): which backend runs each pass
+    options.py    KernelOptions: backends and launch settings callers may pin (tests, sweeps)
+    env.py        facts of the machine and process (interpreter, GPU capability, TMA, switches)
+    launch.py     what every launcher derives from the inputs and a layout
+    triton/       Triton kernels and their launchers: forward, backward (dK/dV, dQ)
+    gluon/        warp-specialized Gluon kernels for Hopper: forward_sm90, backward_sm90
+    decode.py     Triton decode kernel over a paged KV cache, and the page writes
+"""

@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 
 from ..layout import DecodeLayout
-from .common import LOG2E, POISON_OUTPUTS, dot_precision, lse_dtype, padded_head_dim
+from .env import POISON_OUTPUTS
+from .launch import LOG2E, lse_dtype
+from .triton.common import dot_precision, padded_head_dim
 
 __all__ = ["decode", "decode_num_splits", "write_pages", "kernels_available", "MAX_DECODE_ROWS"]
 
@@ -394,9 +396,9 @@ def write_pages(
 
 def kernels_available(device: torch.device) -> bool:
     """Whether Triton kernels run on ``device``: a GPU, or the CPU under the interpreter."""
-    from .forward import INTERPRETED
+    from .dispatch import supports_triton
 
-    return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)
+    return supports_triton(device)
 
 
 @functools.cache

@@ -1,6 +1,7 @@
-"""Triton backward kernels (dK/dV and dQ) over the compiled layouts, and their launcher.
+"""Triton backward kernels (dK/dV and dQ) over the compiled layouts, and their launchers.
 
-Up to four launches, none with atomics, so gradients are bit-identical from run to run:
+Up to four launches (``ops/dispatch.py`` orders them, and has the Gluon kernels take some on
+Hopper), none with atomics, so gradients are bit-identical from run to run:
 
 1. ``_row_delta_kernel``: delta = rowsum(dO * O) - dLSE per query row (the softmax Jacobian term;
    the LSE gradient enters here, since dLSE/dS = P).
@@ -19,35 +20,38 @@ pass. Probabilities are recomputed from the saved LSE; nothing of size seq x seq
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..layout import TileLayout
-from .common import (
+from ...layout import TileLayout
+from ..env import tma_allowed
+from ..launch import (
     LOG2E,
-    POISON_OUTPUTS,
-    as_batched,
     check_k_bounds,
-    device_capability,
+    heads_per_program_group,
+    layout_constexprs,
+    query_tiles,
+    sequence_lengths,
+)
+from ..options import TritonBackwardConfig
+from .common import (
+    as_batched,
     dot_precision,
     entry_keep,
     gathered_lists,
-    heads_per_program_group,
-    layout_constexprs,
     lse_strides,
     padded_head_dim,
     program_order,
-    query_tiles,
     sequence_bounds,
-    tma_allowed,
 )
-from .forward import INTERPRETED
 
-__all__ = ["backward", "backward_tile_sizes"]
+__all__ = ["default_dkdv_config", "default_dq_config", "dkdv", "dq", "row_delta"]
 
 
 @triton.jit
@@ -60,7 +64,7 @@ def _row_delta_kernel(
     seqlen, num_heads, stats_seq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
     HAS_STATS: tl.constexpr,
-):  # fmt: skip
+):
     """delta per query row; with HAS_STATS also the Gluon dK/dV kernel's row statistics: rows
     (LSE * log2(e), delta) of a (batch * heads, 2, stats_seq) tensor it reads by bulk copies."""
     bh = tl.program_id(0)
@@ -73,12 +77,12 @@ def _row_delta_kernel(
         Out + b.to(tl.int64) * stride_ob + h * stride_oh
         + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od,
         mask=mask, other=0.0,
-    ).to(Delta.dtype.element_ty)  # fmt: skip
+    ).to(Delta.dtype.element_ty)
     do = tl.load(
         dOut + b.to(tl.int64) * stride_gb + h * stride_gh
         + rows[:, None].to(tl.int64) * stride_gs + offs_d[None, :] * stride_gd,
         mask=mask, other=0.0,
-    ).to(Delta.dtype.element_ty)  # fmt: skip
+    ).to(Delta.dtype.element_ty)
     delta = tl.sum(o * do, axis=1)
     l_off = b.to(tl.int64) * stride_lb + h * stride_lh + rows.to(tl.int64) * stride_ls
     if HAS_DLSE:
@@ -104,7 +108,7 @@ def _dkdv_entries(
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """Accumulate dK, dV of one KV tile over query tiles ``start..end`` of its list.
 
     Works on transposed scores (KV rows x query columns) so dK and dV come out row-major.
@@ -130,11 +134,11 @@ def _dkdv_entries(
             q = tl.load(
                 q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-            )  # fmt: skip
+            )
             do = tl.load(
                 do_base + rows[:, None] * stride_gs + offs_d[None, :] * stride_gd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-            )  # fmt: skip
+            )
         # A literal: compiled kernels may read only constexpr globals (the interpreter reads any).
         lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))
         lse = lse * 1.4426950408889634
@@ -169,7 +173,7 @@ def _row_ptrs(base, start, rows, stride_s, stride_d, BLOCK_D: tl.constexpr):
 def _kv_row_ptrs(
     K, V, k_off, v_off, k_start, rows, stride_ks, stride_kd, stride_vs, stride_vd,
     BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     """Pointers to rows ``rows`` of one (batch, head) of K and V (or dK and dV) at offsets
     ``k_off``, ``v_off``, of a sequence starting at row ``k_start``."""
     return (
@@ -182,7 +186,7 @@ def _kv_row_ptrs(
 def _kv_rows(
     K, V, k_off, v_off, k_start, rows, mask, stride_ks, stride_kd, stride_vs, stride_vd,
     BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     """K and V rows as ``_kv_row_ptrs`` points at them; masked elements read 0."""
     k_ptrs, v_ptrs = _kv_row_ptrs(
         K, V, k_off, v_off, k_start, rows, stride_ks, stride_kd, stride_vs, stride_vd, BLOCK_D
@@ -196,13 +200,14 @@ def _dkdv_over_group(
     list_base, list_stride, Q, dOut, Lse, Delta, Q_desc, dO_desc, b, kv_head, q_start,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_gb, stride_gs, stride_gh, stride_gd,
     stride_lb, stride_lh, stride_ls, kv_abs, k_ok, q_offset, q_len, qk_scale,
-    GQA_GROUP: tl.constexpr, PATTERN_HEAD_DIV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GQA_GROUP: tl.constexpr, Q_HEADS_PER_PATTERN_HEAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """dK, dV of one KV tile summed over the query heads of its GQA group, in registers: head h
-    walks list ``list_base + (h // PATTERN_HEAD_DIV) * list_stride``, full entries then partial."""
+    walks list ``list_base + (h // Q_HEADS_PER_PATTERN_HEAD) * list_stride``, full entries then
+    partial ones."""
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=Lse.dtype.element_ty)
     b64 = b.to(tl.int64)
@@ -212,7 +217,7 @@ def _dkdv_over_group(
         q_base = Q + b64 * stride_qb + q_start * stride_qs + h64 * stride_qh
         do_base = dOut + b64 * stride_gb + q_start * stride_gs + h64 * stride_gh
         l_off = b64 * stride_lb + h64 * stride_lh + q_start * stride_ls
-        group = list_base + (h // PATTERN_HEAD_DIV) * list_stride
+        group = list_base + (h // Q_HEADS_PER_PATTERN_HEAD) * list_stride
         for masked in tl.static_range(2):  # the unmasked full entries, then the partial ones
             if masked:
                 offsets, cols = offsets_partial, cols_partial
@@ -226,7 +231,7 @@ def _dkdv_over_group(
                 kv_abs, k_ok, q_offset, q_len, qk_scale,
                 HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
                 masked == 1, CAUSAL, USE_TMA, DOT_PRECISION,
-            )  # fmt: skip
+            )
     return dk, dv
 
 
@@ -243,12 +248,12 @@ def _dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_lb, stride_lh, stride_ls,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, qk_scale, softmax_scale,
-    NUM_KV_HEADS: tl.constexpr, GQA_GROUP: tl.constexpr, PATTERN_HEAD_DIV: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GQA_GROUP: tl.constexpr, Q_HEADS_PER_PATTERN_HEAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_IN_REGS: tl.constexpr,
-):  # fmt: skip
+):
     # KV tiles in order (the first ones, which later stride rows use, have the longest lists).
     bh, n = program_order(tl.program_id(0), grid_tiles, heads_per_group)
     b = bh // NUM_KV_HEADS
@@ -277,14 +282,14 @@ def _dkdv_kernel(
         n, layout_tiles, Q, dOut, Lse, Delta, Q_desc, dO_desc, b, kv_head, q_start,
         stride_qb, stride_qs, stride_qh, stride_qd, stride_gb, stride_gs, stride_gh, stride_gd,
         stride_lb, stride_lh, stride_ls, kv_abs, k_ok, q_offset, q_len, qk_scale,
-        GQA_GROUP, PATTERN_HEAD_DIV, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP,
-        BITS_PER_ROW, CAUSAL, USE_TMA, DOT_PRECISION,
-    )  # fmt: skip
+        GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP,
+        COL_GROUP, BITS_PER_ROW, CAUSAL, USE_TMA, DOT_PRECISION,
+    )
     dk *= softmax_scale
     dk_ptrs, dv_ptrs = _kv_row_ptrs(
         dK, dV, b64 * stride_dkb + kh64 * stride_dkh, b64 * stride_dvb + kh64 * stride_dvh,
         k_start, kv_abs, stride_dks, stride_dkd, stride_dvs, stride_dvd, BLOCK_D,
-    )  # fmt: skip
+    )
     tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
@@ -306,7 +311,7 @@ def _dkdv_gathered_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-):  # fmt: skip
+):
     """Add the far uses of gathered KV tiles (``layout.GatheredKVTiles``) to dK and dV, which the
     contiguous dK/dV pass has written: one program per (tile, batch). A tile's pattern head is
     its KV head (the launcher gathers only then), and each of its key blocks is in no other
@@ -339,11 +344,11 @@ def _dkdv_gathered_kernel(
         stride_lb, stride_lh, stride_ls, kv_abs, k_ok, q_offset, q_len, qk_scale,
         GQA_GROUP, 1, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP,
         BITS_PER_ROW, False, USE_TMA, DOT_PRECISION,
-    )  # fmt: skip
+    )
     dk_ptrs, dv_ptrs = _kv_row_ptrs(
         dK, dV, b64 * stride_dkb + kh64 * stride_dkh, b64 * stride_dvb + kh64 * stride_dvh,
         k_start, kv_abs, stride_dks, stride_dkd, stride_dvs, stride_dvd, BLOCK_D,
-    )  # fmt: skip
+    )
     # The near uses' sums, already rounded to the gradient's dtype (one extra rounding of that
     # part in 2-byte dtypes; the far part, most of a stride block's sum, is rounded once).
     dk = dk * softmax_scale + tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(dk.dtype)
@@ -363,7 +368,7 @@ def _dq_entries(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
     USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GATHER: tl.constexpr = False,
-):  # fmt: skip
+):
     """Accumulate dQ of one query tile over KV tiles ``start..end`` of its list.
 
     GATHER entries are gathered KV tiles, as in the forward: BITS_PER_ROW block indices per entry,
@@ -397,11 +402,11 @@ def _dq_entries(
             k = tl.load(
                 k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                 mask=kv_mask, other=0.0,
-            )  # fmt: skip
+            )
             v = tl.load(
                 v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0,
-            )  # fmt: skip
+            )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
@@ -432,13 +437,13 @@ def _dq_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh, stride_ls,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, qk_scale, softmax_scale,
-    NUM_HEADS: tl.constexpr, GQA_GROUP: tl.constexpr, PATTERN_HEAD_DIV: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GQA_GROUP: tl.constexpr, Q_HEADS_PER_PATTERN_HEAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BITS_PER_ROW: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, A_IN_REGS: tl.constexpr,
     HOST_DESC: tl.constexpr, GATHER: tl.constexpr,
-):  # fmt: skip
+):
     bh, tile_rank = program_order(tl.program_id(0), grid_tiles, heads_per_group)
     b = bh // NUM_HEADS
     h = bh % NUM_HEADS
@@ -461,12 +466,12 @@ def _dq_kernel(
         Q + b64 * stride_qb + (q_start + rows[:, None]) * stride_qs + h64 * stride_qh
         + offs_d[None, :] * stride_qd,
         mask=row_mask, other=0.0,
-    )  # fmt: skip
+    )
     do = tl.load(
         dOut + b64 * stride_gb + (q_start + rows[:, None]) * stride_gs + h64 * stride_gh
         + offs_d[None, :] * stride_gd,
         mask=row_mask, other=0.0,
-    )  # fmt: skip
+    )
     if A_IN_REGS:
         # As in dK/dV: q and dO stay in registers as MMA A operands.
         q = tl.where(row_mask, q, 0.0)
@@ -490,7 +495,7 @@ def _dq_kernel(
     else:
         k_desc = k_base
         v_desc = v_base
-    group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
+    group = (h // Q_HEADS_PER_PATTERN_HEAD) * layout_tiles + tile
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=Lse.dtype.element_ty)
     # The unmasked full entries, the partial ones, then (GATHER) gathered full and partial ones.
     for kind in tl.static_range(2 + 2 * GATHER):
@@ -509,49 +514,47 @@ def _dq_kernel(
             stride_vd, rows_abs, k_len, qk_scale,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
             kind % 2 == 1, CAUSAL, CHECK_K_BOUNDS, USE_TMA, HOST_DESC, DOT_PRECISION, kind >= 2,
-        )  # fmt: skip
+        )
     dq *= softmax_scale
     tl.store(
         dQ + b64 * stride_dqb + (q_start + rows[:, None]) * stride_dqs + h64 * stride_dqh
         + offs_d[None, :] * stride_dqd,
         dq.to(dQ.dtype.element_ty), mask=row_mask,
-    )  # fmt: skip
+    )
 
 
-def backward_tile_sizes(
-    head_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((block_m, block_n) for dK/dV, (block_m, block_n) for dQ).
-
-    dK/dV programs hold a KV tile and its two accumulators, so their query tiles stay small;
-    dQ programs hold one accumulator, so they take tall query tiles and narrow KV tiles.
-    """
-    if device.type != "cuda":
-        return (32, 64), (64, 32)
-    if dtype.itemsize > 2 or head_dim > 128:
-        return (32, 64), (64, 32)
-    if head_dim == 128 and device_capability(device) == (9, 0):
-        # The Gluon dQ kernel (ops/backward_hopper.py) walks the forward's 128x64 tiles. At dim
-        # 64 it measured no faster than the Triton one (H100, 8k fwd+bwd 1.16 vs 1.11 ms).
-        return (64, 64), (128, 64)
-    # Measured on H100 (benchmarks/sweep_tiles.py, 32k, V16, dim 128, bf16): 64x64 tiles with
-    # 4 warps and 2 stages were best for both kernels among 20 and 16 configurations.
-    return (64, 64), (64, 64)
+# Measured on H100 (benchmarks/tuning/sweep_kernels.py and sweep_tiles.py, 32k, V16, dim 128,
+# bf16; benchmarks/NOTES.md): 64x64 tiles with 4 warps and 2 stages were best for both kernels
+# among 20 and 16 configurations; TMA loads help both; dK/dV is fastest with 4 heads interleaved,
+# dQ with one at a time. A_IN_REGS (MMA A operands kept in registers) measured slower in both.
 
 
-def _launch_options(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """(dK/dV, dQ) launch options: warps, pipeline depth, bulk tensor copies (USE_TMA), how many
-    heads' tiles run interleaved (HEADS_PER_GROUP, see ``program_order``).
+@functools.cache
+def default_dkdv_config(head_dim: int, dtype: torch.dtype) -> TritonBackwardConfig:
+    """The measured launch of the dK/dV kernels for a head dim and dtype."""
+    return _default_config(head_dim, dtype, heads_per_group=4)
 
-    Measured on H100 (benchmarks/sweep_kernels.py, 32k, V16, dim 128, bf16; benchmarks/NOTES.md):
-    TMA loads help both kernels; dK/dV is fastest with 4 heads interleaved, dQ with one at a time.
-    A_IN_REGS (MMA A operands kept in registers) measured slower in both and stays off.
-    """
-    if head_dim > 128 or dtype.itemsize > 2:
-        options = {"num_warps": 8, "num_stages": 1, "USE_TMA": True, "A_IN_REGS": False}
-    else:
-        options = {"num_warps": 4, "num_stages": 2, "USE_TMA": True, "A_IN_REGS": False}
-    return {**options, "HEADS_PER_GROUP": 4}, {**options, "HEADS_PER_GROUP": 1}
+
+@functools.cache
+def default_dq_config(head_dim: int, dtype: torch.dtype, block_m: int) -> TritonBackwardConfig:
+    """The measured launch of the dQ kernel for a head dim, dtype and query tile height."""
+    config = _default_config(head_dim, dtype, heads_per_group=1)
+    if block_m > 64:
+        return replace(config, num_warps=8)  # 128-row tiles (sm_90 layouts) spill at 4 warps
+    return config
+
+
+def _default_config(
+    head_dim: int, dtype: torch.dtype, heads_per_group: int
+) -> TritonBackwardConfig:
+    wide = head_dim > 128 or dtype.itemsize > 2
+    return TritonBackwardConfig(
+        num_warps=8 if wide else 4,
+        num_stages=1 if wide else 2,
+        use_tma=True,
+        heads_per_group=heads_per_group,
+        a_in_regs=False,
+    )
 
 
 def _host_descriptors(use: bool, a: torch.Tensor, b: torch.Tensor, rows: int) -> tuple:
@@ -563,148 +566,103 @@ def _host_descriptors(use: bool, a: torch.Tensor, b: torch.Tensor, rows: int) ->
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (a, b))
 
 
-def backward(
+def row_delta(
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    delta: torch.Tensor,
+    stats: torch.Tensor | None,
+    *,
+    varlen: bool,
+) -> None:
+    """Fill ``delta`` (like ``lse``) with rowsum(dO * O) - dLSE; with ``stats`` also the Gluon
+    dK/dV kernel's row statistics, (batch * heads, 2, padded seq) float32."""
+    (o4, o_st), (g4, g_st) = as_batched(out, varlen), as_batched(grad_out, varlen)
+    num_heads, head_dim = out.shape[-2], out.shape[-1]
+    rows_total = out.shape[0] if varlen else out.shape[1]
+    l_st = lse_strides(lse, varlen)
+    _row_delta_kernel[(o4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
+        o4, g4, lse, grad_lse if grad_lse is not None else lse, delta,
+        delta if stats is None else stats,
+        *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
+        rows_total, num_heads, 0 if stats is None else stats.shape[-1],
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=64,
+        HAS_DLSE=grad_lse is not None, HAS_STATS=stats is not None,
+    )
+
+
+def dkdv(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
     lse: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    dkdv_layout: TileLayout,
-    dq_layout: TileLayout,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    layout: TileLayout,
     *,
     softmax_scale: float,
-    pattern_head_div: int,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-    launch_options: tuple[dict[str, int], dict[str, int]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of q, k, v (shapes as the inputs to :func:`s2attn.ops.forward.forward`).
-
-    ``dkdv_layout`` is a backward (per-KV-tile) layout, ``dq_layout`` a forward one. ``dq``, ``dk``,
-    ``dv`` may be given as views to write into (e.g. slices of one packed dqkv tensor).
-    ``launch_options`` overrides (num_warps, num_stages, USE_TMA) of the dK/dV and dQ kernels.
-    """
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
-    num_kv_heads = k.shape[-2]
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
-    if POISON_OUTPUTS:
-        for t in (dq, dk, dv):
-            t.fill_(float("nan"))
-    if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-
+    q_heads_per_pattern_head: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    config: TritonBackwardConfig,
+    contiguous: bool = True,
+) -> None:
+    """Fill ``dk`` and ``dv`` (like k) on a backward layout: the contiguous pass, then the
+    gathered KV tiles' far uses when the layout has them. ``contiguous=False`` launches only the
+    latter, on dK and dV that another kernel wrote. Shapes as :func:`s2attn.ops.dispatch.backward`
+    takes them; ``config``'s fields left None take ``default_dkdv_config``."""
+    gathered = layout.gathered_kv
+    if not contiguous and gathered is None:
+        return
+    varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
+        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
+    )
+    num_heads, head_dim, num_kv_heads = q.shape[-2], q.shape[-1], k.shape[-2]
+    if gathered is not None and layout.num_heads != num_kv_heads:
+        raise ValueError(
+            "gathered KV tiles need one pattern head per KV head: build the dK/dV layout "
+            "without gather for patterns over the query heads of a GQA group"
+        )
+    config = config.over(default_dkdv_config(head_dim, q.dtype))
+    # Query tiles start before row 0 when there are fewer queries than keys (bottom-right
+    # alignment); tensor descriptors take them only when none can.
+    use_tma = (
+        config.use_tma
+        and not varlen
+        and seqlen_q == seqlen_k
+        and tma_allowed(q.device, q, grad_out)
+    )
+    q_desc, do_desc = _host_descriptors(use_tma, q, grad_out, layout.block_m)
     (q4, q_st), (k4, k_st), (v4, v_st) = (as_batched(t, varlen) for t in (q, k, v))
-    (o4, o_st), (g4, g_st) = as_batched(out, varlen), as_batched(grad_out, varlen)
-    (dq4, dq_st), (dk4, dk_st), (dv4, dv_st) = (as_batched(t, varlen) for t in (dq, dk, dv))
+    (g4, g_st), (dk4, dk_st), (dv4, dv_st) = (as_batched(t, varlen) for t in (grad_out, dk, dv))
     l_st = lse_strides(lse, varlen)
     cu_q = cu_seqlens_q if varlen else lse  # not read when not varlen
     cu_k = cu_seqlens_k if varlen else lse
     block_d = padded_head_dim(head_dim)
-    dkdv_options, dq_options = _launch_options(head_dim, q.dtype)
-    if launch_options is not None:
-        dkdv_options = {**dkdv_options, **launch_options[0]}
-        dq_options = {**dq_options, **launch_options[1]}
-    # dK/dV's query tiles start before row 0 when there are fewer queries than keys (bottom-right
-    # alignment); tensor descriptors take them only when none can.
-    if dkdv_options["USE_TMA"] and (
-        varlen or seqlen_q != seqlen_k or not tma_allowed(q.device, q, grad_out)
-    ):
-        dkdv_options["USE_TMA"] = False
-    if dq_options["USE_TMA"] and not tma_allowed(q.device, k, v):
-        dq_options["USE_TMA"] = False
-    # Descriptors made once here rather than per program; packed sequences need per-sequence
-    # bounds, so dQ makes its own there (dK/dV takes none).
-    dq_options["HOST_DESC"] = dq_options["USE_TMA"] and not varlen
     dot = dot_precision(q.dtype)
-
-    gluon_dkdv = dkdv_options.pop("IMPL", "auto") != "triton" and _hopper_dkdv_takes(
-        grad_out, q, k, v, dk, dv, dkdv_layout, varlen=varlen
-    )
-    # The Triton dK/dV kernels' q, dO descriptors (made only when one of them runs: host time).
-    if not gluon_dkdv or dkdv_layout.gathered_kv is not None:
-        q_desc, do_desc = _host_descriptors(
-            dkdv_options["USE_TMA"], q, grad_out, dkdv_layout.block_m
-        )
-    lay = dq_layout
-    num_tiles = query_tiles(lay.block_m, seqlen_q, seqlen_k, varlen)
-    k_bounds = check_k_bounds(lay, seqlen_k, varlen)
-    gluon_dq = dq_options.pop("IMPL", "auto") != "triton" and _hopper_dq_takes(
-        grad_out, q, k, v, out, dq, lay, varlen=varlen, check_k_bounds=k_bounds,
-        softmax_scale=softmax_scale,
-    )  # fmt: skip
-    delta = torch.empty_like(lse)
-    rows_total = q.shape[0] if varlen else seqlen_q
-    # Row statistics of the Gluon dK/dV kernel: rows padded to 16 bytes for its bulk copies.
-    stats = None
-    if gluon_dkdv:
-        stats_shape = (q4.shape[0] * num_heads, 2, -(-rows_total // 4) * 4)
-        stats = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
-    if gluon_dq:
-        # Runs first: it computes delta (and the row statistics) on the way.
-        from .backward_hopper import dq_hopper
-
-        dq_hopper(
-            grad_out, q, k, v, out, lse, grad_lse, delta, stats, dq, lay,
-            softmax_scale=softmax_scale, pattern_head_div=pattern_head_div, num_tiles=num_tiles,
-            **{key: dq_options[key] for key in _HOPPER_DQ_OPTIONS if key in dq_options},
-        )  # fmt: skip
-    else:
-        _row_delta_kernel[(q4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
-            o4, g4, lse, grad_lse if grad_lse is not None else lse, delta,
-            delta if stats is None else stats,
-            *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
-            rows_total, num_heads, 0 if stats is None else stats.shape[-1],
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, HAS_DLSE=grad_lse is not None,
-            HAS_STATS=stats is not None,
-        )  # fmt: skip
-
-    lay = dkdv_layout
-    kv_tiles = math.ceil(seqlen_k / lay.block_n)
-    group = heads_per_program_group(batch * num_kv_heads, dkdv_options.pop("HEADS_PER_GROUP", 1))
-    hopper_dkdv_options = {
-        key: dkdv_options.pop(key) for key in _HOPPER_DKDV_OPTIONS if key in dkdv_options
-    }
-    if gluon_dkdv:
-        from .backward_hopper import dkdv_hopper
-
-        dkdv_hopper(
-            grad_out, q, k, v, stats, dk, dv, lay, softmax_scale=softmax_scale,
-            pattern_head_div=pattern_head_div, **hopper_dkdv_options,
-        )  # fmt: skip
-    else:
+    if contiguous:
+        kv_tiles = math.ceil(seqlen_k / layout.block_n)
+        group = heads_per_program_group(batch * num_kv_heads, config.heads_per_group)
         _dkdv_kernel[(batch * num_kv_heads * kv_tiles,)](
             q4, k4, v4, g4, lse, delta, dk4, dv4,
-            lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols,
-            lay.partial_bits, cu_q, cu_k, q_desc, do_desc,
+            layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_cols,
+            layout.partial_bits, cu_q, cu_k, q_desc, do_desc,
             *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
-            seqlen_q, seqlen_k, lay.num_groups, kv_tiles, group, softmax_scale * LOG2E,
+            seqlen_q, seqlen_k, layout.num_groups, kv_tiles, group, softmax_scale * LOG2E,
             softmax_scale,
             NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
-            PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            VARLEN=varlen, DOT_PRECISION=dot, **layout_constexprs(lay), **dkdv_options,
-        )  # fmt: skip
-    if lay.gathered_kv is not None:
-        g = lay.gathered_kv
-        if lay.num_heads != num_kv_heads:
-            raise ValueError(
-                "gathered KV tiles need one pattern head per KV head: build the dK/dV layout "
-                "without gather for patterns over the query heads of a GQA group"
-            )
+            Q_HEADS_PER_PATTERN_HEAD=q_heads_per_pattern_head, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, VARLEN=varlen, DOT_PRECISION=dot, **layout_constexprs(layout),
+            USE_TMA=use_tma, A_IN_REGS=config.a_in_regs,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    if gathered is not None:
+        g = gathered
         _dkdv_gathered_kernel[(g.num_tiles * batch,)](
             q4, k4, v4, g4, lse, delta, dk4, dv4,
             g.heads, g.blocks, g.full_offsets, g.full_cols, g.partial_offsets, g.partial_cols,
@@ -712,62 +670,62 @@ def backward(
             *q_st, *k_st, *v_st, *g_st, *dk_st, *dv_st, *l_st,
             seqlen_q, seqlen_k, batch, softmax_scale * LOG2E, softmax_scale,
             GQA_GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, ROW_GROUP=lay.row_group,
-            COL_GROUP=lay.col_group, BITS_PER_ROW=lay.bits_per_row, VARLEN=varlen,
-            DOT_PRECISION=dot, USE_TMA=dkdv_options["USE_TMA"],
-            num_warps=dkdv_options["num_warps"], num_stages=dkdv_options["num_stages"],
-        )  # fmt: skip
-    if gluon_dq:
-        return dq, dk, dv
-    k_desc, v_desc = _host_descriptors(dq_options["HOST_DESC"], k, v, dq_layout.block_n)
-    lay = dq_layout
-    if lay.block_m > 64 and "num_warps" not in (launch_options or ({}, {}))[1]:
-        dq_options["num_warps"] = 8  # 128-row tiles (sm_90 layouts) spill at 4 warps
-    for key in _HOPPER_DQ_OPTIONS:
-        dq_options.pop(key, None)
-    group = heads_per_program_group(batch * num_heads, dq_options.pop("HEADS_PER_GROUP", 1))
-    gather = lay.gather_width > 0
+            BLOCK_M=layout.block_m, BLOCK_N=layout.block_n, ROW_GROUP=layout.row_group,
+            COL_GROUP=layout.col_group, BITS_PER_ROW=layout.bits_per_row, VARLEN=varlen,
+            DOT_PRECISION=dot, USE_TMA=use_tma,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+
+def dq(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    layout: TileLayout,
+    *,
+    softmax_scale: float,
+    q_heads_per_pattern_head: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    config: TritonBackwardConfig,
+) -> None:
+    """Fill ``dq`` (like q) on a forward layout, gathered entries included; shapes as
+    :func:`s2attn.ops.dispatch.backward` takes them. ``config``'s fields left None take
+    ``default_dq_config``."""
+    varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
+        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
+    )
+    num_heads, head_dim, num_kv_heads = q.shape[-2], q.shape[-1], k.shape[-2]
+    config = config.over(default_dq_config(head_dim, q.dtype, layout.block_m))
+    use_tma = config.use_tma and tma_allowed(q.device, k, v)
+    # Descriptors made once here rather than per program; packed sequences need per-sequence
+    # bounds, so the kernel makes its own there.
+    host_desc = use_tma and not varlen
+    k_desc, v_desc = _host_descriptors(host_desc, k, v, layout.block_n)
+    (q4, q_st), (k4, k_st), (v4, v_st) = (as_batched(t, varlen) for t in (q, k, v))
+    (g4, g_st), (dq4, dq_st) = as_batched(grad_out, varlen), as_batched(dq, varlen)
+    cu_q = cu_seqlens_q if varlen else lse  # not read when not varlen
+    cu_k = cu_seqlens_k if varlen else lse
+    num_tiles = query_tiles(layout.block_m, seqlen_q, seqlen_k, varlen)
+    group = heads_per_program_group(batch * num_heads, config.heads_per_group)
     _dq_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, g4, lse, delta, dq4,
-        lay.full_offsets, lay.full_cols, lay.partial_offsets, lay.partial_cols, lay.partial_bits,
-        *gathered_lists(lay), cu_q, cu_k, k_desc, v_desc,
-        *q_st, *k_st, *v_st, *g_st, *dq_st, *l_st,
-        seqlen_q, seqlen_k, lay.num_groups, num_tiles, group, softmax_scale * LOG2E, softmax_scale,
+        layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_cols,
+        layout.partial_bits, *gathered_lists(layout), cu_q, cu_k, k_desc, v_desc,
+        *q_st, *k_st, *v_st, *g_st, *dq_st, *lse_strides(lse, varlen),
+        seqlen_q, seqlen_k, layout.num_groups, num_tiles, group, softmax_scale * LOG2E,
+        softmax_scale,
         NUM_HEADS=num_heads, GQA_GROUP=num_heads // num_kv_heads,
-        PATTERN_HEAD_DIV=pattern_head_div, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        VARLEN=varlen, CHECK_K_BOUNDS=k_bounds, GATHER=gather,
-        DOT_PRECISION=dot, **layout_constexprs(lay), **dq_options,
-    )  # fmt: skip
-    return dq, dk, dv
-
-
-# Launch options of the Gluon kernels (ops/backward_hopper.py ``dq_hopper``, ``dkdv_hopper``),
-# for sweeps.
-_HOPPER_DQ_OPTIONS = ("num_buffers", "persistent")
-_HOPPER_DKDV_OPTIONS = ("num_buffers", "heads_per_group")
-
-
-def _hopper_dkdv_takes(grad_out, q, k, v, dk, dv, layout, *, varlen) -> bool:
-    """Whether the Gluon dK/dV kernel (ops/backward_hopper.py) runs this call: sm_90, 2-byte
-    dense inputs fit for bulk copies, head dim 64 or 128, as many queries as keys, 64x64 tiles,
-    and dK, dV with the same strides."""
-    if INTERPRETED or q.device.type != "cuda" or varlen or q.shape[1] != k.shape[1]:
-        return False
-    if dk.stride() != dv.stride() or dk.stride(-1) != 1:
-        return False
-    if (layout.block_m, layout.block_n) != (64, 64) or layout.bits_per_row >= 32:
-        return False
-    from .forward_hopper import runs_on
-
-    return runs_on(q) and tma_allowed(q.device, q, k, v, grad_out)
-
-
-def _hopper_dq_takes(grad_out, q, k, v, out, dq, layout, **kwargs) -> bool:
-    """Whether the Gluon dQ kernel (ops/backward_hopper.py) runs this call: the Gluon forward's
-    cases (``forward_hopper.supported``) at head dim 128, with dO and O fit for bulk copies and
-    dQ's last dim dense."""
-    if INTERPRETED or q.device.type != "cuda" or dq.stride(-1) != 1 or q.shape[-1] != 128:
-        return False
-    from .forward_hopper import supported
-
-    return supported(q, k, v, layout, **kwargs) and tma_allowed(q.device, grad_out, out)
+        Q_HEADS_PER_PATTERN_HEAD=q_heads_per_pattern_head, HEAD_DIM=head_dim,
+        BLOCK_D=padded_head_dim(head_dim), VARLEN=varlen,
+        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, varlen),
+        GATHER=layout.gather_width > 0, DOT_PRECISION=dot_precision(q.dtype),
+        **layout_constexprs(layout), USE_TMA=use_tma, A_IN_REGS=config.a_in_regs,
+        HOST_DESC=host_desc, num_warps=config.num_warps, num_stages=config.num_stages,
+    )

@@ -14,39 +14,43 @@ The kernel knows layouts and strides only, never patterns.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..layout import TileLayout
-from .common import (
+from ...layout import TileLayout
+from ..env import tma_allowed
+from ..launch import (
     LOG2E,
-    POISON_OUTPUTS,
-    as_batched,
     check_k_bounds,
+    heads_per_program_group,
+    layout_constexprs,
+    query_tiles,
+    sequence_lengths,
+)
+from ..options import TritonForwardConfig
+from .common import (
+    as_batched,
     dot_precision,
     entry_keep,
     gathered_lists,
-    heads_per_program_group,
-    layout_constexprs,
-    lse_dtype,
     lse_strides,
     padded_head_dim,
     program_order,
-    query_tiles,
     sequence_bounds,
-    tma_allowed,
 )
 
-__all__ = ["forward", "forward_tile_sizes", "INTERPRETED"]
+__all__ = ["default_config", "forward"]
 
 
 @triton.jit
 def _kv_rows(
     k_base, v_base, cols, seq_k, stride_ks, stride_kd, stride_vs, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUNDS: tl.constexpr,
-):  # fmt: skip
+):
     """K transposed (BLOCK_D, len(cols)) and V (len(cols), BLOCK_D) at key positions ``cols``
     through pointer loads; zero past the head dim and, when BOUNDS, at or past seq_k."""
     k_ok = cols < seq_k
@@ -78,7 +82,7 @@ def _kv_tile(
     stride_ks, stride_kd, stride_vs, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BOUNDS: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr,
-):  # fmt: skip
+):
     """K transposed and V of KV tile ``n``, by bulk tensor copy (USE_TMA) or pointer loads."""
     if USE_TMA and HOST_DESC:
         # (batch, seq, heads, dim) descriptors made on the host: zero past seq_k and HEAD_DIM.
@@ -92,7 +96,7 @@ def _kv_tile(
         kt, v = _kv_rows(
             k_base, v_base, n * BLOCK_N + tl.arange(0, BLOCK_N), seq_k,
             stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_D, BOUNDS,
-        )  # fmt: skip
+        )
     return kt, v
 
 
@@ -100,7 +104,7 @@ def _kv_tile(
 def _softmax_step(
     acc, l_i, m_i, s, v, qk_scale,
     MAY_BE_EMPTY: tl.constexpr, POS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """One online-softmax update with a (masked) score tile ``s``: unscaled when POS_SCALE (the
     row max is scaled once per row and ``exp2(s * qk_scale - m)`` is one FMA per element),
     already scaled otherwise."""
@@ -135,7 +139,7 @@ def _attend_entries(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_K_BOUNDS: tl.constexpr,
     POS_SCALE: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr, PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GATHER: tl.constexpr = False,
-):  # fmt: skip
+):
     """Online softmax over the entries ``start..end`` of one tile's list.
 
     GATHER entries are gathered KV tiles: ``cols_ptr`` holds BITS_PER_ROW pattern block indices
@@ -159,7 +163,7 @@ def _attend_entries(
             kt, v = _kv_rows(
                 k_base, v_base, cols, seq_k, stride_ks, stride_kd, stride_vs, stride_vd,
                 HEAD_DIM, BLOCK_D, CHECK_K_BOUNDS,
-            )  # fmt: skip
+            )
             s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC)
             if not POS_SCALE:
                 s = s * qk_scale
@@ -180,14 +184,14 @@ def _attend_entries(
             kt, v = _kv_rows(
                 k_base, v_base, cols, seq_k, stride_ks, stride_kd, stride_vs, stride_vd,
                 HEAD_DIM, BLOCK_D, True,
-            )  # fmt: skip
+            )
         else:
             n = tl.load(cols_ptr + e)
             kt, v = _kv_tile(
                 k_base, v_base, k_desc, v_desc, desc_b, desc_h, n, seq_k,
                 stride_ks, stride_kd, stride_vs, stride_vd,
                 HEAD_DIM, BLOCK_N, BLOCK_D, MASKED or CHECK_K_BOUNDS, USE_TMA, HOST_DESC,
-            )  # fmt: skip
+            )
             cols = n * BLOCK_N + offs_n
         s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC)
         if not POS_SCALE:
@@ -204,7 +208,7 @@ def _attend_entries(
         acc, l_i, m_i = _softmax_step(
             acc, l_i, m_i, s, v, qk_scale, MASKED or CHECK_K_BOUNDS or GATHER, POS_SCALE,
             DOT_PRECISION,
-        )  # fmt: skip
+        )
     return acc, l_i, m_i
 
 
@@ -256,7 +260,7 @@ def _forward_kernel(
     qk_scale,
     NUM_HEADS: tl.constexpr,
     GQA_GROUP: tl.constexpr,
-    PATTERN_HEAD_DIV: tl.constexpr,
+    Q_HEADS_PER_PATTERN_HEAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -308,7 +312,7 @@ def _forward_kernel(
         # in registers, so the QK^T MMAs read only K from shared memory (half the traffic).
         q = tl.where(row_ok[:, None], q, 0.0)
 
-    group = (h // PATTERN_HEAD_DIV) * layout_tiles + tile
+    group = (h // Q_HEADS_PER_PATTERN_HEAD) * layout_tiles + tile
     if USE_TMA and HOST_DESC:
         k_desc = K_desc
         v_desc = V_desc
@@ -336,7 +340,7 @@ def _forward_kernel(
         rows_abs, k_len, qk_scale,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
         False, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, PAIR, DOT_PRECISION,
-    )  # fmt: skip
+    )
     if GATHER:
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, gather_full_blocks, gather_partial_bits,
@@ -346,7 +350,7 @@ def _forward_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
             False, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
             True,
-        )  # fmt: skip
+        )
     acc, l_i, m_i = _attend_entries(
         acc, l_i, m_i, q, partial_cols, partial_bits,
         tl.load(partial_offsets + group), tl.load(partial_offsets + group + 1),
@@ -354,7 +358,7 @@ def _forward_kernel(
         rows_abs, k_len, qk_scale,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
         True, CAUSAL, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
-    )  # fmt: skip
+    )
     if GATHER:
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, gather_partial_blocks, gather_partial_bits,
@@ -364,7 +368,7 @@ def _forward_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
             True, False, CHECK_K_BOUNDS, POS_SCALE, USE_TMA, HOST_DESC, False, DOT_PRECISION,
             True,
-        )  # fmt: skip
+        )
 
     # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
@@ -381,125 +385,71 @@ def _forward_kernel(
     tl.store(l_base + rows * stride_ls, lse, mask=row_ok)
 
 
-def forward_tile_sizes(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
-    """(block_m, block_n) for the forward kernel.
+@functools.cache
+def default_config(head_dim: int, dtype: torch.dtype) -> TritonForwardConfig:
+    """The measured launch for a head dim and dtype (benchmarks/NOTES.md has the measurements).
 
-    128-row tiles give the tensor cores full-height MMAs and, with 64-token blocks, merge two query
-    blocks per tile (Merge-Q halves the KV traffic). 256-wide heads and fp32 halve the tile to stay
-    inside shared memory. Under the interpreter, large tiles mean fewer (slow) programs.
+    H100, 32k, V16, dim 128, bf16 (benchmarks/tuning/sweep_tiles.py): 4 warps and 2 stages beat
+    8 warps / 3 stages by 10% at 128x64 tiles; deeper pipelines lost. K/V through bulk tensor
+    copies: +8% at 32k, with descriptors made once on the host. One head's tiles at a time
+    (``program_order``): +7-10% at 32k. Pairs of KV tiles per step (``pair``) and q as a register
+    operand (``q_in_regs``) measured no faster and stay off.
     """
-    if device.type != "cuda":
-        return 64, 32
-    if dtype.itemsize > 2 or head_dim > 128:
-        return 64, 64 if head_dim <= 128 else 32
-    return 128, 64
-
-
-def _launch_options(head_dim: int, block_m: int, dtype: torch.dtype) -> dict[str, int]:
-    # Measured on H100 (benchmarks/sweep_tiles.py, 32k, V16, dim 128, bf16): 4 warps and 2 stages
-    # beat 8 warps / 3 stages by 10% at 128x64 tiles; deeper pipelines lost.
-    if head_dim > 128 or dtype.itemsize > 2:
-        return {"num_warps": 8, "num_stages": 2}
-    return {"num_warps": 4, "num_stages": 2}
-
-
-def _loop_options(head_dim: int, dtype: torch.dtype) -> dict[str, bool]:
-    """Compile-time choices of the KV loop (benchmarks/NOTES.md has the measurements).
-
-    USE_TMA: K/V through bulk tensor copies, where the GPU and strides allow (+8% at 32k).
-    HOST_DESC: their descriptors made once on the host rather than per program (not for packed
-    sequences).
-    HEADS_PER_GROUP: one head's tiles at a time (see ``program_order``; +7-10% at 32k).
-    PAIR (gathered 128-wide KV tiles) and Q_IN_REGS (q as a register MMA operand) measured no
-    faster on H100 and stay off; they remain switches for sweeps.
-    """
-    return {
-        "USE_TMA": True, "HOST_DESC": True, "HEADS_PER_GROUP": 1, "PAIR": False, "Q_IN_REGS": False
-    }
+    wide = head_dim > 128 or dtype.itemsize > 2
+    return TritonForwardConfig(
+        num_warps=8 if wide else 4,
+        num_stages=2,
+        use_tma=True,
+        host_desc=True,
+        heads_per_group=1,
+        pair=False,
+        q_in_regs=False,
+    )
 
 
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     layout: TileLayout,
     *,
     softmax_scale: float,
-    pattern_head_div: int,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    launch_options: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated inputs.
-
-    Batched: q (batch, seq_q, heads, dim), k/v (batch, seq_k, kv_heads, dim); returns out like q and
-    lse float32 (batch, heads, seq_q). Varlen: q (total_q, heads, dim), k/v (total_k, kv_heads, dim)
-    with int32 cu_seqlens and the max lengths; lse is (heads, total_q). ``pattern_head_div`` maps a
-    query head to its layout head (1 for per-query-head layouts, the GQA group for per-KV-head
-    ones).
-    ``launch_options`` overrides the defaults (num_warps, num_stages and the keys of
-    ``_loop_options``), for sweeps.
-    """
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    q_heads_per_pattern_head: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    config: TritonForwardConfig,
+) -> None:
+    """Fill ``out`` (like q) and ``lse`` on a forward layout; shapes as
+    :func:`s2attn.ops.dispatch.forward` takes them. ``config``'s fields left None take
+    ``default_config``."""
+    varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
+        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
+    )
     num_heads, head_dim = q.shape[-2], q.shape[-1]
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse_shape = (num_heads, q.shape[0]) if varlen else (batch, num_heads, seqlen_q)
-    lse = torch.empty(lse_shape, dtype=lse_dtype(q.dtype), device=q.device)
-    if POISON_OUTPUTS:
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-    if out.numel() == 0:
-        return out, lse
-
+    config = config.over(default_config(head_dim, q.dtype))
     block_m, block_n = layout.block_m, layout.block_n
     num_tiles = query_tiles(block_m, seqlen_q, seqlen_k, varlen)
     if varlen:
         cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
     else:
         cu_q = cu_k = lse  # not read when not varlen
-    k_bounds = check_k_bounds(layout, seqlen_k, varlen)
-    options = {**(launch_options or {})}
-    impl = options.pop("IMPL", "auto")
-    if impl != "triton" and _hopper_kernel_takes(
-        q, k, v, layout, varlen=varlen, check_k_bounds=k_bounds, softmax_scale=softmax_scale
-    ):
-        from .forward_hopper import forward_hopper
-
-        forward_hopper(
-            q, k, v, out, lse, layout, softmax_scale=softmax_scale,
-            pattern_head_div=pattern_head_div, num_tiles=num_tiles,
-            heads_per_group=heads_per_program_group(batch * num_heads, 1),
-            **{key: options.pop(key) for key in _HOPPER_OPTIONS if key in options},
-        )  # fmt: skip
-        return out, lse
     (q4, q_strides), (k4, k_strides) = as_batched(q, varlen), as_batched(k, varlen)
     (v4, v_strides), (o4, o_strides) = as_batched(v, varlen), as_batched(out, varlen)
-    options = {
-        **_launch_options(head_dim, block_m, q.dtype),
-        **_loop_options(head_dim, q.dtype),
-        **options,
-    }
-    heads_per_group = heads_per_program_group(batch * num_heads, options.pop("HEADS_PER_GROUP", 1))
-    if options["USE_TMA"] and not tma_allowed(q.device, k, v):
-        options["USE_TMA"] = False
+    heads_per_group = heads_per_program_group(batch * num_heads, config.heads_per_group)
+    use_tma = config.use_tma and tma_allowed(q.device, k, v)
     # Host-made descriptors spare each program building its own; packed sequences need the
     # per-sequence bounds of in-kernel ones.
-    options["HOST_DESC"] = options["HOST_DESC"] and options["USE_TMA"] and not varlen
-    if options["HOST_DESC"]:
+    host_desc = config.host_desc and use_tma and not varlen
+    if host_desc:
         block = [1, block_n, 1, padded_head_dim(head_dim)]
         k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
         v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
     else:
         k_desc = v_desc = k  # not read
-    gather = layout.gather_width > 0
     _forward_kernel[(batch * num_heads * num_tiles,)](
         q4, k4, v4, o4, lse,
         layout.full_offsets, layout.full_cols,
@@ -509,39 +459,19 @@ def forward(
         seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
-        PATTERN_HEAD_DIV=pattern_head_div,
+        Q_HEADS_PER_PATTERN_HEAD=q_heads_per_pattern_head,
         HEAD_DIM=head_dim,
         BLOCK_D=padded_head_dim(head_dim),
         **layout_constexprs(layout),
         VARLEN=varlen,
-        CHECK_K_BOUNDS=k_bounds,
+        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, varlen),
         DOT_PRECISION=dot_precision(q.dtype),
         POS_SCALE=softmax_scale > 0,
-        GATHER=gather,
-        **options,
-    )  # fmt: skip
-    return out, lse
-
-
-# Launch options of the Gluon kernel (ops/forward_hopper.py ``forward_hopper``), for sweeps.
-_HOPPER_OPTIONS = ("num_buffers", "q_in_regs", "persistent", "entries_per_step")
-
-
-def _hopper_kernel_takes(q, k, v, layout, **kwargs) -> bool:
-    """Whether the warp-specialized Gluon forward (ops/forward_hopper.py) runs this call (sm_90
-    only; ``supported`` decides). Imported only for CUDA tensors: Gluon kernels do not run under
-    the interpreter."""
-    if INTERPRETED or q.device.type != "cuda":
-        return False
-    from .forward_hopper import supported
-
-    return supported(q, k, v, layout, **kwargs)
-
-
-def _is_interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_forward_kernel, InterpretedFunction)
-
-
-INTERPRETED = _is_interpreted()
+        USE_TMA=use_tma,
+        PAIR=config.pair,
+        Q_IN_REGS=config.q_in_regs,
+        HOST_DESC=host_desc,
+        GATHER=layout.gather_width > 0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

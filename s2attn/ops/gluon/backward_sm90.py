@@ -1,9 +1,10 @@
-"""Warp-specialized dQ kernel for Hopper (sm_90), written in Gluon.
+"""Warp-specialized backward kernels for Hopper (sm_90), written in Gluon: dQ and dK/dV, and
+their launchers.
 
-dQ walks the forward layout exactly as the forward does (ops/forward_hopper.py), so it shares that
-kernel's producer partition and work-item order: a one-warp producer copies q and dO of each query
-tile and the K/V tiles of its entries into shared-memory rings; two consumer warpgroups (64 query
-rows each) compute, per entry,
+dQ walks the forward layout exactly as the forward does (``forward_sm90.py``), so it shares that
+kernel's producer partition and work-item order (``common_sm90.py``): a one-warp producer copies
+q and dO of each query tile and the K/V tiles of its entries into shared-memory rings; two
+consumer warpgroups (64 query rows each) compute, per entry,
 
     S = q K^T,  dP = dO V^T,  P = exp2(S * scale * log2(e) - LSE * log2(e)),
     dS = P * (dP - delta),    dQ += dS K,
@@ -13,8 +14,11 @@ work of one entry runs under the tensor-core work of the next. No softmax rescal
 known. Each query row is in exactly one work item, so the kernel also computes the row's
 delta = rowsum(dO * O) - dLSE itself (the producer copies O with q and dO) and writes it, with
 LSE * log2(e), for the dK/dV pass that runs after it: no separate pass over O and dO. Same cases
-as the Gluon forward (``forward_hopper.supported``) at head dim 128, plus dO and O that qualify for
-bulk copies; the Triton dQ kernel takes the rest (at dim 64 this kernel measured no faster).
+as the Gluon forward at head dim 128, plus dO and O that qualify for bulk copies
+(``ops/dispatch.py``, ``supports_gluon_dq``); the Triton dQ kernel takes the rest (at dim 64
+this kernel measured no faster).
+
+dK/dV: see the section below.
 """
 
 from __future__ import annotations
@@ -32,35 +36,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..layout import TileLayout
-from .common import layout_constexprs
-from .forward_hopper import (
-    _CONSUMER_REGS,
-    _MAX_REGS,
-    _PRODUCER_REGS,
-    _PRODUCER_WARPS,
-    _descriptor,
-    _entries_reaching,
-    _entry_col,
-    _entry_list,
-    _free_slots,
-    _get_item,
-    _item_slots,
-    _leave_counter_at_zero,
-    _masked_scores,
-    _next_run,
-    _num_sms,
-    _producer,
-    _put_item,
-    _store_rows,
-    _take_item,
-    _unchecked_descriptor,
-    _wgmma_layout,
-    _work_item,
+from ...layout import TileLayout
+from ..launch import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
+from ..options import GluonDkdvConfig, GluonDqConfig
+from .common_sm90 import (
+    MAX_REGS,
+    alloc_item_slots,
+    entries_reaching,
+    entry_col,
+    entry_list,
+    free_slots,
+    get_item,
     item_counter,
+    leave_counter_at_zero,
+    masked_scores,
+    next_run,
+    num_sms,
+    put_item,
+    query_tile_producer,
+    store_rows,
+    take_item,
+    tma_descriptor,
+    unchecked_descriptor,
+    warp_specialize,
+    wgmma_layout,
+    work_item,
 )
 
-__all__ = ["dkdv_hopper", "dq_hopper"]
+__all__ = ["default_dkdv_config", "default_dq_config", "dkdv", "dkdv_order", "dq"]
 
 
 @gluon.jit
@@ -70,7 +73,7 @@ def _dq_step(
     n_total, rows_abs, seq_k, qk_scale, s_zero, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_START: gl.constexpr, ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr,
     BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
-):  # fmt: skip
+):
     """One entry at ring position ``pos``: its score MMAs run beside the dQ MMA of the entry
     held at ``held_pos`` (whose dS is ``ds``; the MMA frees its slot). Returns (this entry's
     dS, acc)."""
@@ -97,11 +100,11 @@ def _dq_step(
     # The score MMAs are done when at most the dQ MMA just issued still runs.
     s, dp = warpgroup_mma_wait(1, deps=[s, dp])
     if masked:
-        s = _masked_scores(
+        s = masked_scores(
             s, e, full_cols, partial_cols, partial_bits, full_start, partial_start, n_full,
             n_total, rows_abs, seq_k, s_layout, ROWS, BLOCK_N, 1, ROW_START, ROW_GROUP,
             COL_GROUP, BITS_PER_ROW, CAUSAL,
-        )  # fmt: skip
+        )
     p = gl.exp2(s * qk_scale - lse[:, None])
     ds = (p * (dp - delta[:, None])).to(k_bufs.dtype)
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -111,11 +114,11 @@ def _dq_step(
 
 @gluon.jit
 def _dq_consumer(
-    work, HALF: gl.constexpr, NUM_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    HALF: gl.constexpr, work, NUM_HEADS: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_STATS: gl.constexpr,
-):  # fmt: skip
+):
     """One warpgroup: dQ of query rows HALF * ROWS.. of each of the program's query tiles. q and
     dO are MMA operands from registers, so per entry the MMAs read only K and V from shared
     memory, whose bandwidth bounds this kernel; the tile's slot is free once they are loaded."""
@@ -125,12 +128,12 @@ def _dq_consumer(
         partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
         stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
         layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
-    ) = work  # fmt: skip
+    ) = work
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -140,12 +143,12 @@ def _dq_consumer(
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     c = 0  # K/V ring position, across work items
     j = 0  # work items taken
-    t = _take_item(q_ready, item_slots, 0)
+    t = take_item(q_ready, item_slots, 0)
     while t < num_items:
-        b, h, tile, full_start, n_full, partial_start, n_total = _work_item(
+        b, h, tile, full_start, n_full, partial_start, n_total = work_item(
             t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
-            heads_per_group, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M,
-        )  # fmt: skip
+            heads_per_group, NUM_HEADS, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M,
+        )
         q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
         rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
         rows = rows_abs - q_offset
@@ -153,7 +156,7 @@ def _dq_consumer(
         l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows * stride_ls
         lse = gl.load(Lse + l_off, mask=row_ok, other=float("inf")) * 1.4426950408889634
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        n_mine = _entries_reaching(
+        n_mine = entries_reaching(
             partial_cols, partial_start, n_full, n_total, q_row0 + ROWS - 1, BLOCK_N, CAUSAL
         )
         slot = j % q_slots
@@ -177,12 +180,12 @@ def _dq_consumer(
         # every P of theirs is exp2(-inf) = 0, never NaN.
         lse = gl.where(lse == float("-inf"), float("inf"), lse)
         # Entries that no row of this warpgroup sees are skipped, as in the forward.
-        first, masked = _next_run(
+        first, masked = next_run(
             n_mine * 0, n_mine, n_mine, partial_cols, partial_bits, partial_start, n_full,
             n_total, q_row0, seqlen_k, ROWS, BLOCK_N, 1, HALF * ROWS, ROW_GROUP, BITS_PER_ROW,
             CAUSAL, num_buffers,
-        )  # fmt: skip
-        _free_slots(k_ready, v_ready, kv_empty, c, c + first)
+        )
+        free_slots(k_ready, v_ready, kv_empty, c, c + first)
         if first < n_mine:
             # The first entry: dS only; its dQ MMA is issued behind the next entry's score MMAs.
             buf = (c + first) % num_buffers
@@ -195,11 +198,11 @@ def _dq_consumer(
             dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s, dp = warpgroup_mma_wait(0, deps=[s, dp])
             if masked:
-                s = _masked_scores(
+                s = masked_scores(
                     s, first, full_cols, partial_cols, partial_bits, full_start, partial_start,
                     n_full, n_total, rows_abs, seqlen_k, s_layout, ROWS, BLOCK_N, 1,
                     HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                )  # fmt: skip
+                )
             p = gl.exp2(s * qk_scale - lse[:, None])
             ds = (p * (dp - delta[:, None])).to(dtype)
             held = first  # the entry whose dQ MMA is pending
@@ -212,41 +215,41 @@ def _dq_consumer(
                     lse, delta, False, e, full_cols, partial_cols, partial_bits, full_start,
                     partial_start, n_full, n_total, rows_abs, seqlen_k, qk_scale, s_zero, ROWS,
                     BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                )  # fmt: skip
+                )
                 held = e
-            e, masked = _next_run(
+            e, masked = next_run(
                 full_end, n_mine, held, partial_cols, partial_bits, partial_start, n_full,
                 n_total, q_row0, seqlen_k, ROWS, BLOCK_N, 1, HALF * ROWS, ROW_GROUP,
                 BITS_PER_ROW, CAUSAL, num_buffers,
-            )  # fmt: skip
+            )
             while e < n_mine:
-                _free_slots(k_ready, v_ready, kv_empty, c + held + 1, c + e)  # skipped
+                free_slots(k_ready, v_ready, kv_empty, c + held + 1, c + e)  # skipped
                 ds, acc = _dq_step(
                     q, do, k_bufs, v_bufs, k_ready, v_ready, kv_empty, c + e, c + held, ds, acc,
                     lse, delta, masked, e, full_cols, partial_cols, partial_bits, full_start,
                     partial_start, n_full, n_total, rows_abs, seqlen_k, qk_scale, s_zero, ROWS,
                     BLOCK_N, HALF * ROWS, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                )  # fmt: skip
+                )
                 held = e
-                e, masked = _next_run(
+                e, masked = next_run(
                     e + 1, n_mine, held, partial_cols, partial_bits, partial_start, n_full,
                     n_total, q_row0, seqlen_k, ROWS, BLOCK_N, 1, HALF * ROWS, ROW_GROUP,
                     BITS_PER_ROW, CAUSAL, num_buffers,
-                )  # fmt: skip
+                )
             last = (c + held) % num_buffers
             k_last = k_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(gl.convert_layout(ds, ds_layout), k_last, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(last))
             first = held + 1  # entries from here on are skipped
-        _free_slots(k_ready, v_ready, kv_empty, c + first, c + n_total)
+        free_slots(k_ready, v_ready, kv_empty, c + first, c + n_total)
         c += n_total
 
         out_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
         base = dQ + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-        _store_rows(base, out_rows, (acc * softmax_scale).to(dtype), stride_qs, seqlen_q, o_layout)
+        store_rows(base, out_rows, (acc * softmax_scale).to(dtype), stride_qs, seqlen_q, o_layout)
         j += 1
-        t = _take_item(q_ready, item_slots, j)
+        t = take_item(q_ready, item_slots, j)
 
 
 @gluon.jit
@@ -257,12 +260,12 @@ def _dq_kernel(
     stride_dlb, stride_dlh, stride_dls, stats_seq,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
     softmax_scale,
-    NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_DLSE: gl.constexpr,
     HAS_STATS: gl.constexpr,
-):  # fmt: skip
+):
     """Persistent: each program takes work items (head, query tile) from ``counter`` (zero at
     launch) until none is left. q, dO and O have one slot each: the consumers take them into
     registers at the tile's start, so the next tile's copies have the whole tile to land."""
@@ -279,7 +282,7 @@ def _dq_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    item_slots = _item_slots(1)
+    item_slots = alloc_item_slots(1)
     mbarrier.init(q_ready.index(0), count=1)
     mbarrier.init(q_empty.index(0), count=2)  # one release per consumer warpgroup
     for i in gl.static_range(NUM_BUFFERS):
@@ -287,65 +290,68 @@ def _dq_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
 
-    # One tuple of shared arguments, constexprs apart (see ops/forward_hopper.py).
+    # One tuple of shared arguments, constexprs apart (see forward_sm90.py).
     work = (
         q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
         item_slots, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets,
         partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
         stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
         layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
-    )  # fmt: skip
-    gl.warp_specialize(
-        [
-            (
-                _dq_consumer,
-                (
-                    work, 0, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-                    COL_GROUP, BITS_PER_ROW, CAUSAL, HAS_DLSE, HAS_STATS,
-                ),
-            ),
-            (
-                _dq_consumer,
-                (
-                    work, 1, NUM_HEADS, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-                    COL_GROUP, BITS_PER_ROW, CAUSAL, HAS_DLSE, HAS_STATS,
-                ),
-            ),
-            (
-                _producer,
-                (
-                    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, full_offsets, full_cols, partial_offsets, partial_cols,
-                    seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items,
-                    counter, item_slots, NUM_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
-                    1, do_desc, do_bufs, o_desc, o_bufs, True,
-                ),
-            ),
-        ],
-        [4, _PRODUCER_WARPS],
-        [_CONSUMER_REGS, _PRODUCER_REGS],
-    )  # fmt: skip
+    )
+    warp_specialize(
+        _dq_consumer,
+        (
+            work, NUM_HEADS, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
+            COL_GROUP, BITS_PER_ROW, CAUSAL, HAS_DLSE, HAS_STATS,
+        ),
+        query_tile_producer,
+        (
+            q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+            kv_empty, full_offsets, full_cols, partial_offsets, partial_cols, seqlen_q, seqlen_k,
+            layout_tiles, grid_tiles, heads_per_group, num_items, counter, item_slots, NUM_HEADS,
+            GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, 1, do_desc, do_bufs, o_desc,
+            o_bufs, True,
+        ),
+        1,
+    )
 
 
-def dq_hopper(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, delta: torch.Tensor,
-    stats: torch.Tensor | None, dq: torch.Tensor, layout: TileLayout, *, softmax_scale: float,
-    pattern_head_div: int, num_tiles: int, num_buffers: int = 3, persistent: bool = True,
-    heads_per_group: int = 1,
-) -> None:  # fmt: skip
+def default_dq_config() -> GluonDqConfig:
+    """The measured dQ launch: a ring of 3 K/V slots, persistent programs, one head's tiles at a
+    time."""
+    return GluonDqConfig(num_buffers=3, persistent=True, heads_per_group=1)
+
+
+def dq(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    delta: torch.Tensor,
+    stats: torch.Tensor | None,
+    dq: torch.Tensor,
+    layout: TileLayout,
+    *,
+    softmax_scale: float,
+    q_heads_per_pattern_head: int,
+    config: GluonDqConfig,
+) -> None:
     """Fill ``dq`` (like q) and ``delta`` (like ``lse``: (batch, heads, seq_q)) for batched
-    inputs; with ``stats`` also the dK/dV kernel's row statistics (see ``dkdv_hopper``).
-    Work items run ``heads_per_group`` heads at a time (``forward_hopper._work_item``)."""
-    from .common import LOG2E
-
+    inputs on a 128x64 forward layout; with ``stats`` also the dK/dV kernel's row statistics (see
+    ``dkdv``). ``config``'s fields left None take ``default_dq_config``."""
     batch, seqlen_q, num_heads, head_dim = q.shape
+    config = config.over(default_dq_config())
+    num_tiles = query_tiles(layout.block_m, seqlen_q, k.shape[1], False)
     num_items = batch * num_heads * num_tiles
-    grid = min(num_items, _num_sms(q.device)) if persistent else num_items
+    grid = min(num_items, num_sms(q.device)) if config.persistent else num_items
+    heads_per_group = heads_per_program_group(batch * num_heads, config.heads_per_group)
     _dq_kernel[(grid,)](
-        _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
-        _descriptor(out, layout.block_m), _descriptor(k, layout.block_n),
-        _descriptor(v, layout.block_n), dq, lse, lse if grad_lse is None else grad_lse, delta,
+        tma_descriptor(q, layout.block_m), tma_descriptor(grad_out, layout.block_m),
+        tma_descriptor(out, layout.block_m), tma_descriptor(k, layout.block_n),
+        tma_descriptor(v, layout.block_n), dq, lse, lse if grad_lse is None else grad_lse, delta,
         delta if stats is None else stats, item_counter(q.device),
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
@@ -356,15 +362,15 @@ def dq_hopper(
         softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
-        PATTERN_HEAD_DIV=pattern_head_div,
+        Q_HEADS_PER_PATTERN_HEAD=q_heads_per_pattern_head,
         HEAD_DIM=head_dim,
         **layout_constexprs(layout),
-        NUM_BUFFERS=num_buffers,
+        NUM_BUFFERS=config.num_buffers,
         HAS_DLSE=grad_lse is not None,
         HAS_STATS=stats is not None,
         num_warps=4,
-        maxnreg=_MAX_REGS,
-    )  # fmt: skip
+        maxnreg=MAX_REGS,
+    )
 
 
 # ------------------------------------------------------------------------------------- dK/dV
@@ -391,13 +397,13 @@ def _dkdv_item(order, t, kv_tiles, NUM_KV_HEADS: gl.constexpr):
 
 @gluon.jit
 def _dkdv_producer(
-    q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs,
-    kv_ready, kv_empty, qd_ready, qd_empty, item_slots, counter, order, full_offsets, full_cols,
-    partial_offsets, partial_cols, kv_tiles, layout_tiles, num_items,
-    STREAM: gl.constexpr, NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
-    GQA_GROUP: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
+    STREAM: gl.constexpr, q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs,
+    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, item_slots, counter, order,
+    full_offsets, full_cols, partial_offsets, partial_cols, kv_tiles, layout_tiles, num_items,
+    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+    GQA_GROUP: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
-):  # fmt: skip
+):
     """Takes items from the counter; copies each item's K and V tiles, then q, dO and the row
     statistics (LSE * log2(e), delta) of every query tile in its lists into the stream's ring.
     Past the last item it hands the consumer an index >= num_items."""
@@ -409,26 +415,26 @@ def _dkdv_producer(
         b, kv_head, n = _dkdv_item(order, t, kv_tiles, NUM_KV_HEADS)
         # The K/V slot starts free: the first wait is on the phase before the barrier's first.
         mbarrier.wait(kv_empty.index(STREAM), (j & 1) ^ 1)
-        _put_item(item_slots, STREAM, t)
+        put_item(item_slots, STREAM, t)
         mbarrier.expect(kv_ready.index(STREAM), 2 * k_desc.block_type.nbytes)
         kv_at = [b, n * BLOCK_N, kv_head, 0]
         tma.async_copy_global_to_shared(k_desc, kv_at, kv_ready.index(STREAM), k_bufs.index(STREAM))
         tma.async_copy_global_to_shared(v_desc, kv_at, kv_ready.index(STREAM), v_bufs.index(STREAM))
         for g in range(GQA_GROUP):
             h = kv_head * GQA_GROUP + g
-            full_start, n_full, partial_start, n_total = _entry_list(
-                full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
+            full_start, n_full, partial_start, n_total = entry_list(
+                full_offsets, partial_offsets, h, n, layout_tiles, Q_HEADS_PER_PATTERN_HEAD
             )
             for e in range(n_total):
                 buf = STREAM * num_buffers + c % num_buffers
                 mbarrier.wait(qd_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
                 # Full entries from the last one down (see above), then the partial ones.
                 at = gl.where(e < n_full, n_full - 1 - e, e)
-                m = _entry_col(full_cols, partial_cols, full_start, partial_start, n_full, at)
+                m = entry_col(full_cols, partial_cols, full_start, partial_start, n_full, at)
                 mbarrier.expect(
                     qd_ready.index(buf),
                     2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes,
-                )  # fmt: skip
+                )
                 q_at = [b, m * BLOCK_M, h, 0]
                 tma.async_copy_global_to_shared(
                     q_desc, q_at, qd_ready.index(buf), q_bufs.index(buf)
@@ -439,13 +445,13 @@ def _dkdv_producer(
                 tma.async_copy_global_to_shared(
                     stats_desc, [b * NUM_HEADS + h, 0, m * BLOCK_M], qd_ready.index(buf),
                     stats_bufs.index(buf),
-                )  # fmt: skip
+                )
                 c += 1
         j += 1
         t = gl.atomic_add(counter, 1)
-    _leave_counter_at_zero(counter, t, num_items, 2)  # two streams per program
+    leave_counter_at_zero(counter, t, num_items, 2)  # two streams per program
     mbarrier.wait(kv_empty.index(STREAM), (j & 1) ^ 1)
-    _put_item(item_slots, STREAM, t)
+    put_item(item_slots, STREAM, t)
     mbarrier.arrive(kv_ready.index(STREAM))
 
 
@@ -461,13 +467,13 @@ def _stat_row(stats, i: gl.constexpr, s_layout: gl.constexpr):
 def _masked_probs_t(
     p_t, bits, kv_abs, q_abs, s_layout: gl.constexpr, ROW_GROUP: gl.constexpr,
     COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
-):  # fmt: skip
+):
     """Transposed probabilities (keys x queries) of a partial entry, zero where its bit mask or
     causality drops the pair (LSE may be -inf there, so p_t may be inf: never multiplied)."""
     BLOCK_N: gl.constexpr = p_t.shape[0]
     BLOCK_M: gl.constexpr = p_t.shape[1]
     shift = ((gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)) // ROW_GROUP)
-             * BITS_PER_ROW).to(gl.int64)  # fmt: skip
+             * BITS_PER_ROW).to(gl.int64)
     row_bits = ((bits >> shift) & ((1 << BITS_PER_ROW) - 1)).to(gl.int32)
     col_bit = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)) // COL_GROUP
     keep = ((row_bits[None, :] >> col_bit[:, None]) & 1) != 0
@@ -478,11 +484,11 @@ def _masked_probs_t(
 
 @gluon.jit
 def _dkdv_consumer(
-    work, STREAM: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr,
-    PATTERN_HEAD_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STREAM: gl.constexpr, work, NUM_KV_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr,
+    Q_HEADS_PER_PATTERN_HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr,
     BITS_PER_ROW: gl.constexpr, CAUSAL: gl.constexpr,
-):  # fmt: skip
+):
     """One warpgroup: dK and dV of each of its stream's KV tiles, on transposed scores (keys x
     queries) so both come out row-major. Per entry, the two score MMAs run together; P is
     computed while dP^T runs, and dS while dV's MMA runs."""
@@ -491,18 +497,18 @@ def _dkdv_consumer(
         dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
         stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
         qk_scale, softmax_scale, item_slots,
-    ) = work  # fmt: skip
+    ) = work
     num_buffers: gl.constexpr = q_bufs.type.shape[0] // 2
     dtype: gl.constexpr = q_bufs.dtype
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
-    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     c = 0
     j = 0
     mbarrier.wait(kv_ready.index(STREAM), 0)
-    t = _get_item(item_slots, STREAM)
+    t = get_item(item_slots, STREAM)
     while t < num_items:
         b, kv_head, n = _dkdv_item(order, t, kv_tiles, NUM_KV_HEADS)
         kv_abs = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -512,8 +518,8 @@ def _dkdv_consumer(
         v = v_bufs.index(STREAM).reshape([BLOCK_N, HEAD_DIM])
         for g in range(GQA_GROUP):
             h = kv_head * GQA_GROUP + g
-            full_start, n_full, partial_start, n_total = _entry_list(
-                full_offsets, partial_offsets, h, n, layout_tiles, PATTERN_HEAD_DIV
+            full_start, n_full, partial_start, n_total = entry_list(
+                full_offsets, partial_offsets, h, n, layout_tiles, Q_HEADS_PER_PATTERN_HEAD
             )
             for e in range(n_total):
                 buf = STREAM * num_buffers + c % num_buffers
@@ -532,9 +538,9 @@ def _dkdv_consumer(
                     p_t = _masked_probs_t(
                         p_t, gl.load(partial_bits + partial_start + (e - n_full)), kv_abs,
                         q_abs, s_layout, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                    )  # fmt: skip
+                    )
                 dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv,
-                                   is_async=True)  # fmt: skip
+                                   is_async=True)
                 # dP^T is done when at most dV's MMA, issued after it, still runs.
                 dp_t = warpgroup_mma_wait(1, deps=[dp_t])
                 delta = _stat_row(stats, 1, s_layout)
@@ -547,11 +553,11 @@ def _dkdv_consumer(
         mbarrier.arrive(kv_empty.index(STREAM))
         rows = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
         base = b.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
-        _store_rows(dK + base, rows, (dk * softmax_scale).to(dtype), stride_ks, seqlen_k, o_layout)
-        _store_rows(dV + base, rows, dv.to(dtype), stride_ks, seqlen_k, o_layout)
+        store_rows(dK + base, rows, (dk * softmax_scale).to(dtype), stride_ks, seqlen_k, o_layout)
+        store_rows(dV + base, rows, dv.to(dtype), stride_ks, seqlen_k, o_layout)
         j += 1
         mbarrier.wait(kv_ready.index(STREAM), j & 1)
-        t = _get_item(item_slots, STREAM)
+        t = get_item(item_slots, STREAM)
 
 
 @gluon.jit
@@ -560,11 +566,11 @@ def _dkdv_kernel(
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
     qk_scale, softmax_scale,
-    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, PATTERN_HEAD_DIV: gl.constexpr,
+    NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-):  # fmt: skip
+):
     """Persistent: two streams per program, taking items from ``counter`` (zero at launch)."""
     dtype: gl.constexpr = q_desc.dtype
     GQA_GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
@@ -581,7 +587,7 @@ def _dkdv_kernel(
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     qd_ready = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
     qd_empty = gl.allocate_shared_memory(gl.int64, [ring, 1], mbarrier.MBarrierLayout())
-    item_slots = _item_slots(2)  # one per stream
+    item_slots = alloc_item_slots(2)  # one per stream
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
@@ -589,59 +595,35 @@ def _dkdv_kernel(
         mbarrier.init(qd_ready.index(i), count=1)
         mbarrier.init(qd_empty.index(i), count=1)
 
-    # One tuple of shared arguments, constexprs apart (see ops/forward_hopper.py).
+    # One tuple of shared arguments, constexprs apart (see forward_sm90.py).
     work = (
         q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty,
         dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
         stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
         qk_scale, softmax_scale, item_slots,
-    )  # fmt: skip
-    gl.warp_specialize(
-        [
-            (
-                _dkdv_consumer,
-                (
-                    work, 0, NUM_KV_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                ),
-            ),
-            (
-                _dkdv_consumer,
-                (
-                    work, 1, NUM_KV_HEADS, GQA_GROUP, PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
-                ),
-            ),
-            (
-                _dkdv_producer,
-                (
-                    q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs,
-                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, item_slots,
-                    counter, order, full_offsets, full_cols, partial_offsets, partial_cols,
-                    kv_tiles, layout_tiles, num_items, 0, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
-                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
-                ),
-            ),
-            (
-                _dkdv_producer,
-                (
-                    q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs,
-                    v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, item_slots,
-                    counter, order, full_offsets, full_cols, partial_offsets, partial_cols,
-                    kv_tiles, layout_tiles, num_items, 1, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP,
-                    PATTERN_HEAD_DIV, BLOCK_M, BLOCK_N,
-                ),
-            ),
-        ],
-        [4, _PRODUCER_WARPS, _PRODUCER_WARPS],
-        [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS],
-    )  # fmt: skip
+    )
+    warp_specialize(
+        _dkdv_consumer,
+        (
+            work, NUM_KV_HEADS, GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, HEAD_DIM,
+            ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+        ),
+        _dkdv_producer,
+        (
+            q_desc, do_desc, k_desc, v_desc, stats_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+            stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty, item_slots, counter, order,
+            full_offsets, full_cols, partial_offsets, partial_cols, kv_tiles, layout_tiles,
+            num_items, NUM_HEADS, NUM_KV_HEADS, GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M,
+            BLOCK_N,
+        ),
+        2,
+    )
 
 
 def dkdv_order(
     layout: TileLayout, batch: int, num_heads: int, num_kv_heads: int, kv_tiles: int,
-    pattern_head_div: int, heads_per_group: int | None, streams: int,
-) -> torch.Tensor:  # fmt: skip
+    q_heads_per_pattern_head: int, heads_per_group: int | None, streams: int,
+) -> torch.Tensor:
     """dK/dV work items ((b * kv_heads + kv_head) * kv_tiles + tile) in the order streams take
     them: groups of (batch, KV head) pairs, so their q and dO stay in L2, longest list first.
     A group's long lists (over twice the median) are moved ahead of the previous group's short
@@ -654,7 +636,7 @@ def dkdv_order(
     V64 (32 per head) 25.3 ms with 4 vs 26.5 with 1."""
     full = layout.full_offsets.diff().view(-1, layout.num_groups)
     partial = layout.partial_offsets.diff().view(-1, layout.num_groups)
-    heads = torch.arange(num_heads, device=full.device) // pattern_head_div
+    heads = torch.arange(num_heads, device=full.device) // q_heads_per_pattern_head
     lengths = (full + partial)[heads, :kv_tiles].view(num_kv_heads, -1, kv_tiles).sum(1)
     lengths = lengths.repeat(batch, 1).long()
     pairs = lengths.shape[0]
@@ -678,38 +660,49 @@ def _stats_layout() -> gl.NVMMASharedLayout:
 def row_stats_descriptor(stats: torch.Tensor, seqlen: int, block_m: int) -> TensorDescriptor:
     """Bulk-copy descriptor of the (batch * heads, 2, padded seq) float32 row statistics, with
     (1, 2, block_m) blocks; rows past ``seqlen`` read as zeros."""
-    return _unchecked_descriptor(
+    return unchecked_descriptor(
         stats, [stats.shape[0], 2, seqlen], [1, 2, block_m], _stats_layout()
     )
 
 
-def dkdv_hopper(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    stats: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, layout: TileLayout, *,
-    softmax_scale: float, pattern_head_div: int, num_buffers: int = 2,
-    heads_per_group: int | None = None,
-) -> None:  # fmt: skip
-    """Fill ``dk`` and ``dv`` (like k; dk's strides for both) for batched inputs, on a backward
-    layout; ``stats`` as ``row_stats_descriptor`` takes it.
+def default_dkdv_config() -> GluonDkdvConfig:
+    """The measured dK/dV launch: two ring slots per stream (three do not fit at dim 128; at dim
+    64 four measured slower on H100), work-queue groups chosen per pattern (``dkdv_order``)."""
+    return GluonDkdvConfig(num_buffers=2, heads_per_group=None)
 
-    Two ring slots per stream by default (three do not fit at dim 128; at dim 64 four measured
-    slower on H100); ``heads_per_group`` as ``dkdv_order`` takes it."""
-    from .common import LOG2E
 
+def dkdv(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stats: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    layout: TileLayout,
+    *,
+    softmax_scale: float,
+    q_heads_per_pattern_head: int,
+    config: GluonDkdvConfig,
+) -> None:
+    """Fill ``dk`` and ``dv`` (like k; dk's strides for both) for batched inputs, on a 64x64
+    backward layout; ``stats`` as ``row_stats_descriptor`` takes it. ``config``'s fields left
+    None take ``default_dkdv_config``."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    config = config.over(default_dkdv_config())
     kv_tiles = -(-seqlen_k // layout.block_n)
     num_items = batch * num_kv_heads * kv_tiles
-    grid = min(-(-num_items // 2), _num_sms(q.device))
-    key = ("dkdv_order", batch, num_heads, num_kv_heads, kv_tiles, pattern_head_div,
-           heads_per_group, 2 * grid)  # fmt: skip
+    grid = min(-(-num_items // 2), num_sms(q.device))
+    key = ("dkdv_order", batch, num_heads, num_kv_heads, kv_tiles, q_heads_per_pattern_head,
+           config.heads_per_group, 2 * grid)
     order = layout.derived.get(key)
     if order is None:
         order = layout.derived[key] = dkdv_order(layout, *key[1:])
     counter = item_counter(q.device)
     _dkdv_kernel[(grid,)](
-        _descriptor(q, layout.block_m), _descriptor(grad_out, layout.block_m),
-        _descriptor(k, layout.block_n), _descriptor(v, layout.block_n),
+        tma_descriptor(q, layout.block_m), tma_descriptor(grad_out, layout.block_m),
+        tma_descriptor(k, layout.block_n), tma_descriptor(v, layout.block_n),
         row_stats_descriptor(stats, seqlen_q, layout.block_m), dk, dv, counter, order,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
@@ -717,10 +710,10 @@ def dkdv_hopper(
         num_items, softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
-        PATTERN_HEAD_DIV=pattern_head_div,
+        Q_HEADS_PER_PATTERN_HEAD=q_heads_per_pattern_head,
         HEAD_DIM=head_dim,
         **layout_constexprs(layout),
-        NUM_BUFFERS=num_buffers,
+        NUM_BUFFERS=config.num_buffers,
         num_warps=4,
-        maxnreg=_MAX_REGS,
-    )  # fmt: skip
+        maxnreg=MAX_REGS,
+    )

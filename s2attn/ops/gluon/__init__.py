@@ -1,0 +1,3 @@
+"""Warp-specialized Gluon kernels for Hopper (sm_90): the forward (forward_sm90.py) and the
+backward's dQ and dK/dV passes (backward_sm90.py), each with its launchers; common_sm90.py holds
+what they share (work items, the producer partition, descriptors, the warp specialization)."""

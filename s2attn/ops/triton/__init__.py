@@ -1,0 +1,2 @@
+"""Triton kernels: the forward (forward.py) and the backward's dK/dV and dQ passes (backward.py),
+each file its kernels and their launchers; common.py holds the pieces both use."""
