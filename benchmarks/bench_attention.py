@@ -45,25 +45,29 @@ class Case:
         if self.vert_stride is None:
             return s2attn.dense_pattern(self.heads, self.seq, self.block)
         return s2attn.local_stride_pattern(
-            self.heads, self.seq, self.block, self.local_blocks, self.vert_stride,
+            self.heads,
+            self.seq,
+            self.block,
+            self.local_blocks,
+            self.vert_stride,
             num_kv_heads=self.kv_heads if self.kv_heads != self.heads else None,
-        )  # fmt: skip
+        )
 
 
 def cases(suite: str, seqs: list[int]) -> list[Case]:
     main = [Case(f"V{v}", s, vert_stride=v) for v in (16, 64) for s in seqs]
-    extras = [
-        Case("V16 dim64", s, dim=64) for s in seqs if s <= 32768
-    ] + [
-        # Small blocks keep the local window at 1024 tokens.
-        Case("V16 block16", s, block=16, local_blocks=64) for s in seqs if s <= 32768
-    ] + [
-        Case("V16 block32", s, block=32, local_blocks=32) for s in seqs if s <= 32768
-    ] + [
-        Case("V16 GQA32/8", s, kv_heads=8) for s in seqs
-    ] + [
-        Case("dense", s, vert_stride=None) for s in seqs if s <= 32768
-    ]  # fmt: skip
+    extras = (
+        [Case("V16 dim64", s, dim=64) for s in seqs if s <= 32768]
+        + [
+            # Small blocks keep the local window at 1024 tokens.
+            Case("V16 block16", s, block=16, local_blocks=64)
+            for s in seqs
+            if s <= 32768
+        ]
+        + [Case("V16 block32", s, block=32, local_blocks=32) for s in seqs if s <= 32768]
+        + [Case("V16 GQA32/8", s, kv_heads=8) for s in seqs]
+        + [Case("dense", s, vert_stride=None) for s in seqs if s <= 32768]
+    )
     return {"main": main, "extras": extras, "all": main + extras}[suite]
 
 
@@ -94,9 +98,7 @@ def _s2attn(case: Case, q, k, v, pattern):
     return lambda: s2attn.sparse_attention(q, k, v, pattern)
 
 
-def flex_block_mask(
-    pattern: s2attn.BlockPattern, seq: int, block: int, device: str = "cuda"
-):
+def flex_block_mask(pattern: s2attn.BlockPattern, seq: int, block: int, device: str = "cuda"):
     """FlexAttention's BlockMask for the pattern, built from s2attn's own tile layout (full tiles
     apart from partial ones) rather than by evaluating a mask over seq x seq tokens."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -108,8 +110,9 @@ def flex_block_mask(
     def dense_lists(offsets, cols):
         counts = (offsets[1:] - offsets[:-1]).view(heads, groups)[:, :tiles]
         indices = torch.zeros(heads * groups, tiles, dtype=torch.int32, device=device)
-        row = torch.repeat_interleave(torch.arange(heads * groups, device=device),
-                                      (offsets[1:] - offsets[:-1]).long())  # fmt: skip
+        row = torch.repeat_interleave(
+            torch.arange(heads * groups, device=device), (offsets[1:] - offsets[:-1]).long()
+        )
         pos = torch.arange(cols.numel(), device=device) - offsets[:-1].long()[row]
         keep = cols < tiles
         indices[row[keep], pos[keep]] = cols[keep]
@@ -125,9 +128,14 @@ def flex_block_mask(
     kv_num, kv_idx = dense_lists(layout.partial_offsets, layout.partial_cols)
     full_num, full_idx = dense_lists(layout.full_offsets, layout.full_cols)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
         seq_lengths=(seq, seq),
-    )  # fmt: skip
+    )
 
 
 _FLEX = None
@@ -213,17 +221,25 @@ def run_case(case: Case, passes: list[str], providers: list[str]) -> list[dict]:
                     best, note, peak = ms, label, mem
             flops = (kept if provider in ("s2attn", "flex") else dense) * flop_factor
             row = dict(
-                case=case.name, seq=case.seq, pass_=pass_name, provider=provider,
+                case=case.name,
+                seq=case.seq,
+                pass_=pass_name,
+                provider=provider,
                 ms=best if math.isfinite(best) else None,
                 tflops=flops / best / 1e9 if math.isfinite(best) else None,
-                density=pattern.density(case.seq), peak_extra_gib=peak, note=note,
+                density=pattern.density(case.seq),
+                peak_extra_gib=peak,
+                note=note,
                 config=asdict(case),
-            )  # fmt: skip
+            )
             rows.append(row)
             ms_txt = f"{best:9.3f} ms" if math.isfinite(best) else "      n/a   "
             tf_txt = f"{row['tflops']:6.0f} TF/s" if row["tflops"] else ""
-            print(f"  {case.name:<12} {case.seq:>7} {pass_name:<7} {provider:<7} {ms_txt} "
-                  f"{tf_txt} {note}", flush=True)  # fmt: skip
+            print(
+                f"  {case.name:<12} {case.seq:>7} {pass_name:<7} {provider:<7} {ms_txt} "
+                f"{tf_txt} {note}",
+                flush=True,
+            )
         del q, k, v
         torch.cuda.empty_cache()
     return rows
@@ -232,11 +248,12 @@ def run_case(case: Case, passes: list[str], providers: list[str]) -> list[dict]:
 # ------------------------------------------------------------------------------------ output
 def markdown(rows: list[dict], env: dict) -> str:
     lines = heading(
-        "Attention benchmark", env,
+        "Attention benchmark",
+        env,
         "Batch 1, bf16, causal. Medians of `triton.testing.do_bench`. TFLOP/s: effective (the "
         "pattern's kept FLOPs) for s2attn and FlexAttention, dense causal FLOPs for SDPA. "
         "`x peer` = peer time / s2attn time.",
-    )  # fmt: skip
+    )
     keyed = {}
     for r in rows:
         keyed.setdefault((r["case"], r["seq"], r["pass_"]), {})[r["provider"]] = r
@@ -247,18 +264,42 @@ def markdown(rows: list[dict], env: dict) -> str:
         peer_ms = {p: by.get(p, {}).get("ms") for p in ("flash", "cudnn", "flex")}
         ratios = [cell(t / ms if t and ms else None, "{:.2f}") for t in peer_ms.values()]
         density = next(iter(by.values()))["density"]
-        cells.append([
-            case, seq, f"{density:.4f}", pass_name, cell(ms), cell(s2.get("tflops"), "{:.0f}"),
-            *(cell(t) for t in peer_ms.values()), *ratios,
-            cell(s2.get("peak_extra_gib"), "{:.2f}"),
-        ])  # fmt: skip
+        cells.append(
+            [
+                case,
+                seq,
+                f"{density:.4f}",
+                pass_name,
+                cell(ms),
+                cell(s2.get("tflops"), "{:.0f}"),
+                *(cell(t) for t in peer_ms.values()),
+                *ratios,
+                cell(s2.get("peak_extra_gib"), "{:.2f}"),
+            ]
+        )
     lines += table(
-        ["case", "seq", "density", "pass", "s2attn ms", "TFLOP/s", "FA2 ms", "cuDNN ms", "Flex ms",
-         "x FA2", "x cuDNN", "x Flex", "s2attn peak extra GiB"],
+        [
+            "case",
+            "seq",
+            "density",
+            "pass",
+            "s2attn ms",
+            "TFLOP/s",
+            "FA2 ms",
+            "cuDNN ms",
+            "Flex ms",
+            "x FA2",
+            "x cuDNN",
+            "x Flex",
+            "s2attn peak extra GiB",
+        ],
         cells,
-    )  # fmt: skip
-    notes = [f"- {r['case']} {r['seq']} {r['pass_']} {r['provider']}: {r['note']}"
-             for r in rows if r["note"]]  # fmt: skip
+    )
+    notes = [
+        f"- {r['case']} {r['seq']} {r['pass_']} {r['provider']}: {r['note']}"
+        for r in rows
+        if r["note"]
+    ]
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines) + "\n"
@@ -276,15 +317,17 @@ def plot(rows: list[dict], path: Path, env: dict) -> None:
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     for ax, (case, pass_name) in zip(axes.flat, panels):
         for provider in PROVIDERS:
-            pts = sorted((r["seq"], r["ms"]) for r in rows
-                         if (r["case"], r["pass_"], r["provider"]) == (case, pass_name, provider)
-                         and r["ms"])  # fmt: skip
+            pts = sorted(
+                (r["seq"], r["ms"])
+                for r in rows
+                if (r["case"], r["pass_"], r["provider"]) == (case, pass_name, provider) and r["ms"]
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=provider)
         ax.set(xscale="log", yscale="log", title=f"{case} {pass_name}", xlabel="seq", ylabel="ms")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     # A merged table's date lists every update; the title keeps the first and the last.
     dates = env["date"].split(", updated ")
@@ -302,10 +345,12 @@ def main() -> int:
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--cases", default="", help="comma-separated case names to keep (default all)")
     ap.add_argument(
-        "--update", type=Path, default=None,
+        "--update",
+        type=Path,
+        default=None,
         help="a results JSON whose rows this run replaces (same case, seq, pass, provider); "
         "the merged table is written under that file's name",
-    )  # fmt: skip
+    )
     args = ap.parse_args()
     env = start("GPU kernels")
     if env is None:
@@ -313,8 +358,9 @@ def main() -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     passes = args.passes.split(",")
     providers = args.providers.split(",")
-    selected = [c for c in cases(args.suite, seqs)
-                if not args.cases or c.name in args.cases.split(",")]  # fmt: skip
+    selected = [
+        c for c in cases(args.suite, seqs) if not args.cases or c.name in args.cases.split(",")
+    ]
     rows = []
     for i, case in enumerate(selected, 1):
         print(f"[{i}/{len(selected)}] {case}", flush=True)
@@ -330,9 +376,12 @@ def main() -> int:
         env["date"] = f"{old['env']['date']}, updated {env['date']}"
         stem = args.update.stem
     write_results(
-        args.out_dir, stem, markdown(rows, env), dict(env=env, rows=rows),
+        args.out_dir,
+        stem,
+        markdown(rows, env),
+        dict(env=env, rows=rows),
         plot=lambda path: plot(rows, path, env),
-    )  # fmt: skip
+    )
     return 0
 
 

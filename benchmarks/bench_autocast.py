@@ -46,13 +46,23 @@ import s2attn
 
 GIB = 2**30
 MODEL = dict(
-    hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=64, vocab_size=256,
-)  # fmt: skip
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=256,
+)
 SMOKE_MODEL = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=256,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+)
 PRECISIONS = {
     "autocast": "float32 weights + autocast(bf16)",
     "bf16": "bfloat16 weights, no autocast",
@@ -67,14 +77,21 @@ def build(attention: str, precision: str, args, shape: dict, device: str):
     from s2attn.integrations import transformers as s2hf
 
     config = transformers.LlamaConfig(
-        **shape, max_position_embeddings=args.seq, bos_token_id=0, eos_token_id=None,
-        pad_token_id=None, attn_implementation="sdpa",
-    )  # fmt: skip
+        **shape,
+        max_position_embeddings=args.seq,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="sdpa",
+    )
     if attention == "hhst":
         s2hf.configure(
-            config, block_size=args.block_size, local_blocks=args.local_blocks,
-            vert_stride=args.vert_stride, dense_layers=args.dense_layers,
-        )  # fmt: skip
+            config,
+            block_size=args.block_size,
+            local_blocks=args.local_blocks,
+            vert_stride=args.vert_stride,
+            dense_layers=args.dense_layers,
+        )
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
@@ -119,10 +136,14 @@ def measure(attention: str, precision: str, args, shape: dict, device: str) -> d
         raise RuntimeError(f"{attention} / {precision}: loss {loss} is not finite")
     ms = statistics.median(times)
     row = dict(
-        attention=attention, precision=precision, step_ms=ms, min_ms=min(times),
-        tokens_per_s=args.batch * args.seq / ms * 1e3, loss=loss,
+        attention=attention,
+        precision=precision,
+        step_ms=ms,
+        min_ms=min(times),
+        tokens_per_s=args.batch * args.seq / ms * 1e3,
+        loss=loss,
         peak_gib=torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
-    )  # fmt: skip
+    )
     print(
         f"  {ATTENTIONS[attention]:15s} {PRECISIONS[precision]:34s} {ms:9.1f} ms/step "
         f"(min {min(times):.1f})  loss {loss:.3f}",
@@ -135,12 +156,17 @@ def measure(attention: str, precision: str, args, shape: dict, device: str) -> d
 def attention_rows(args, shape: dict, device: str) -> list[dict]:
     """One S2 layer's attention forward+backward at the model's shape, and SDPA's, per input
     precision: what the step's attention costs each way."""
-    heads, kv_heads, dim = (shape[k] for k in ("num_attention_heads", "num_key_value_heads",
-                                               "head_dim"))  # fmt: skip
+    heads, kv_heads, dim = (
+        shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     pattern = s2attn.local_stride_pattern(
-        heads, args.seq, args.block_size, args.local_blocks, args.vert_stride,
+        heads,
+        args.seq,
+        args.block_size,
+        args.local_blocks,
+        args.vert_stride,
         num_kv_heads=kv_heads,
-    )  # fmt: skip
+    )
     gen = torch.Generator().manual_seed(2)
     shapes = [(args.batch, args.seq, h, dim) for h in (heads, kv_heads, kv_heads)]
     base = [torch.randn(s, generator=gen).to(device) for s in shapes]
@@ -193,7 +219,8 @@ def time_ms(fn, device: str, grad_to_none) -> float:
 # ------------------------------------------------------------------------------------ output
 def markdown(rows: list[dict], attn_rows: list[dict], env: dict, args, shape: dict) -> str:
     lines = heading(
-        "Mixed-precision training step", env,
+        "Mixed-precision training step",
+        env,
         f"Llama, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
         f"{shape['num_attention_heads']} query / {shape['num_key_value_heads']} KV heads of "
         f"{shape['head_dim']}, MLP {shape['intermediate_size']}, vocabulary "
@@ -202,23 +229,33 @@ def markdown(rows: list[dict], attn_rows: list[dict], env: dict, args, shape: di
         f"{args.local_blocks} blocks, vertical stride {args.vert_stride}), all through s2attn. "
         f"Step = forward + loss, backward, AdamW (fused on CUDA); median (and fastest) of "
         f"{args.steps} steps after {args.warmup} warm-up steps.",
-    )  # fmt: skip
+    )
     by = {(r["attention"], r["precision"]): r for r in rows}
     cells = []
     for precision in args.precisions:
         dense, hhst = by.get(("dense", precision)), by.get(("hhst", precision))
-        cells.append([
-            PRECISIONS[precision],
-            *(cell(r and r["step_ms"], "{:.1f}") for r in (dense, hhst)),
-            cell(dense and hhst and dense["step_ms"] / hhst["step_ms"], "{:.2f}x"),
-            *(cell(r and r["peak_gib"], "{:.2f}") for r in (dense, hhst)),
-            *(cell(r and r["tokens_per_s"], "{:,.0f}") for r in (dense, hhst)),
-        ])  # fmt: skip
+        cells.append(
+            [
+                PRECISIONS[precision],
+                *(cell(r and r["step_ms"], "{:.1f}") for r in (dense, hhst)),
+                cell(dense and hhst and dense["step_ms"] / hhst["step_ms"], "{:.2f}x"),
+                *(cell(r and r["peak_gib"], "{:.2f}") for r in (dense, hhst)),
+                *(cell(r and r["tokens_per_s"], "{:,.0f}") for r in (dense, hhst)),
+            ]
+        )
     lines += table(
-        ["setup", "dense SDPA step ms", "HHST step ms", "HHST speed-up", "dense peak GiB",
-         "HHST peak GiB", "dense tokens/s", "HHST tokens/s"],
+        [
+            "setup",
+            "dense SDPA step ms",
+            "HHST step ms",
+            "HHST speed-up",
+            "dense peak GiB",
+            "HHST peak GiB",
+            "dense tokens/s",
+            "HHST tokens/s",
+        ],
         cells,
-    )  # fmt: skip
+    )
     checks = []
     auto, bf16 = by.get(("hhst", "autocast")), by.get(("hhst", "bf16"))
     if auto and bf16:
@@ -248,9 +285,15 @@ def markdown(rows: list[dict], attn_rows: list[dict], env: dict, args, shape: di
         arow = {(r["provider"], r["precision"]): r["ms"] for r in attn_rows}
         lines += table(
             ["inputs", "s2attn (S2 pattern)", "SDPA (dense causal)"],
-            [[input_label(p), cell(arow.get(("s2attn", p)), "{:.2f}"),
-              cell(arow.get(("sdpa", p)), "{:.2f}")] for p in ("fp32", "bf16", "autocast")],
-        )  # fmt: skip
+            [
+                [
+                    input_label(p),
+                    cell(arow.get(("s2attn", p)), "{:.2f}"),
+                    cell(arow.get(("sdpa", p)), "{:.2f}"),
+                ]
+                for p in ("fp32", "bf16", "autocast")
+            ],
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -297,10 +340,11 @@ def main() -> int:
     attn_rows = [] if args.no_attention_table else attention_rows(args, shape, device)
     settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
     write_results(
-        args.out_dir, result_stem(env, f"autocast{args.tag}"),
+        args.out_dir,
+        result_stem(env, f"autocast{args.tag}"),
         markdown(rows, attn_rows, env, args, shape),
         dict(env=env, model=shape, settings=settings, rows=rows, attention_rows=attn_rows),
-    )  # fmt: skip
+    )
     return 0
 
 

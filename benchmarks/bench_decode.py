@@ -8,7 +8,7 @@ queries read); the dense cache holds every token, (batch, kv_heads, ctx, dim), f
 
 Times (medians of ``triton.testing.do_bench``, ms):
 
-* ``s2 kernel``: the decode kernel and its split merge (``s2attn.ops.decode.decode``).
+* ``s2 kernel``: the decode kernel and its split merge (``s2attn.ops.triton.decode.decode``).
 * ``s2 call``: ``sparse_attention_with_kvcache(q, cache)``, the token already appended: host work
   (split choice, launch) included.
 * ``s2 step``: a whole decode step, ``sparse_attention_with_kvcache(q, cache, k, v)``: append the
@@ -47,7 +47,8 @@ from run_info import (
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
-from s2attn.ops import decode as dec
+from s2attn.ops.options import TritonDecodeConfig
+from s2attn.ops.triton import decode as dec
 
 HEADS, KV_HEADS, DIM, BLOCK, LOCAL = 32, 8, 128, 64, 16
 DTYPE = torch.bfloat16
@@ -60,9 +61,14 @@ def fill_cache(pattern, k_dense, v_dense, max_seq_len) -> PagedKVCache:
     """A cache holding the dense tokens, stored as a prefill of each sequence would store them."""
     batch, _, ctx, _ = k_dense.shape
     cache = PagedKVCache(
-        pattern, batch_size=batch, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=DTYPE,
-        device=DEVICE, max_seq_len=max_seq_len,
-    )  # fmt: skip
+        pattern,
+        batch_size=batch,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        dtype=DTYPE,
+        device=DEVICE,
+        max_seq_len=max_seq_len,
+    )
     for b in range(batch):  # one sequence at a time: a (ctx, kv_heads, dim) copy each
         counts = [ctx if i == b else 0 for i in range(batch)]
         cu = torch.tensor([0, *counts], device=DEVICE).cumsum(0).to(torch.int32)
@@ -86,13 +92,23 @@ def step_time(cache: PagedKVCache, q, k, v) -> float:
     return start.elapsed_time(end) / STEPS
 
 
-def kernel_fn(cache: PagedKVCache, q, scale: float, splits: int, block_n=None, opts=None):
+def kernel_fn(
+    cache: PagedKVCache, q, scale: float, splits: int, config: TritonDecodeConfig | None = None
+):
     """The decode kernel (and split merge) alone, on the cache's pages."""
     layout = cache.decode_layout
     return functools.partial(
-        dec.decode, q, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, layout,
-        softmax_scale=scale, num_splits=splits, block_n=block_n, launch_options=opts,
-    )  # fmt: skip
+        dec.decode,
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        cache.page_table,
+        cache.seq_lens,
+        layout,
+        softmax_scale=scale,
+        num_splits=splits,
+        config=config,
+    )
 
 
 def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
@@ -100,16 +116,19 @@ def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
     # num_splits is a run-time argument: only warps, stages, block_n and split-or-not compile.
     space = itertools.product((4, 8), (2, 3, 4), (32, 64), (1, 2, 4, 8, 16))
     for warps, stages, block_n, splits in space:
-        opts = dict(num_warps=warps, num_stages=stages)
+        config = TritonDecodeConfig(num_warps=warps, num_stages=stages, block_n=block_n)
         try:
-            fn = kernel_fn(cache, q, scale, splits, block_n, opts)
+            fn = kernel_fn(cache, q, scale, splits, config)
             fn()  # compile outside the graph capture
             ms = graph_ms(fn) or median_ms(fn)
         except Exception as exc:  # out of shared memory / registers
-            print(f"      {opts} block_n {block_n} splits {splits}: {type(exc).__name__}")
+            print(f"      {config} splits {splits}: {type(exc).__name__}")
             continue
-        print(f"      warps {warps} stages {stages} block_n {block_n} splits {splits:2d}: "
-              f"{ms:.4f} ms", flush=True)  # fmt: skip
+        print(
+            f"      warps {warps} stages {stages} block_n {block_n} splits {splits:2d}: "
+            f"{ms:.4f} ms",
+            flush=True,
+        )
         if best is None or ms < best["ms"]:
             best = dict(ms=ms, num_warps=warps, num_stages=stages, block_n=block_n, splits=splits)
     print(f"    best {best} (default {default_ms:.4f} ms)", flush=True)
@@ -131,9 +150,12 @@ def run_stride(
     kernel = kernel_fn(cache, q, scale, splits)
     out, _ = kernel()
     ref = attention_reference(
-        q[:1], k_full[:1].transpose(1, 2), v_full[:1].transpose(1, 2), pattern,
+        q[:1],
+        k_full[:1].transpose(1, 2),
+        v_full[:1].transpose(1, 2),
+        pattern,
         compute_dtype=torch.float32,
-    )  # fmt: skip
+    )
     err = ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
     kernel_ms = median_ms(kernel)
     kernel_graph_ms = graph_ms(kernel)
@@ -144,14 +166,26 @@ def run_stride(
     # Bytes the kernel must read: the kept pages of every (sequence, KV head), K and V.
     read_bytes = batch * KV_HEADS * blocks * cache.page_bytes
     row = dict(
-        ctx=ctx, batch=batch, vert_stride=stride, blocks_read=blocks, splits=splits,
-        s2_kernel_ms=kernel_ms, s2_call_ms=call_ms, s2_step_ms=step_ms, sdpa_ms=sdpa_ms,
-        s2_kernel_graph_ms=kernel_graph_ms, sdpa_graph_ms=sdpa_graph_ms,
-        speedup_vs_sdpa=sdpa_ms / kernel_ms, read_gbps=read_bytes / kernel_ms / 1e6,
+        ctx=ctx,
+        batch=batch,
+        vert_stride=stride,
+        blocks_read=blocks,
+        splits=splits,
+        s2_kernel_ms=kernel_ms,
+        s2_call_ms=call_ms,
+        s2_step_ms=step_ms,
+        sdpa_ms=sdpa_ms,
+        s2_kernel_graph_ms=kernel_graph_ms,
+        sdpa_graph_ms=sdpa_graph_ms,
+        speedup_vs_sdpa=sdpa_ms / kernel_ms,
+        read_gbps=read_bytes / kernel_ms / 1e6,
         read_bytes=read_bytes,
-        live_mib=report["live_bytes"] / MIB, needed_mib=report["needed_bytes"] / MIB,
-        dense_mib=dense_bytes / MIB, rel_err=err, sweep_best=best,
-    )  # fmt: skip
+        live_mib=report["live_bytes"] / MIB,
+        needed_mib=report["needed_bytes"] / MIB,
+        dense_mib=dense_bytes / MIB,
+        rel_err=err,
+        sweep_best=best,
+    )
     print(
         f"    V{stride}: kernel {kernel_ms:.4f} ms ({row['read_gbps']:.0f} GB/s, {splits} splits, "
         f"{blocks} blocks) graph {kernel_graph_ms or float('nan'):.4f} call {call_ms:.4f} "
@@ -179,13 +213,24 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
     sdpa_ms = median_ms(sdpa)
     sdpa_graph_ms = graph_ms(sdpa)
     dense_bytes = 2 * k_full.numel() * k_full.element_size()
-    print(f"  ctx {ctx} batch {batch}: SDPA {sdpa_ms:.4f} ms, dense KV "
-          f"{dense_bytes / MIB:.0f} MiB", flush=True)  # fmt: skip
+    print(
+        f"  ctx {ctx} batch {batch}: SDPA {sdpa_ms:.4f} ms, dense KV {dense_bytes / MIB:.0f} MiB",
+        flush=True,
+    )
     rows = []
     for stride in strides:
         rows.append(
             run_stride(
-                stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, sdpa_graph_ms, dense_bytes,
+                stride,
+                ctx,
+                q,
+                k_full,
+                v_full,
+                k1,
+                v1,
+                sdpa_ms,
+                sdpa_graph_ms,
+                dense_bytes,
                 do_sweep,
             )
         )
@@ -193,39 +238,55 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
     return rows
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+# The result table: a column's header and its cell of a row.
+COLUMNS = [
+    ("ctx", lambda r: r["ctx"]),
+    ("batch", lambda r: r["batch"]),
+    ("V", lambda r: r["vert_stride"]),
+    ("blocks read", lambda r: r["blocks_read"]),
+    ("splits", lambda r: r["splits"]),
+    ("s2 kernel ms", lambda r: f"{r['s2_kernel_ms']:.4f}"),
+    ("s2 kernel graph ms", lambda r: cell(r["s2_kernel_graph_ms"], "{:.4f}")),
+    ("s2 call ms", lambda r: f"{r['s2_call_ms']:.4f}"),
+    ("s2 step ms", lambda r: f"{r['s2_step_ms']:.4f}"),
+    ("SDPA ms", lambda r: f"{r['sdpa_ms']:.4f}"),
+    ("SDPA graph ms", lambda r: cell(r["sdpa_graph_ms"], "{:.4f}")),
+    ("x SDPA", lambda r: f"{r['speedup_vs_sdpa']:.1f}"),
+    ("x SDPA graph", lambda r: cell(_ratio(r["sdpa_graph_ms"], r["s2_kernel_graph_ms"]), "{:.1f}")),
+    (
+        "GB/s graph",
+        lambda r: cell(_ratio(r["read_bytes"] / 1e6, r["s2_kernel_graph_ms"]), "{:.0f}"),
+    ),
+    ("KV live MiB", lambda r: f"{r['live_mib']:.1f}"),
+    ("KV need MiB", lambda r: f"{r['needed_mib']:.1f}"),
+    ("KV dense MiB", lambda r: f"{r['dense_mib']:.0f}"),
+    ("rel err", lambda r: f"{r['rel_err']:.1e}"),
+]
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     lines = heading(
-        "Decode benchmark", env,
+        "Decode benchmark",
+        env,
         f"One new token per sequence, {HEADS} query / {KV_HEADS} KV heads, dim {DIM}, bf16; S2 "
         f"block {BLOCK}, local_blocks {LOCAL}. Medians of `triton.testing.do_bench` (step: mean "
         f"of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
         "second by the kernel. KV MiB: live pages of the S2 cache, what the pattern needs, the "
         "dense cache. `graph` columns: the same call replayed from a CUDA graph "
         "(`do_bench_cudagraph`), i.e. GPU time without Python's launch overhead.",
-    )  # fmt: skip
-    cells = []
-    for r in rows:
-        g, sg = r["s2_kernel_graph_ms"], r["sdpa_graph_ms"]
-        cells.append([
-            r["ctx"], r["batch"], r["vert_stride"], r["blocks_read"], r["splits"],
-            f"{r['s2_kernel_ms']:.4f}", cell(g, "{:.4f}"), f"{r['s2_call_ms']:.4f}",
-            f"{r['s2_step_ms']:.4f}", f"{r['sdpa_ms']:.4f}", cell(sg, "{:.4f}"),
-            f"{r['speedup_vs_sdpa']:.1f}", cell(sg / g if g and sg else None, "{:.1f}"),
-            cell(r["read_bytes"] / g / 1e6 if g else None, "{:.0f}"),
-            f"{r['live_mib']:.1f}", f"{r['needed_mib']:.1f}", f"{r['dense_mib']:.0f}",
-            f"{r['rel_err']:.1e}",
-        ])  # fmt: skip
-    lines += table(
-        ["ctx", "batch", "V", "blocks read", "splits", "s2 kernel ms", "s2 kernel graph ms",
-         "s2 call ms", "s2 step ms", "SDPA ms", "SDPA graph ms", "x SDPA", "x SDPA graph",
-         "GB/s graph", "KV live MiB", "KV need MiB", "KV dense MiB", "rel err"],
-        cells,
-    )  # fmt: skip
+    )
+    lines += table([name for name, _ in COLUMNS], ([c(r) for _, c in COLUMNS] for r in rows))
     best = [r for r in rows if r["sweep_best"]]
     if best:
         lines += ["", "Sweep (best launch per case):", ""]
-        lines += [f"- ctx {r['ctx']} batch {r['batch']} V{r['vert_stride']}: {r['sweep_best']}"
-                  for r in best]  # fmt: skip
+        lines += [
+            f"- ctx {r['ctx']} batch {r['batch']} V{r['vert_stride']}: {r['sweep_best']}"
+            for r in best
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -29,18 +29,27 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 GIB = 2**30
 MODEL = dict(
-    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=32000, rope_theta=500000.0,
-)  # fmt: skip
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    rope_theta=500000.0,
+)
 
 
 def build_model(max_len: int):
     import transformers
 
     config = transformers.LlamaConfig(
-        **MODEL, max_position_embeddings=max_len, bos_token_id=1, eos_token_id=None,
-        pad_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+        **MODEL,
+        max_position_embeddings=max_len,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = transformers.LlamaForCausalLM(config).to(DTYPE).eval()
@@ -70,9 +79,14 @@ def generate(model, ids, new_tokens: int, make_cache):
     kwargs = {} if cache is None else dict(past_key_values=cache)
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **kwargs,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
     return out.sequences, out.past_key_values
 
 
@@ -94,15 +108,24 @@ def measure(name: str, model, ids, new_tokens: int, make_cache) -> dict:
     total_s = sync_time() - t0
     peak_gib = (torch.cuda.max_memory_allocated() - base) / GIB if DEVICE == "cuda" else 0.0
     row = dict(
-        config=name, batch=batch, prompt=ids.shape[1], new_tokens=new_tokens,
-        prefill_s=prefill_s, total_s=total_s,
+        config=name,
+        batch=batch,
+        prompt=ids.shape[1],
+        new_tokens=new_tokens,
+        prefill_s=prefill_s,
+        total_s=total_s,
         decode_tok_s=batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9),
-        e2e_tok_s=batch * new_tokens / total_s, peak_gib=peak_gib,
-        kv_gib=kv_bytes(cache) / GIB, generated=tokens.shape[1] - ids.shape[1],
-    )  # fmt: skip
-    print(f"  {name}: total {total_s:.2f} s, decode {row['decode_tok_s']:.1f} tok/s, "
-          f"end-to-end {row['e2e_tok_s']:.1f} tok/s, peak {peak_gib:.2f} GiB, "
-          f"KV {row['kv_gib']:.3f} GiB", flush=True)  # fmt: skip
+        e2e_tok_s=batch * new_tokens / total_s,
+        peak_gib=peak_gib,
+        kv_gib=kv_bytes(cache) / GIB,
+        generated=tokens.shape[1] - ids.shape[1],
+    )
+    print(
+        f"  {name}: total {total_s:.2f} s, decode {row['decode_tok_s']:.1f} tok/s, "
+        f"end-to-end {row['e2e_tok_s']:.1f} tok/s, peak {peak_gib:.2f} GiB, "
+        f"KV {row['kv_gib']:.3f} GiB",
+        flush=True,
+    )
     del cache
     return row
 
@@ -115,19 +138,37 @@ def markdown(rows: list[dict], env: dict, args, params: int) -> str:
         f"{transformers.__version__} · s2attn {env['s2attn']}"
     )
     lines = heading(
-        "generate benchmark", env,
+        "generate benchmark",
+        env,
         f"Llama-style, {params / 1e9:.2f}B parameters, random weights, bf16: {MODEL}. Batch "
         f"{args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy. HHST: first "
         f"{args.dense_layers} layers dense, the rest S2 (block 64, local_blocks 16). Peak: GPU "
         "memory above the weights during `generate`. KV: the cache's bytes at the end.",
         versions,
-    )  # fmt: skip
+    )
     lines += table(
-        ["config", "prefill s", "total s", "decode tok/s", "end-to-end tok/s", "peak GiB",
-         "KV GiB"],
-        ([r["config"], f"{r['prefill_s']:.3f}", f"{r['total_s']:.2f}", f"{r['decode_tok_s']:.1f}",
-          f"{r['e2e_tok_s']:.1f}", f"{r['peak_gib']:.2f}", f"{r['kv_gib']:.3f}"] for r in rows),
-    )  # fmt: skip
+        [
+            "config",
+            "prefill s",
+            "total s",
+            "decode tok/s",
+            "end-to-end tok/s",
+            "peak GiB",
+            "KV GiB",
+        ],
+        (
+            [
+                r["config"],
+                f"{r['prefill_s']:.3f}",
+                f"{r['total_s']:.2f}",
+                f"{r['decode_tok_s']:.1f}",
+                f"{r['e2e_tok_s']:.1f}",
+                f"{r['peak_gib']:.2f}",
+                f"{r['kv_gib']:.3f}",
+            ]
+            for r in rows
+        ),
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -163,9 +204,13 @@ def main() -> int:
         )
     for stride in [int(s) for s in args.strides.split(",")]:
         s2hf.configure(
-            model.config, block_size=64, local_blocks=16, vert_stride=stride,
-            dense_layers=args.dense_layers, max_seq_len=max_len,
-        )  # fmt: skip
+            model.config,
+            block_size=64,
+            local_blocks=16,
+            vert_stride=stride,
+            dense_layers=args.dense_layers,
+            max_seq_len=max_len,
+        )
         name = f"HHST V{stride}"
         print(f"[{name}] s2attn + S2Cache", flush=True)
         rows.append(measure(name, model, ids, args.new, lambda: s2hf.S2Cache(model.config)))

@@ -34,12 +34,24 @@ from run_info import environment, result_stem, versions_line
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
 MODEL = dict(
-    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-    num_key_value_heads=4, head_dim=128, vocab_size=32000, rope_theta=500000.0,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=32000,
+    rope_theta=500000.0,
 )
 SMOKE_MODEL = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=256, rope_theta=10000.0,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    rope_theta=10000.0,
 )
 FLOOR_IMPLEMENTATION = "bench_attention_floor"
 
@@ -61,16 +73,26 @@ def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
     shape = SMOKE_MODEL if args.smoke else MODEL
     impl = {"floor": FLOOR_IMPLEMENTATION}.get(variant, "sdpa")
     config = transformers.LlamaConfig(
-        **shape, max_position_embeddings=seq, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None, attn_implementation=impl,
+        **shape,
+        max_position_embeddings=seq,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation=impl,
     )
     if variant.startswith("hhst"):
         # hhst-V64: --dense-layers dense layers, stride 64; hhst1-V64: one dense layer.
-        count, stride = variant[len("hhst"):].split("-V")
+        count, stride = variant[len("hhst") :].split("-V")
         dense_layers = int(count) if count else args.dense_layers
         block, local = (16, 2) if args.smoke else (64, 16)
-        s2hf.configure(config, block_size=block, local_blocks=local, vert_stride=int(stride),
-                       dense_layers=dense_layers, max_seq_len=seq)
+        s2hf.configure(
+            config,
+            block_size=block,
+            local_blocks=local,
+            vert_stride=int(stride),
+            dense_layers=dense_layers,
+            max_seq_len=seq,
+        )
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(dtype)
@@ -85,8 +107,10 @@ def sdpa_backend(variant: str):
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"dense-flash": SDPBackend.FLASH_ATTENTION,
-               "dense-cudnn": SDPBackend.CUDNN_ATTENTION}.get(variant)
+    backend = {
+        "dense-flash": SDPBackend.FLASH_ATTENTION,
+        "dense-cudnn": SDPBackend.CUDNN_ATTENTION,
+    }.get(variant)
     return nullcontext() if backend is None else sdpa_kernel(backend)
 
 
@@ -127,8 +151,14 @@ def measure(variant: str, seq: int, args, device: str) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     step_s = statistics.median(times)
-    return dict(variant=variant, seq=seq, step_s=step_s, steps=times, tokens_per_s=seq / step_s,
-                peak_gib=peak)
+    return dict(
+        variant=variant,
+        seq=seq,
+        step_s=step_s,
+        steps=times,
+        tokens_per_s=seq / step_s,
+        peak_gib=peak,
+    )
 
 
 def markdown(rows: list[dict], env: dict, args) -> str:
@@ -154,12 +184,15 @@ def markdown(rows: list[dict], env: dict, args) -> str:
             speed = f"{dense / r['step_s']:.2f}x" if dense else "—"
             attn = f"{r['step_s'] - floor:.3f}" if floor is not None else "—"
             rest = f"{floor:.3f}" if floor is not None else "—"
-            lines.append(f"| {seq // 1024}k | {r['variant']} | {r['step_s']:.3f} | "
-                         f"{r['tokens_per_s']:,.0f} | {speed} | {attn} | {rest} | "
-                         f"{r['peak_gib']:.1f} |")
+            lines.append(
+                f"| {seq // 1024}k | {r['variant']} | {r['step_s']:.3f} | "
+                f"{r['tokens_per_s']:,.0f} | {speed} | {attn} | {rest} | "
+                f"{r['peak_gib']:.1f} |"
+            )
         if floor and dense:
-            lines.append(f"| {seq // 1024}k | ceiling (dense / floor) | | | "
-                         f"{dense / floor:.2f}x | | | |")
+            lines.append(
+                f"| {seq // 1024}k | ceiling (dense / floor) | | | {dense / floor:.2f}x | | | |"
+            )
     for r in rows:
         if "error" in r:
             lines.append(f"\n{r['variant']} at {r['seq']}: {r['error']}")
@@ -169,8 +202,11 @@ def markdown(rows: list[dict], env: dict, args) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--variants", nargs="+",
-                    default=["dense-flash", "dense-cudnn", "hhst-V64", "hhst-V16", "floor"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["dense-flash", "dense-cudnn", "hhst-V64", "hhst-V16", "floor"],
+    )
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -189,17 +225,27 @@ def main() -> int:
             row = measure(variant, seq, args, device)
             rows.append(row)
             if "step_s" in row:
-                print(f"{seq:>7} {variant:<12} {row['step_s'] * 1e3:9.1f} ms "
-                      f"{row['tokens_per_s']:10,.0f} tok/s  peak {row['peak_gib']:.1f} GiB",
-                      flush=True)
+                print(
+                    f"{seq:>7} {variant:<12} {row['step_s'] * 1e3:9.1f} ms "
+                    f"{row['tokens_per_s']:10,.0f} tok/s  peak {row['peak_gib']:.1f} GiB",
+                    flush=True,
+                )
     text = markdown(rows, env, args)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(env, args.name)
     (args.out_dir / f"{stem}.md").write_text(text)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        dict(environment=env, model=SMOKE_MODEL if args.smoke else MODEL,
-             dense_layers=args.dense_layers, rows=rows), indent=1))
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps(
+            dict(
+                environment=env,
+                model=SMOKE_MODEL if args.smoke else MODEL,
+                dense_layers=args.dense_layers,
+                rows=rows,
+            ),
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -75,17 +75,19 @@ def summarize(names: list[str], runs: Path, train_len: int) -> list[dict]:
         needle = json.loads((run / "needle.json").read_text())
         grid = needle["accuracy"]
         at_train = grid.get(str(train_len), {})
-        rows.append(dict(
-            variant=name,
-            tokens=metrics[-1]["tokens"],
-            val_bpb=val[-1]["val_loss"] if val else None,
-            eval_bpb=needle.get("val_bpb"),
-            needle_mean=sum(v for cells in grid.values() for v in cells.values())
-            / max(1, sum(len(cells) for cells in grid.values())),
-            needle_min_at_train_len=min(at_train.values()) if at_train else None,
-            needle=grid,
-            elapsed_s=metrics[-1].get("elapsed_s"),
-        ))
+        rows.append(
+            dict(
+                variant=name,
+                tokens=metrics[-1]["tokens"],
+                val_bpb=val[-1]["val_loss"] if val else None,
+                eval_bpb=needle.get("val_bpb"),
+                needle_mean=sum(v for cells in grid.values() for v in cells.values())
+                / max(1, sum(len(cells) for cells in grid.values())),
+                needle_min_at_train_len=min(at_train.values()) if at_train else None,
+                needle=grid,
+                elapsed_s=metrics[-1].get("elapsed_s"),
+            )
+        )
     dense = next((r["val_bpb"] for r in rows if r["variant"] == "dense"), None)
     for r in rows:
         r["vs_dense"] = (r["val_bpb"] / dense - 1) if dense and r["val_bpb"] else None
@@ -111,8 +113,10 @@ def markdown(rows: list[dict], env: dict, args, summary: dict) -> str:
         vs = "—" if r["vs_dense"] is None else f"{100 * r['vs_dense']:+.2f}%"
         bpb = "—" if r["val_bpb"] is None else f"{r['val_bpb']:.4f}"
         low = r["needle_min_at_train_len"]
-        lines.append(f"| {r['variant']} | {r['tokens']:,} | {bpb} | {vs} | "
-                     f"{r['needle_mean']:.3f} | {'—' if low is None else f'{low:.2f}'} |")
+        lines.append(
+            f"| {r['variant']} | {r['tokens']:,} | {bpb} | {vs} | "
+            f"{r['needle_mean']:.3f} | {'—' if low is None else f'{low:.2f}'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -129,11 +133,13 @@ def plot_curves(names: list[str], runs: Path, path: Path, title: str) -> None:
         tokens = [m["tokens"] / 1e6 for m in val]
         ax_loss.plot(tokens, [m["val_loss"] for m in val], marker=".", label=name)
         if any("val_needle" in m for m in val):
-            ax_needle.plot(tokens, [m.get("val_needle", float("nan")) for m in val],
-                           marker=".", label=name)
+            ax_needle.plot(
+                tokens, [m.get("val_needle", float("nan")) for m in val], marker=".", label=name
+            )
     ax_loss.set(xlabel="training tokens (M)", ylabel="validation bits per byte", title=title)
-    ax_needle.set(xlabel="training tokens (M)", ylabel="needle accuracy (validation set)",
-                  ylim=(-0.02, 1.02))
+    ax_needle.set(
+        xlabel="training tokens (M)", ylabel="needle accuracy (validation set)", ylim=(-0.02, 1.02)
+    )
     ax_loss.legend(fontsize=8)
     ax_loss.grid(alpha=0.3)
     ax_needle.grid(alpha=0.3)
@@ -176,10 +182,24 @@ def main() -> int:
     if not args.skip_train:
         print(f"training {len(args.only)} variants, {args.parallel} at once", flush=True)
         jobs = {
-            name: [*python, "train", "--preset", args.preset, *VARIANTS[name],
-                   "--steps", str(args.steps), "--seed", str(args.seed),
-                   "--seq-len", str(args.train_len), "--out", str(args.runs / name),
-                   "--no-progress", *device, *args.train_args.split()]
+            name: [
+                *python,
+                "train",
+                "--preset",
+                args.preset,
+                *VARIANTS[name],
+                "--steps",
+                str(args.steps),
+                "--seed",
+                str(args.seed),
+                "--seq-len",
+                str(args.train_len),
+                "--out",
+                str(args.runs / name),
+                "--no-progress",
+                *device,
+                *args.train_args.split(),
+            ]
             for name in args.only
         }
         codes = run_all(jobs, args.runs, args.parallel, env)
@@ -188,10 +208,23 @@ def main() -> int:
     trained = [n for n in args.only if (args.runs / n / "config.json").exists()]
     print(f"evaluating {len(trained)} models", flush=True)
     jobs = {
-        f"{name}.eval": [*python, "eval", str(args.runs / name), "--needle",
-                         "--lengths", args.lengths, "--depths", args.depths,
-                         "--samples", str(args.samples), "--seed", str(args.seed + 1),
-                         "--out", str(args.runs / name / "needle.json"), *device]
+        f"{name}.eval": [
+            *python,
+            "eval",
+            str(args.runs / name),
+            "--needle",
+            "--lengths",
+            args.lengths,
+            "--depths",
+            args.depths,
+            "--samples",
+            str(args.samples),
+            "--seed",
+            str(args.seed + 1),
+            "--out",
+            str(args.runs / name / "needle.json"),
+            *device,
+        ]
         for name in trained
     }
     run_all(jobs, args.runs, args.parallel, env)
@@ -204,17 +237,38 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(result_env, args.name)
     (args.out_dir / f"{stem}.md").write_text(text)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(dict(
-        environment=result_env, preset=args.preset, steps=args.steps, seed=args.seed,
-        train_len=args.train_len, lengths=args.lengths, depths=args.depths,
-        samples=args.samples, model=summary, rows=rows), indent=1))
-    plot_curves(done, args.runs, args.out_dir / f"{stem}_curves.png",
-                f"{args.preset}, {args.steps} steps at {args.train_len} tokens")
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps(
+            dict(
+                environment=result_env,
+                preset=args.preset,
+                steps=args.steps,
+                seed=args.seed,
+                train_len=args.train_len,
+                lengths=args.lengths,
+                depths=args.depths,
+                samples=args.samples,
+                model=summary,
+                rows=rows,
+            ),
+            indent=1,
+        )
+    )
+    plot_curves(
+        done,
+        args.runs,
+        args.out_dir / f"{stem}_curves.png",
+        f"{args.preset}, {args.steps} steps at {args.train_len} tokens",
+    )
     from s2attn.models.evaluate import plot_needle_heatmaps
 
-    plot_needle_heatmaps({r["variant"]: json.loads((args.runs / r["variant"] / "needle.json")
-                                                   .read_text()) for r in rows},
-                         args.out_dir / f"{stem}_needle.png")
+    plot_needle_heatmaps(
+        {
+            r["variant"]: json.loads((args.runs / r["variant"] / "needle.json").read_text())
+            for r in rows
+        },
+        args.out_dir / f"{stem}_needle.png",
+    )
     return 0
 
 

@@ -85,9 +85,7 @@ def cell(x: float | None, spec: str = "{:.3f}") -> str:
 def heading(title: str, env: dict, description: str, versions: str | None = None) -> list[str]:
     """A result file's first lines: ``# <title> — <device>``, the versions line (``versions``
     replaces the default one), and a paragraph saying what was measured and how."""
-    return [
-        f"# {title} — {env['device']}", "", versions or versions_line(env), "", description, ""
-    ]  # fmt: skip
+    return [f"# {title} — {env['device']}", "", versions or versions_line(env), "", description, ""]
 
 
 def table(header: list[str], rows: Iterable[list]) -> list[str]:
@@ -109,8 +107,14 @@ def parser(doc: str) -> argparse.ArgumentParser:
 def sweep_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The tuning sweeps' one shape (batch 1, bf16, a causal local-stride pattern) and the passes
     to sweep (``fwd``, ``dkdv``, ``dq``)."""
-    for flag, default in (("--seq", 32768), ("--heads", 32), ("--dim", 128), ("--block-size", 64),
-                          ("--local-blocks", 16), ("--stride", 16)):  # fmt: skip
+    for flag, default in (
+        ("--seq", 32768),
+        ("--heads", 32),
+        ("--dim", 128),
+        ("--block-size", 64),
+        ("--local-blocks", 16),
+        ("--stride", 16),
+    ):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--passes", default="fwd,dkdv,dq")
     return ap

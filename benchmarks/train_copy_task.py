@@ -246,9 +246,11 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
-        "--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
         help="autocast dtype; bf16 on cuda, fp32 on cpu (the interpreter's bf16 dot is wrong)",
-    )  # fmt: skip
+    )
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -5,8 +5,7 @@ the Triton interpreter; without it, CPU calls use the exact dense-mask reference
 """
 
 from .attention import merge_partials, sparse_attention, sparse_attention_qkvpacked
-from .cache import ModelKVCache, PagedKVCache
-from .inference import sparse_attention_with_kvcache
+from .inference import ModelKVCache, PagedKVCache, sparse_attention_with_kvcache
 from .modules import SparseAttention
 from .pattern import BlockPattern, dense_pattern, local_stride_pattern
 from .reference import attention_reference

@@ -18,53 +18,12 @@ from .ops.options import KernelOptions
 from .pattern import BlockPattern
 from .precision import autocast_dtype, cast_inputs
 from .reference import attention_reference
+from .validation import check_cu_seqlens, check_softmax_scale, check_tensor
 
 __all__ = ["merge_partials", "sparse_attention", "sparse_attention_qkvpacked"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
-
-
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def check_cu_seqlens(
-    name: str,
-    cu: torch.Tensor | None,
-    total: int,
-    device: torch.device,
-    batch_size: int | None = None,
-) -> list[int]:
-    """Validate packed-sequence offsets (int32, 1-D, from 0, non-decreasing, ending at ``total``;
-    ``batch_size + 1`` of them when given) and return them as a list."""
-    if cu is None:
-        raise ValueError(f"{name} is required for packed (3-D) inputs")
-    _check_tensor(name, cu)
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(
-            f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}"
-        )
-    if batch_size is not None and cu.numel() != batch_size + 1:
-        raise ValueError(
-            f"{name} must hold batch + 1 = {batch_size + 1} offsets, got {cu.numel()}"
-        )
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device}, but the data is on {device}")
-    values = cu.tolist()
-    if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {values[0]}")
-    if any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if values[-1] != total:
-        raise ValueError(
-            f"{name}[-1] = {values[-1]} disagrees with the packed tensor's {total} tokens"
-        )
-    return values
 
 
 def _validate(
@@ -73,7 +32,7 @@ def _validate(
     """Check every user input; return (varlen, seq_q lengths, seq_k lengths, scale, query heads
     per pattern head)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
     if not isinstance(pattern, BlockPattern):
         raise TypeError(f"pattern must be an s2attn.BlockPattern, got {type(pattern).__name__}")
     if q.dtype not in _SUPPORTED_DTYPES:
@@ -162,11 +121,8 @@ def _validate(
             f"{pattern.max_seq_len} ({pattern.num_q_blocks} x {pattern.num_kv_blocks} blocks of "
             f"{pattern.block_size})"
         )
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    return varlen, lens_q, lens_k, float(softmax_scale), q_heads_per_pattern_head
+    scale = check_softmax_scale(softmax_scale, head_dim)
+    return varlen, lens_q, lens_k, scale, q_heads_per_pattern_head
 
 
 @torch.compiler.disable
@@ -371,19 +327,30 @@ def sparse_attention(
         # call below runs on the cast tensors; autocast off inside, so nothing is cast twice.
         with torch.autocast(q.device.type, enabled=False):
             return sparse_attention(
-                *cast_inputs(region, q.device.type, q, k, v), pattern,
-                softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-            )  # fmt: skip
+                *cast_inputs(region, q.device.type, q, k, v),
+                pattern,
+                softmax_scale=softmax_scale,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                return_lse=return_lse,
+            )
     varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
     if not dispatch.supports_triton(q.device):
         # No Triton backend here (CPU without the interpreter): the dense-mask reference is exact.
         return attention_reference(
-            q, k, v, pattern, softmax_scale=scale,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, return_lse=return_lse,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            pattern,
+            softmax_scale=scale,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            return_lse=return_lse,
+        )
     plan = _AttentionPlan(
         pattern,
         scale,
@@ -427,17 +394,20 @@ def sparse_attention_qkvpacked(
         >>> out = s2attn.sparse_attention_qkvpacked(qkv, pattern)
         >>> out.sum().backward()
     """
-    _check_tensor("qkv", qkv)
+    check_tensor("qkv", qkv)
     region = autocast_dtype(qkv)
     if region is not None:
         # As in sparse_attention; the cast makes one new packed tensor, so the kernels still
         # write its gradient slice by slice, and the cast's backward takes it to qkv's dtype.
         with torch.autocast(qkv.device.type, enabled=False):
             return sparse_attention_qkvpacked(
-                *cast_inputs(region, qkv.device.type, qkv), pattern,
-                softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                *cast_inputs(region, qkv.device.type, qkv),
+                pattern,
+                softmax_scale=softmax_scale,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
                 return_lse=return_lse,
-            )  # fmt: skip
+            )
     if qkv.dim() not in (4, 5) or qkv.shape[-3] != 3:
         raise ValueError(
             "qkv must be (batch, seq, 3, heads, dim) or packed (total, 3, heads, dim), "
@@ -449,9 +419,15 @@ def sparse_attention_qkvpacked(
     )
     if not dispatch.supports_triton(qkv.device):
         return attention_reference(
-            q, k, v, pattern, softmax_scale=scale,
-            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, return_lse=return_lse,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            pattern,
+            softmax_scale=scale,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            return_lse=return_lse,
+        )
     plan = _AttentionPlan(
         pattern, scale, q_heads_per_pattern_head, cu_seqlens, cu_seqlens, max(lens_q), max(lens_k)
     )

@@ -29,8 +29,15 @@ def _ensure_backend() -> None:
     os.execv(sys.executable, [sys.executable, "-m", "s2attn", *sys.argv[1:]])
 
 
-def _hhst_layers(num_layers: int, num_dense_layers: int, num_heads: int, seq: int, block: int,
-                 local_blocks: int, vert_stride: int):  # fmt: skip
+def _hhst_layers(
+    num_layers: int,
+    num_dense_layers: int,
+    num_heads: int,
+    seq: int,
+    block: int,
+    local_blocks: int,
+    vert_stride: int,
+):
     """The pattern of every layer of an HHST stack: the first layers dense, the rest S2."""
     import s2attn
 
@@ -39,11 +46,10 @@ def _hhst_layers(num_layers: int, num_dense_layers: int, num_heads: int, seq: in
         if i < num_dense_layers:
             layers.append(("dense", s2attn.dense_pattern(num_heads, seq, block)))
         else:
-            layers.append((
-                "S2",
-                s2attn.local_stride_pattern(num_heads, seq, block, local_blocks, vert_stride,
-                                            head_offset=i),
-            ))  # fmt: skip
+            pattern = s2attn.local_stride_pattern(
+                num_heads, seq, block, local_blocks, vert_stride, head_offset=i
+            )
+            layers.append(("S2", pattern))
     return layers
 
 
@@ -70,8 +76,9 @@ def demo(args: argparse.Namespace) -> int:
         f"\nHHST stack: {args.layers} layers, the first {args.dense_layers} dense, 32 heads, "
         f"seq {seq}, block {block}, local {local_blocks} blocks, vertical stride {vert_stride}"
     )
-    layers = _hhst_layers(args.layers, args.dense_layers, heads, seq, block, local_blocks,
-                          vert_stride)  # fmt: skip
+    layers = _hhst_layers(
+        args.layers, args.dense_layers, heads, seq, block, local_blocks, vert_stride
+    )
     print(f"{'layer':>5} {'kind':>5} {'density':>8} {'KV-efficient':>13} {'union-complete':>15}")
     for i, (kind, p) in enumerate(layers):
         print(
@@ -147,9 +154,13 @@ def draw(args: argparse.Namespace) -> int:
     import s2attn
 
     p = s2attn.local_stride_pattern(
-        args.heads, args.seq, args.block, args.local_blocks, args.vert_stride,
+        args.heads,
+        args.seq,
+        args.block,
+        args.local_blocks,
+        args.vert_stride,
         causal=not args.bidirectional,
-    )  # fmt: skip
+    )
     print(p)
     for h in range(min(args.heads, args.show_heads)):
         print(f"\nhead {h}:")

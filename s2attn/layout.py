@@ -19,6 +19,9 @@ The forward layout lists entries per (head, query tile); the backward layout (dK
 same entries per (head, KV tile). Both are CSR: ``offsets`` of length ``heads * tiles + 1`` and
 the entries' other coordinate (and bits) in order. Layouts are cached per pattern, tile sizes and
 device.
+
+The decode layout lists, per (KV head, query block), the KV blocks a decode step reads from a
+paged KV cache, one list for the query heads of a GQA group.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ __all__ = [
     "decode_layout",
     "dense_decode_layout",
     "forward_layout",
-    "kv_last_use",
+    "group_block_mask",
 ]
 
 MAX_ENTRY_BITS = 64
@@ -533,9 +536,12 @@ class DecodeLayout:
         return self.num_q_blocks * self.block_size
 
 
-def _group_block_mask(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
+def group_block_mask(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
     """(num_kv_heads, heads_per_kv_head, q_blocks, kv_blocks): the effective mask per GQA group,
-    with the group axis collapsed to 1 when every head of every group shares one pattern."""
+    with the group axis collapsed to 1 when every head of every group shares one pattern.
+
+    What a KV cache sees of a pattern: the decode layout lists it, and the cache's eviction
+    schedule (``s2attn.inference.eviction``) reads each KV block's last use from it."""
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         raise ValueError(f"num_kv_heads must be a positive integer, got {num_kv_heads!r}")
     if pattern.num_heads % num_kv_heads:
@@ -552,28 +558,8 @@ def _group_block_mask(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
     return m
 
 
-def kv_last_use(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
-    """The last query block that reads each KV block: int64 (num_kv_heads, kv_blocks), on the CPU.
-
-    A KV head's block is read by every query head of its GQA group, so this is the maximum over the
-    group; -1 marks a block no query ever reads. Once every query of a sequence lies past a block's
-    last use, no later query reads it (whatever the pattern): a KV cache may drop it. KV-efficient
-    patterns make that drop cost nothing, since the uses of a block form one run.
-
-    Example::
-
-        >>> p = local_stride_pattern(32, 8192, 64, local_blocks=16, vert_stride=16, num_kv_heads=8)
-        >>> kv_last_use(p, 8)[0, :3]  # block 0 is a stripe of KV head 0, read to the end
-        tensor([127,  16,  17])
-    """
-    per_kv = _group_block_mask(pattern, num_kv_heads).any(dim=1)  # (kv_heads, q_blocks, kv_blocks)
-    # The first hit of the reversed query axis is the last reader.
-    last = per_kv.shape[1] - 1 - per_kv.flip(1).to(torch.int8).argmax(dim=1).to(torch.int64)
-    return torch.where(per_kv.any(dim=1), last, -1)
-
-
 def _build_decode(pattern: BlockPattern, num_kv_heads: int, device: torch.device) -> DecodeLayout:
-    m = _group_block_mask(pattern, num_kv_heads).to(device)
+    m = group_block_mask(pattern, num_kv_heads).to(device)
     kv_heads, rows, nq, nk = m.shape
     if 2 * rows > MAX_ENTRY_BITS:
         raise ValueError(
@@ -623,7 +609,7 @@ _DECODE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def decode_layout(
     pattern: BlockPattern, num_kv_heads: int, device: torch.device | str = "cpu"
 ) -> DecodeLayout:
-    """Per (KV head, query block): the KV blocks a decode step reads, for ``s2attn.ops.decode``.
+    """Per (KV head, query block): the KV blocks a decode step reads (``s2attn.ops.triton.decode``).
 
     ``pattern`` has one head per KV head or one per query head (a multiple of ``num_kv_heads``);
     query heads of one GQA group are merged into one list with per-head bits. Cached per pattern,

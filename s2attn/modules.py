@@ -49,12 +49,17 @@ class SparseAttention(nn.Module):
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return sparse_attention(
-            q, k, v, self.pattern,
+            q,
+            k,
+            v,
+            self.pattern,
             softmax_scale=self.softmax_scale,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
             return_lse=return_lse,
-        )  # fmt: skip
+        )
 
     def extra_repr(self) -> str:
         return repr(self.pattern)

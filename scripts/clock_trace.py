@@ -26,9 +26,11 @@ ap.add_argument("--stride", type=int, default=64)
 ap.add_argument("--seconds", type=float, default=6.0)
 ap.add_argument("--idle", type=float, default=3.0, help="seconds idle first, to start cool")
 ap.add_argument(
-    "--provider", default="s2attn", choices=["s2attn", "cudnn"],
+    "--provider",
+    default="s2attn",
+    choices=["s2attn", "cudnn"],
     help="cudnn: dense causal SDPA on the cuDNN backend, the ratio targets' peer",
-)  # fmt: skip
+)
 args = ap.parse_args()
 p = local_stride_pattern(32, args.seq, 64, 16, args.stride)
 q, k, v = (
@@ -48,8 +50,9 @@ torch.cuda.synchronize()
 query = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 smi = subprocess.Popen(
     ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-lms", "100"],
-    stdout=subprocess.PIPE, text=True,
-)  # fmt: skip
+    stdout=subprocess.PIPE,
+    text=True,
+)
 time.sleep(args.idle)
 t0 = time.time()
 marks = []

@@ -61,9 +61,12 @@ def timings(seq: int, stride: int) -> str:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fwd_bwd = triton.testing.do_bench(
-        lambda: s2attn.sparse_attention(q, k, v, p).backward(g), warmup=25, rep=100,
-        return_mode="median", grad_to_none=[q, k, v],
-    )  # fmt: skip
+        lambda: s2attn.sparse_attention(q, k, v, p).backward(g),
+        warmup=25,
+        rep=100,
+        return_mode="median",
+        grad_to_none=[q, k, v],
+    )
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     return (
         f"density {p.density(seq):.4f} fwd {fwd:.3f} ms {flops / fwd / 1e9:.0f} TF/s | fwd+bwd "

@@ -45,21 +45,26 @@ def times(op, backward, q, k, v, pattern, g):
     return eager, graph
 
 
-print(f"{'seq':>6} {'V':>3} {'pass':>8} {'s2 eager':>9} {'s2 graph':>9} {'cuDNN eager':>12} "
-      f"{'cuDNN graph':>12} {'ratio eager':>12} {'ratio graph':>12} {'0.8/dens':>9}")  # fmt: skip
+print(
+    f"{'seq':>6} {'V':>3} {'pass':>8} {'s2 eager':>9} {'s2 graph':>9} {'cuDNN eager':>12} "
+    f"{'cuDNN graph':>12} {'ratio eager':>12} {'ratio graph':>12} {'0.8/dens':>9}"
+)
 for case in args.cases.split(","):
     seq, stride = (int(x) for x in case.split(":"))
     pattern = local_stride_pattern(32, seq, 64, 16, stride)
     target = 0.8 / pattern.density(seq)
     for backward in (False, True):
         q, k, v = (
-            torch.randn(1, seq, 32, 128, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=backward)
+            torch.randn(
+                1, seq, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=backward
+            )
             for _ in range(3)
-        )  # fmt: skip
+        )
         g = torch.randn_like(q)
         s2_e, s2_g = times(s2, backward, q, k, v, pattern, g)
         cu_e, cu_g = times(cudnn, backward, q, k, v, pattern, g)
         name = "fwd+bwd" if backward else "fwd"
-        print(f"{seq:>6} {stride:>3} {name:>8} {s2_e:9.3f} {s2_g:9.3f} {cu_e:12.3f} {cu_g:12.3f} "
-              f"{cu_e / s2_e:12.2f} {cu_g / s2_g:12.2f} {target:9.2f}")  # fmt: skip
+        print(
+            f"{seq:>6} {stride:>3} {name:>8} {s2_e:9.3f} {s2_g:9.3f} {cu_e:12.3f} {cu_g:12.3f} "
+            f"{cu_e / s2_e:12.2f} {cu_g / s2_g:12.2f} {target:9.2f}"
+        )

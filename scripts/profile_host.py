@@ -26,10 +26,11 @@ ap.add_argument("--sort", default="tottime", help="pstats key: tottime, cumulati
 args = ap.parse_args()
 p = local_stride_pattern(32, args.seq, 64, 16, 16)
 q, k, v = (
-    torch.randn(1, args.seq, 32, 128, device="cuda", dtype=torch.bfloat16,
-                requires_grad=args.backward)
+    torch.randn(
+        1, args.seq, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward
+    )
     for _ in range(3)
-)  # fmt: skip
+)
 g = torch.randn_like(q)
 
 

@@ -3,6 +3,7 @@
     ncu -k regex:"forward_kernel|dkdv_kernel|dq_kernel" -c 3 --section SpeedOfLight ... \\
         python3 scripts/profile_kernels.py
 """
+
 import torch
 
 import s2attn

@@ -22,10 +22,11 @@ ap.add_argument("--strides", default="16,64")
 ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--kv-heads", type=int, default=32)
 ap.add_argument(
-    "--group-pattern", action="store_true",
+    "--group-pattern",
+    action="store_true",
     help="one pattern per KV group (local_stride_pattern's num_kv_heads, as bench_attention's GQA "
     "case builds it) rather than one per query head",
-)  # fmt: skip
+)
 ap.add_argument("--calls", type=int, default=3)
 ap.add_argument("--block-size", type=int, default=64)
 ap.add_argument("--local-blocks", type=int, default=16)
@@ -36,14 +37,19 @@ args = ap.parse_args()
 def time_step(stride: int) -> tuple[dict[str, float], float]:
     """(ms per fwd+bwd of each kernel, ms per fwd+bwd between CUDA events)."""
     p = local_stride_pattern(
-        32, args.seq, args.block_size, args.local_blocks, stride,
+        32,
+        args.seq,
+        args.block_size,
+        args.local_blocks,
+        stride,
         num_kv_heads=args.kv_heads if args.group_pattern else None,
-    )  # fmt: skip
+    )
     q, k, v = (
-        torch.randn(1, args.seq, heads, args.dim, device="cuda", dtype=torch.bfloat16,
-                    requires_grad=True)
+        torch.randn(
+            1, args.seq, heads, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True
+        )
         for heads in (32, args.kv_heads, args.kv_heads)
-    )  # fmt: skip
+    )
     g = torch.randn_like(q)
 
     def step():

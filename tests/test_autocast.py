@@ -42,8 +42,9 @@ def _leaves(shapes, seed: int, dtype=torch.float32) -> list[torch.Tensor]:
 def _qkv(batch, seq, heads, kv_heads, dim, seed, dtype=torch.float32):
     return _leaves(
         [(batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim)],
-        seed, dtype,
-    )  # fmt: skip
+        seed,
+        dtype,
+    )
 
 
 def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -137,9 +138,15 @@ def test_kvcache_keeps_its_dtype(region):
     heads, kv_heads, dim, prompt = 4, 2, 32, 50
     pattern = local_stride_pattern(heads, 96, BS, 2, 3, num_kv_heads=kv_heads)
     cache = PagedKVCache(
-        pattern, batch_size=2, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float16,
-        device=DEVICE, block_size=BS, max_seq_len=96,
-    )  # fmt: skip
+        pattern,
+        batch_size=2,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        dtype=torch.float16,
+        device=DEVICE,
+        block_size=BS,
+        max_seq_len=96,
+    )
     q, k, v = (t.detach() for t in _qkv(2, prompt + 1, heads, kv_heads, dim, seed=4))
     steps = (slice(0, prompt), slice(prompt, prompt + 1))  # prefill, then one decode step
     outs = []
@@ -176,10 +183,18 @@ def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     s2hf = pytest.importorskip("s2attn.integrations.transformers")
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
-        initializer_range=0.2, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     s2hf.configure(config, block_size=16, local_blocks=2, vert_stride=3, dense_layers=[0])
     torch.manual_seed(5)
     model = transformers.LlamaForCausalLM(config).to(DEVICE)

@@ -17,7 +17,7 @@ from s2attn import (
     attention_reference,
     sparse_attention_with_kvcache,
 )
-from s2attn.layout import kv_last_use
+from s2attn.inference.eviction import EvictionSchedule, kv_last_use
 
 BS = 16
 MAX_LEN = 192
@@ -47,9 +47,16 @@ def late_runs_pattern(heads: int) -> s2attn.BlockPattern:
 
 def make_cache(pattern, batch, kv_heads, dim=16, dtype=torch.float32, **kwargs):
     return PagedKVCache(
-        pattern, batch_size=batch, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
-        device=DEVICE, block_size=BS, max_seq_len=MAX_LEN, **kwargs,
-    )  # fmt: skip
+        pattern,
+        batch_size=batch,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        dtype=dtype,
+        device=DEVICE,
+        block_size=BS,
+        max_seq_len=MAX_LEN,
+        **kwargs,
+    )
 
 
 def blocks_read_from(pattern: s2attn.BlockPattern, kv_heads: int) -> torch.Tensor:
@@ -86,9 +93,11 @@ def test_eviction_keeps_exactly_what_the_pattern_reads(kind):
         prefill = first == [0, 0]
         keep_from = [a + n for a, n in zip(first, size)] if prefill else None
         cache.append(
-            torch.cat([k for k, _ in ks]), torch.cat([v for _, v in ks]), cu_seqlens=cu,
+            torch.cat([k for k, _ in ks]),
+            torch.cat([v for _, v in ks]),
+            cu_seqlens=cu,
             keep_from=keep_from,
-        )  # fmt: skip
+        )
         for b in range(2):
             dense_k[b] = torch.cat([dense_k[b], ks[b][0]])
         # Every block some query from the first position still to attend on reads is present.
@@ -114,6 +123,21 @@ def test_eviction_keeps_exactly_what_the_pattern_reads(kind):
     assert cache.live_pages >= cache.needed_pages()
 
 
+@pytest.mark.parametrize("kind", ["s2", "per_query_head", "late_runs", "dense"])
+def test_eviction_schedule_matches_the_token_mask(kind):
+    """Whether a query at query block q or later reads KV block j, for every q and j: the
+    schedule's answer is the token mask's (any head of the KV group, any key of the block)."""
+    kv_heads = 2
+    pattern = s2attn.dense_pattern(kv_heads, MAX_LEN, BS) if kind == "dense" else None
+    pattern = pattern or patterns(kv_heads, 4)[kind]
+    future = blocks_read_from(pattern, kv_heads)
+    schedule = EvictionSchedule(pattern, kv_heads, NB)
+    assert schedule.evicts == (kind != "dense")
+    for q in range(NB):
+        got = schedule.read_from(q, slice(0, NB))
+        assert torch.equal(got, future[:, q * BS]), f"query block {q}"
+
+
 def test_default_pool_covers_the_peak_and_memory_report_adds_up():
     torch.manual_seed(1)
     pattern = patterns(2, 4)["s2"]
@@ -128,8 +152,9 @@ def test_default_pool_covers_the_peak_and_memory_report_adds_up():
     # A prefill stores only what later queries read; decode steps then store as they go.
     k, v = rand_kv(176, 2, 16)
     cu = torch.tensor([0, 176, 176, 352], device=DEVICE).to(torch.int32)
-    cache.append(torch.cat([k, k[:0], k]), torch.cat([v, v[:0], v]), cu_seqlens=cu,
-                 keep_from=[176, 0, 176])  # fmt: skip
+    cache.append(
+        torch.cat([k, k[:0], k]), torch.cat([v, v[:0], v]), cu_seqlens=cu, keep_from=[176, 0, 176]
+    )
     for _ in range(3):
         cache.append(*[x.new_zeros(3, 4, 2, 16) for x in (k, v)])
     assert cache.lengths == [188, 12, 188]
@@ -201,7 +226,7 @@ def test_dense_layer_keeps_everything(dense):
 @pytest.mark.parametrize("filter_writes", [False, True])
 def test_chunked_prefill_equals_one_pass(filter_writes, monkeypatch):
     if filter_writes:  # the path long prompts take: unstored rows dropped before the write
-        monkeypatch.setattr(s2attn.cache, "_FILTER_WRITES_ABOVE", 0)
+        monkeypatch.setattr(s2attn.inference.cache, "_FILTER_WRITES_ABOVE", 0)
     torch.manual_seed(4)
     heads, kv_heads, dim, dtype = 4, 2, 16, DTYPES[0]
     pattern = patterns(kv_heads, heads)["s2"]
@@ -218,9 +243,13 @@ def test_chunked_prefill_equals_one_pass(filter_writes, monkeypatch):
         torch.cat(qs), one, torch.cat(ks), torch.cat(vs), cu_seqlens_q=cu(lens)
     )
     ref = attention_reference(
-        torch.cat(qs), torch.cat(ks), torch.cat(vs), pattern, cu_seqlens_q=cu(lens),
+        torch.cat(qs),
+        torch.cat(ks),
+        torch.cat(vs),
+        pattern,
+        cu_seqlens_q=cu(lens),
         cu_seqlens_k=cu(lens),
-    )  # fmt: skip
+    )
     assert_close(out_one, ref, dtype, "one-pass prefill")
 
     chunked = make_cache(pattern, 2, kv_heads, dim, dtype)
@@ -266,9 +295,15 @@ def test_crop_and_reset():
 def test_model_cache_sums_its_layers():
     pattern = patterns(2, 4)["s2"]
     caches = ModelKVCache(
-        [None, pattern, pattern], batch_size=1, num_kv_heads=2, head_dim=16,
-        dtype=torch.float32, device=DEVICE, max_seq_len=MAX_LEN, block_size=BS,
-    )  # fmt: skip
+        [None, pattern, pattern],
+        batch_size=1,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        device=DEVICE,
+        max_seq_len=MAX_LEN,
+        block_size=BS,
+    )
     k, v = rand_kv(100, 2, 16)
     for layer in caches:
         layer.append(k[None], v[None], keep_from=[100])

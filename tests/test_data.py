@@ -174,8 +174,9 @@ def test_stream_same_seed_same_batches(corpus_root):
     corpus = D.SourceCorpus([root], val_fraction=0.0)
 
     def take(seed):
-        s = D.TokenStream(corpus, seq_len=40, batch_size=2, seed=seed, needle_fraction=0.3,
-                          needles_per_sample=1)  # fmt: skip
+        s = D.TokenStream(
+            corpus, seq_len=40, batch_size=2, seed=seed, needle_fraction=0.3, needles_per_sample=1
+        )
         return [s.next_batch() for _ in range(6)]
 
     a, b, c = take(7), take(7), take(8)
@@ -189,8 +190,9 @@ def test_stream_seed_reaches_needle_rows(tmp_path):
     corpus = D.SourceCorpus([tmp_path], val_fraction=0.0)
 
     def take(seed):
-        s = D.TokenStream(corpus, seq_len=40, batch_size=4, seed=seed, needle_fraction=0.5,
-                          needles_per_sample=1)  # fmt: skip
+        s = D.TokenStream(
+            corpus, seq_len=40, batch_size=4, seed=seed, needle_fraction=0.5, needles_per_sample=1
+        )
         return torch.cat([s.next_batch() for _ in range(2)])
 
     a = take(7)
@@ -204,8 +206,14 @@ def test_stream_resumes_exactly(corpus_root, needle_fraction):
     corpus = D.SourceCorpus([root], val_fraction=0.0)
 
     def make():
-        return D.TokenStream(corpus, seq_len=97, batch_size=3, seed=3,
-                             needle_fraction=needle_fraction, needles_per_sample=2)  # fmt: skip
+        return D.TokenStream(
+            corpus,
+            seq_len=97,
+            batch_size=3,
+            seed=3,
+            needle_fraction=needle_fraction,
+            needles_per_sample=2,
+        )
 
     stream = make()
     batches, state = [], None
@@ -287,8 +295,9 @@ def test_needle_sample_errors():
 def test_multi_needle_answers_match_needles():
     n, key_len, value_len, length = 5, 3, 4, 500
     depths = [0.9, 0.1, 0.5, 0.5, 0.0]
-    s = D.make_multi_needle_sample(_filler(600), length, depths, random.Random(2), key_len,
-                                   value_len)  # fmt: skip
+    s = D.make_multi_needle_sample(
+        _filler(600), length, depths, random.Random(2), key_len, value_len
+    )
     t = s.tokens.tolist()
     assert len(t) == length and len(set(s.keys)) == n
     assert t.count(D.KEY) == 2 * n
@@ -305,7 +314,10 @@ def test_multi_needle_answers_match_needles():
         answer = t[s.answer_starts[i] : s.answer_starts[i] + s.answer_len]
         assert answer == list(s.values[i])
         assert t[s.answer_starts[i] - 2 - key_len : s.answer_starts[i]] == [
-            D.KEY, *s.keys[i], D.VALUE]  # fmt: skip
+            D.KEY,
+            *s.keys[i],
+            D.VALUE,
+        ]
         assert s.answer_starts[i] >= filler_len + n * needle_len
 
 
@@ -313,8 +325,16 @@ def test_stream_needle_rows_answer_their_keys(corpus_root):
     root, _ = corpus_root
     corpus = D.SourceCorpus([root], val_fraction=0.0)
     n, key_len, value_len = 3, 4, 6
-    stream = D.TokenStream(corpus, seq_len=199, batch_size=4, seed=0, needle_fraction=1.0,
-                           needles_per_sample=n, key_len=key_len, value_len=value_len)  # fmt: skip
+    stream = D.TokenStream(
+        corpus,
+        seq_len=199,
+        batch_size=4,
+        seed=0,
+        needle_fraction=1.0,
+        needles_per_sample=n,
+        key_len=key_len,
+        value_len=value_len,
+    )
     for row in stream.next_batch().tolist():
         keys = [i for i, t in enumerate(row) if t == D.KEY]
         assert len(keys) == 2 * n

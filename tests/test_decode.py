@@ -3,7 +3,8 @@
 Contexts of different lengths per sequence sit in a PagedKVCache; the new tokens' queries sit at the
 last positions of each sequence. Covered: patterns shared by a GQA group, per-query-head patterns,
 dense layers, several new tokens that straddle a block boundary, split-K with the exact merge,
-padded head dims, MHA/MQA, and many consecutive steps with eviction in between.
+padded head dims, MHA/MQA, pages read in slices narrower than a page, and many consecutive steps
+with eviction in between.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from helpers import DEVICE, DTYPES, assert_close
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
+from s2attn.ops.options import TritonDecodeConfig
+from s2attn.ops.triton import decode as triton_decode
 
 BS = 16
 MAX_LEN = 256
@@ -35,9 +38,16 @@ def reference_pattern(pattern, kv_heads):
 def filled_cache(pattern, lens, kv_heads, dim, dtype, **kwargs):
     """A cache holding random past keys/values of the given lengths, stored as a prefill would."""
     cache = PagedKVCache(
-        pattern, batch_size=len(lens), num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
-        device=DEVICE, block_size=BS, max_seq_len=MAX_LEN, **kwargs,
-    )  # fmt: skip
+        pattern,
+        batch_size=len(lens),
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        dtype=dtype,
+        device=DEVICE,
+        block_size=BS,
+        max_seq_len=MAX_LEN,
+        **kwargs,
+    )
     ks = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
     vs = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
     cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
@@ -140,6 +150,32 @@ def test_new_tokens_already_in_the_cache():
     assert_close(out, ref, dtype, "k=None")
 
 
+def test_pages_wider_than_the_kv_tile():
+    """The launcher's settings (``TritonDecodeConfig``): pages of 32 tokens read in two 16-key
+    slices, one launch per step, against the reference."""
+    torch.manual_seed(6)
+    heads, kv_heads, dim, dtype, page = 4, 2, 16, DTYPES[0], 32
+    pattern = s2attn.local_stride_pattern(heads, MAX_LEN, page, 2, 3, num_kv_heads=kv_heads)
+    cache = PagedKVCache(
+        pattern, batch_size=2, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=DEVICE
+    )
+    lens = [70, 45]
+    ks = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
+    vs = [torch.randn(n, kv_heads, dim, device=DEVICE, dtype=dtype) for n in lens]
+    cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+    cache.append(torch.cat(ks), torch.cat(vs), cu_seqlens=cu, keep_from=lens)
+    q, k, v = step(cache, heads, 2, dtype)
+    cache.append(k, v)
+    args = (q, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, cache.decode_layout)
+    config = TritonDecodeConfig(block_n=16)
+    out, lse = triton_decode.decode(*args, softmax_scale=dim**-0.5, config=config)
+    ref_out, ref_lse = reference_step(q, ks, vs, k, v, pattern)
+    assert_close(out, ref_out, dtype, "block_n 16 out")
+    assert_close(lse, ref_lse.float(), torch.float32, "block_n 16 lse")
+    with pytest.raises(ValueError, match="block_n=64 must divide the page size 32"):
+        triton_decode.decode(*args, softmax_scale=1.0, config=TritonDecodeConfig(block_n=64))
+
+
 def test_decode_output_has_no_unwritten_rows():
     """A context of one token: most of the tile's rows and keys are padding."""
     torch.manual_seed(5)
@@ -176,8 +212,12 @@ def test_bad_inputs_name_the_argument():
         )
     with pytest.raises(ValueError, match="pattern has"):
         other = PagedKVCache(
-            s2attn.local_stride_pattern(8, MAX_LEN, BS, 2, 3, num_kv_heads=2), batch_size=2,
-            num_kv_heads=2, head_dim=dim, dtype=dtype, device=DEVICE,
-        )  # fmt: skip
+            s2attn.local_stride_pattern(8, MAX_LEN, BS, 2, 3, num_kv_heads=2),
+            batch_size=2,
+            num_kv_heads=2,
+            head_dim=dim,
+            dtype=dtype,
+            device=DEVICE,
+        )
         sparse_attention_with_kvcache(q, other, k, v)
     assert cache.lengths == [20, 20]  # failed calls store nothing

@@ -38,8 +38,9 @@ def corpus_root(tmp_path_factory):
     """A few source-like files, so no test walks site-packages."""
     root = tmp_path_factory.mktemp("corpus")
     for i in range(12):
-        body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # line {j}\n"
-                       for j in range(40))  # fmt: skip
+        body = "".join(
+            f"def f{i}_{j}(x):\n    return x * {j} + {i}  # line {j}\n" for j in range(40)
+        )
         (root / f"mod_{i}.py").write_text(body)
     return root
 
@@ -150,15 +151,42 @@ def _eval_args(argv):
 def test_eval_command_writes_grid_and_heatmap(tmp_path, corpus_root):
     model_dir = tmp_path / "model"
     hhst.build_model(_tiny_config(), seed=0).save_pretrained(model_dir)
-    (model_dir / "run.json").write_text(json.dumps({
-        "options": {"variant": "hhst", "preset": "tiny", "seq_len": LENGTH, "seed": 3,
-                    "batch_size": 2, "data_root": [str(corpus_root)]},
-    }))  # fmt: skip
+    (model_dir / "run.json").write_text(
+        json.dumps(
+            {
+                "options": {
+                    "variant": "hhst",
+                    "preset": "tiny",
+                    "seq_len": LENGTH,
+                    "seed": 3,
+                    "batch_size": 2,
+                    "data_root": [str(corpus_root)],
+                },
+            }
+        )
+    )
     out = tmp_path / "results" / "needle.json"
-    args = _eval_args([str(model_dir), "--needle", "--lengths", f"{LENGTH},{LENGTH + 16}",
-                       "--depths", "0,1", "--samples", "2", "--val-batches", "1",
-                       "--val-fraction", "0.5", "--device", "cpu", "--out", str(out),
-                       "--no-progress"])  # fmt: skip
+    args = _eval_args(
+        [
+            str(model_dir),
+            "--needle",
+            "--lengths",
+            f"{LENGTH},{LENGTH + 16}",
+            "--depths",
+            "0,1",
+            "--samples",
+            "2",
+            "--val-batches",
+            "1",
+            "--val-fraction",
+            "0.5",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert evaluate.run(args) == 0
 
     result = json.loads(out.read_text())
@@ -193,8 +221,9 @@ def test_eval_rejects_lengths_beyond_the_model(tmp_path, corpus_root, variant, l
             str(out),
         ]
     )
-    with pytest.raises(ValueError, match=f"{limit + 1} exceeds the model's context limit of "
-                                         f"{limit}"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match=f"{limit + 1} exceeds the model's context limit of {limit}"
+    ):
         evaluate.run(args)
     assert not out.exists()
 

@@ -24,9 +24,25 @@ from s2attn.models import data, hhst, train  # noqa: E402
 
 # Shorter than the tiny preset's 256 tokens (the tests train on the CPU), long enough for the
 # validation needles; the training rows carry no needles (4 of them need 96 tokens).
-SMALL = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "4", "--device", "cpu",
-         "--needle-fraction", "0", "--val-batches", "1", "--val-needles", "2",
-         "--val-fraction", "0.3", "--no-progress"]  # fmt: skip
+SMALL = [
+    "--preset",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--device",
+    "cpu",
+    "--needle-fraction",
+    "0",
+    "--val-batches",
+    "1",
+    "--val-needles",
+    "2",
+    "--val-fraction",
+    "0.3",
+    "--no-progress",
+]
 # Everything but time varies with the weights; time fields differ run to run.
 _TIMING = ("tokens_per_s", "elapsed_s", "max_mem_gib")
 
@@ -53,8 +69,9 @@ def corpus_root(tmp_path_factory) -> Path:
     for i, name in enumerate(names):
         path = root / name
         path.parent.mkdir(exist_ok=True)
-        path.write_text("".join(f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n"
-                                for j in range(30)))  # fmt: skip
+        path.write_text(
+            "".join(f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n" for j in range(30))
+        )
     return root
 
 
@@ -89,8 +106,16 @@ def test_tiny_model_learns_and_logs(trained):
     rows = _rows(trained)
     assert [r["step"] for r in rows] == list(range(1, 31))
     for r in rows:
-        for key in ("step", "loss", "train_bpb", "tokens", "lr", "grad_norm", "tokens_per_s",
-                    "elapsed_s"):  # fmt: skip
+        for key in (
+            "step",
+            "loss",
+            "train_bpb",
+            "tokens",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "elapsed_s",
+        ):
             assert key in r and math.isfinite(r[key]), f"row {r['step']}: {key} missing or bad"
         assert r["tokens"] == r["step"] * 4 * 64
     val = [r for r in rows if "val_loss" in r]
@@ -154,14 +179,14 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, corpus_root, monkeypatch
 
     def crashing_stream(options, corpus):
         stream = real_stream(options, corpus)
-        batches = stream.next_batch
+        batches = stream.next_batch_with_answers
 
-        def next_batch():
+        def next_batch_with_answers():
             if stream.rows >= 3 * stream.batch_size:
                 raise RuntimeError("simulated crash")
             return batches()
 
-        stream.next_batch = next_batch
+        stream.next_batch_with_answers = next_batch_with_answers
         return stream
 
     split = tmp_path / "split"
@@ -204,20 +229,25 @@ def loss_of(rows: list[dict], step: int) -> float:
 def _snapshot(path: Path) -> dict | None:
     if not path.exists():
         return None
-    return {str(p.relative_to(path)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
-            for p in sorted(path.rglob("*"))}  # fmt: skip
+    return {
+        str(p.relative_to(path)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+        for p in sorted(path.rglob("*"))
+    }
 
 
-@pytest.mark.parametrize("case, extra, message", [
-    ("seq_len", ["--seq-len", "128", "--max-seq-len", "64"], "exceeds --max-seq-len"),
-    ("dense_layer", ["--dense-layers", "0,2"], r"--dense-layers: \[2\] out of range"),
-    ("preset", ["--preset", "huge"], "unknown preset 'huge'"),
-    ("variant", ["--variant", "sparse"], "unknown variant 'sparse'"),
-    ("empty_root", [], "--data-root .* hold no non-empty .py files"),
-    ("foreign_dir", [], "holds no run.json"),
-    ("other_run", ["--steps", "31"], r"holds a different run \(steps: saved 30, now 31\)"),
-    ("same_run", [], "already holds this run; pass --resume"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, extra, message",
+    [
+        ("seq_len", ["--seq-len", "128", "--max-seq-len", "64"], "exceeds --max-seq-len"),
+        ("dense_layer", ["--dense-layers", "0,2"], r"--dense-layers: \[2\] out of range"),
+        ("preset", ["--preset", "huge"], "unknown preset 'huge'"),
+        ("variant", ["--variant", "sparse"], "unknown variant 'sparse'"),
+        ("empty_root", [], "--data-root .* hold no non-empty .py files"),
+        ("foreign_dir", [], "holds no run.json"),
+        ("other_run", ["--steps", "31"], r"holds a different run \(steps: saved 30, now 31\)"),
+        ("same_run", [], "already holds this run; pass --resume"),
+    ],
+)
 def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_root, trained):
     root, out = corpus_root, tmp_path / "out"
     if case == "empty_root":
@@ -236,16 +266,25 @@ def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_r
     assert _snapshot(out) == before
 
 
-@pytest.mark.parametrize("variant, extra", [
-    ("dense", ["--grad-accum", "2"]),
-    ("s2", ["--gradient-checkpointing"]),
-    ("local", []),
-    ("homo", ["--dense-layers", "1"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "variant, extra",
+    [
+        ("dense", ["--grad-accum", "2"]),
+        ("s2", ["--gradient-checkpointing"]),
+        ("local", []),
+        ("homo", ["--dense-layers", "1"]),
+    ],
+)
 def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
     out = tmp_path / variant
-    assert train.run(_args(out, corpus_root, "--variant", variant, "--steps", "2",
-                           "--log-every", "1", *extra)) == 0  # fmt: skip
+    assert (
+        train.run(
+            _args(
+                out, corpus_root, "--variant", variant, "--steps", "2", "--log-every", "1", *extra
+            )
+        )
+        == 0
+    )
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2] and "val_loss" in rows[-1]
     assert rows[-1]["tokens"] == 2 * 4 * 64 * (2 if "--grad-accum" in extra else 1)

@@ -21,11 +21,18 @@ NEW_TOKENS = 20
 def tiny_llama(dense_layers=(0,), num_layers=3, dtype=torch.float32):
     """4 query / 2 KV heads of dim 16, blocks of 16: local 2 blocks, stripes every 3."""
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-        max_position_embeddings=256, initializer_range=0.2,  # spread logits: no greedy near-ties
-        bos_token_id=1, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.2,  # spread logits: no greedy near-ties
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     s2hf.configure(
         config, block_size=16, local_blocks=2, vert_stride=3, dense_layers=list(dense_layers)
     )
@@ -40,9 +47,14 @@ def tiny_llama(dense_layers=(0,), num_layers=3, dtype=torch.float32):
 def generate(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-            return_dict_in_generate=True, output_scores=True, **kwargs,
-        )  # fmt: skip
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **kwargs,
+        )
     return out.sequences, torch.stack(out.scores)
 
 

@@ -111,9 +111,8 @@ def test_wrong_ranks():
 
 
 def test_pattern_heads_must_match_q_or_kv_heads():
-    q, k, v = _qkv(heads=8, kv_heads=2)
-    _raises(ValueError, r"pattern has 4 heads; expected the q heads \(8\) or the k/v heads \(2\)",
-            q, k, v, PATTERN)  # fmt: skip
+    match = r"pattern has 4 heads; expected the q heads \(8\) or the k/v heads \(2\)"
+    _raises(ValueError, match, *_qkv(heads=8, kv_heads=2), PATTERN)
 
 
 def test_block_size_must_be_valid():
@@ -126,16 +125,16 @@ def test_block_size_must_be_valid():
 def test_sequence_longer_than_the_pattern():
     _raises(ValueError, "max_seq_len 128", *_qkv(seq_q=129, seq_k=129), PATTERN)
     _raises(ValueError, "max_seq_len 128", *_qkv(seq_q=64, seq_k=200), PATTERN)
-    q, k, v = _packed([64, 130], [64, 130])
-    _raises(ValueError, "max_seq_len", q, k, v, PATTERN, cu_seqlens_q=_cu([0, 64, 194]),
-            cu_seqlens_k=_cu([0, 64, 194]))  # fmt: skip
+    cu = _cu([0, 64, 194])
+    qkv = _packed([64, 130], [64, 130])
+    _raises(ValueError, "max_seq_len", *qkv, PATTERN, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
 def test_more_queries_than_keys():
     _raises(ValueError, r"seq_q \(64\) must be <= seq_k \(32\)", *_qkv(seq_q=64, seq_k=32), PATTERN)
-    q, k, v = _packed([10, 40], [20, 30])
-    _raises(ValueError, r"sequence 1: seq_q \(40\) must be <= seq_k \(30\)", q, k, v, PATTERN,
-            cu_seqlens_q=_cu([0, 10, 50]), cu_seqlens_k=_cu([0, 20, 50]))  # fmt: skip
+    qkv = _packed([10, 40], [20, 30])
+    cu = dict(cu_seqlens_q=_cu([0, 10, 50]), cu_seqlens_k=_cu([0, 20, 50]))
+    _raises(ValueError, r"sequence 1: seq_q \(40\) must be <= seq_k \(30\)", *qkv, PATTERN, **cu)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1"])
@@ -163,7 +162,7 @@ VALID_CU = [0, 20, 50]
         (VALID_CU, [0, 10, 20, 50], ValueError, "cu_seqlens_q has 2 sequences"),
         (_cu(VALID_CU, device="meta"), VALID_CU, ValueError, "cu_seqlens_q is on meta"),
     ],
-)  # fmt: skip
+)
 def test_bad_cu_seqlens(cu_q, cu_k, error, match):
     q, k, v = _packed([20, 30], [20, 30])
     # Lists stand for int32 tensors on q's device.
@@ -172,9 +171,9 @@ def test_bad_cu_seqlens(cu_q, cu_k, error, match):
 
 
 def test_cu_seqlens_must_be_a_tensor():
-    q, k, v = _packed([20, 30], [20, 30])
-    _raises(TypeError, "cu_seqlens_q must be a torch.Tensor", q, k, v, PATTERN,
-            cu_seqlens_q=VALID_CU, cu_seqlens_k=_cu(VALID_CU))  # fmt: skip
+    qkv = _packed([20, 30], [20, 30])
+    cu = dict(cu_seqlens_q=VALID_CU, cu_seqlens_k=_cu(VALID_CU))
+    _raises(TypeError, "cu_seqlens_q must be a torch.Tensor", *qkv, PATTERN, **cu)
 
 
 def test_cu_seqlens_only_for_packed_inputs():
@@ -183,9 +182,9 @@ def test_cu_seqlens_only_for_packed_inputs():
 
 @pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
 def test_max_seqlen_below_the_longest_sequence(name):
-    q, k, v = _packed([20, 30], [20, 30])
-    _raises(ValueError, f"{name}=29 is below", q, k, v, PATTERN, cu_seqlens_q=_cu(VALID_CU),
-            cu_seqlens_k=_cu(VALID_CU), **{name: 29})  # fmt: skip
+    qkv = _packed([20, 30], [20, 30])
+    cu = dict(cu_seqlens_q=_cu(VALID_CU), cu_seqlens_k=_cu(VALID_CU))
+    _raises(ValueError, f"{name}=29 is below", *qkv, PATTERN, **cu, **{name: 29})
 
 
 # ------------------------------------------------------------------ packed qkv, module, merge

@@ -40,9 +40,13 @@ class Case:
 
     def pattern(self) -> s2attn.BlockPattern:
         return s2attn.local_stride_pattern(
-            self.pattern_heads, self.pattern_seq, self.block, self.local_blocks, self.vert_stride,
+            self.pattern_heads,
+            self.pattern_seq,
+            self.block,
+            self.local_blocks,
+            self.vert_stride,
             causal=self.causal,
-        )  # fmt: skip
+        )
 
 
 def _cases() -> list[Case]:
@@ -56,20 +60,46 @@ def _cases() -> list[Case]:
             shape = (1, 777, 4, 128)  # 777 ends inside a block of every size
             cases.append(Case(f"block{block}", dtype, shape, shape, 4, 777, block, causal, 3, 3))
         for per_kv_head, causal in itertools.product((False, True), (True, False)):
-            cases.append(Case(
-                f"gqa8/2-{'per-kv-head' if per_kv_head else 'per-q-head'}", dtype,
-                (1, 1500, 8, 128), (1, 1500, 2, 128), 2 if per_kv_head else 8, 1500, 64, causal,
-            ))  # fmt: skip
+            cases.append(
+                Case(
+                    f"gqa8/2-{'per-kv-head' if per_kv_head else 'per-q-head'}",
+                    dtype,
+                    (1, 1500, 8, 128),
+                    (1, 1500, 2, 128),
+                    2 if per_kv_head else 8,
+                    1500,
+                    64,
+                    causal,
+                )
+            )
         for causal in (True, False):
-            cases.append(Case(
-                "seq_q700<seq_k1900", dtype, (1, 700, 4, 128), (1, 1900, 4, 128), 4, 2000, 64,
-                causal,
-            ))  # fmt: skip
+            cases.append(
+                Case(
+                    "seq_q700<seq_k1900",
+                    dtype,
+                    (1, 700, 4, 128),
+                    (1, 1900, 4, 128),
+                    4,
+                    2000,
+                    64,
+                    causal,
+                )
+            )
             q_lens, k_lens = (300, 1, 1100, 517), (300, 64, 1700, 517)
-            cases.append(Case(
-                "varlen", dtype, (sum(q_lens), 4, 128), (sum(k_lens), 4, 128), 4, 2000, 64, causal,
-                q_lens=q_lens, k_lens=k_lens,
-            ))  # fmt: skip
+            cases.append(
+                Case(
+                    "varlen",
+                    dtype,
+                    (sum(q_lens), 4, 128),
+                    (sum(k_lens), 4, 128),
+                    4,
+                    2000,
+                    64,
+                    causal,
+                    q_lens=q_lens,
+                    k_lens=k_lens,
+                )
+            )
     for dim, causal in itertools.product((64, 128), (True, False)):
         shape = (1, 600, 2, dim)
         cases.append(Case(f"dim{dim}", torch.float32, shape, shape, 2, 600, 32, causal, 3, 3))
@@ -104,6 +134,9 @@ def test_default_kernels_match_reference(case: Case):
     ref.backward(grad.float())
     assert_close(out, ref, case.dtype, "out")
     assert_close(lse, ref_lse, case.dtype, "lse")
-    for name, got, want in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad),
-                            ("dv", v.grad, vr.grad)):  # fmt: skip
+    for name, got, want in (
+        ("dq", q.grad, qr.grad),
+        ("dk", k.grad, kr.grad),
+        ("dv", v.grad, vr.grad),
+    ):
         assert_close(got, want, case.dtype, name)

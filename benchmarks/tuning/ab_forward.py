@@ -16,11 +16,15 @@ import statistics
 import sys
 from pathlib import Path
 
-import s2attn_base
 import torch
 import triton
 
 import s2attn
+
+try:
+    import s2attn_base
+except ImportError:  # said after --help has had its say
+    s2attn_base = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
 from run_info import host_ms  # noqa: E402
@@ -33,10 +37,13 @@ ap.add_argument(
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--backward", action="store_true", help="time forward+backward")
 ap.add_argument(
-    "--host", action="store_true",
+    "--host",
+    action="store_true",
     help="time the host per call (run_info.host_ms) rather than the GPU (do_bench)",
-)  # fmt: skip
+)
 args = ap.parse_args()
+if s2attn_base is None:
+    sys.exit("ab_forward.py compares with s2attn_base, a copy of another tree: see its docstring")
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
 
 

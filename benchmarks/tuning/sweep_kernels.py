@@ -1,11 +1,12 @@
 """Kernel variants of the forward, dK/dV and dQ passes on one shape: each is first checked
 against the float32 reference at 2k tokens, then timed at --seq. Variants differ in tile shape,
-warps, pipeline depth, bulk tensor copies (USE_TMA) and, for the forward, walking two entries a
-step (PAIR). Compilation runs in parallel worker processes first, so the device time goes to
+warps, pipeline depth, bulk tensor copies (use_tma) and, for the forward, walking two entries a
+step (pair). Compilation runs in parallel worker processes first, so the device time goes to
 timing. Prints one line per variant and a summary table last.
 
-Drives the kernel launchers in ``s2attn.ops`` directly, with the internal names of commit 06a44cd
-(``launch_options``, ``pattern_head_div``): it follows them when they change.
+Drives the passes in ``s2attn.ops.dispatch`` directly, each variant a layout tile shape and a
+``KernelOptions`` (``s2attn.ops.options``) that pins its backend and launch settings: it follows
+them when they change.
 
     python benchmarks/tuning/sweep_kernels.py --seq 32768 --stride 16 --passes fwd,dkdv,dq
 """
@@ -17,6 +18,8 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,87 +27,110 @@ import triton
 
 from s2attn import attention_reference, local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
-from s2attn.ops import backward as bwd
-from s2attn.ops import forward as fwd
+from s2attn.ops import dispatch
+from s2attn.ops.options import (
+    GluonDkdvConfig,
+    GluonDqConfig,
+    GluonForwardConfig,
+    KernelOptions,
+    TritonBackwardConfig,
+    TritonForwardConfig,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
 from run_info import sweep_arguments  # noqa: E402
 
+# A variant: (block_m, block_n, the KernelOptions of its pass). Gluon variants run where the
+# Gluon kernel supports the call (sm_90, 128x64 forward and dQ tiles, 64x64 dK/dV tiles); Triton
+# ones pin the Triton kernel. G is heads_per_group (32: every head's tiles side by side, the
+# order before 2026-11-22); "ptr" turns bulk tensor copies off; "tma" uses host-made descriptors
+# unless "dev" (made per program). Passes are named as KernelOptions names them.
+_GLUON = {  # the Gluon kernel's tiles and settings
+    "forward": (128, 64, GluonForwardConfig),
+    "dkdv": (64, 64, GluonDkdvConfig),
+    "dq": (128, 64, GluonDqConfig),
+}
 
-def _v(block_m: int, block_n: int, warps: int, stages: int, **options) -> tuple:
-    return block_m, block_n, dict(num_warps=warps, num_stages=stages, **options)
+
+def _gluon(pass_name: str, **settings) -> tuple:
+    block_m, block_n, config = _GLUON[pass_name]
+    return block_m, block_n, KernelOptions(**{f"gluon_{pass_name}": config(**settings)})
 
 
-# name: (block_m, block_n, options); options go to the launcher as launch_options. G is
-# HEADS_PER_GROUP (32: every head's tiles side by side, the order before 2026-11-22); "tma" uses
-# host-made descriptors unless "dev" (made per program).
-def _t(block_m: int, block_n: int, warps: int, stages: int, **options) -> tuple:
-    """A variant of a Triton kernel, never the Gluon one that sm_90 runs by default."""
-    return _v(block_m, block_n, warps, stages, IMPL="triton", **options)
+def _triton(
+    pass_name: str, block_m: int, block_n: int, warps: int, stages: int, **settings
+) -> tuple:
+    kind = TritonForwardConfig if pass_name == "forward" else TritonBackwardConfig
+    config = kind(num_warps=warps, num_stages=stages, **settings)
+    pinned = {f"{pass_name}_backend": "triton", f"triton_{pass_name}": config}
+    return block_m, block_n, KernelOptions(**pinned)
 
+
+_gluon_fwd, _triton_fwd = partial(_gluon, "forward"), partial(_triton, "forward")
+_gluon_dkdv, _triton_dkdv = partial(_gluon, "dkdv"), partial(_triton, "dkdv")
+_gluon_dq, _triton_dq = partial(_gluon, "dq"), partial(_triton, "dq")
 
 FWD = {
-    # The Gluon forward (ops/forward_hopper.py): ring slots (nb), entries per step (e2: 128 keys),
-    # "flat": one program per work item (else one per SM).
-    "gluon nb3": (128, 64, {"num_buffers": 3}),
-    "gluon nb4": (128, 64, {"num_buffers": 4}),
-    "gluon nb3 q-smem": (128, 64, {"num_buffers": 3, "q_in_regs": False}),
-    "gluon nb4 flat": (128, 64, {"num_buffers": 4, "persistent": False}),
-    "gluon e2 nb2": (128, 64, {"entries_per_step": 2, "num_buffers": 2, "q_in_regs": False}),
+    # The Gluon forward (ops/gluon/forward_sm90.py): ring slots (nb), entries per step (e2: 128
+    # keys), "q-smem": q read from shared memory, "flat": one program per work item (else one
+    # per SM).
+    "gluon nb3": _gluon_fwd(num_buffers=3),
+    "gluon nb4": _gluon_fwd(num_buffers=4),
+    "gluon nb3 q-smem": _gluon_fwd(num_buffers=3, q_in_regs=False),
+    "gluon nb4 flat": _gluon_fwd(num_buffers=4, persistent=False),
+    "gluon e2 nb2": _gluon_fwd(entries_per_step=2, num_buffers=2, q_in_regs=False),
     # dim 64 only (shared memory):
-    "gluon d64 nb6": (128, 64, {"num_buffers": 6, "entries_per_step": 1}),
-    "gluon d64 e2 nb3": (128, 64, {"entries_per_step": 2, "num_buffers": 3}),
-    "gluon d64 e2 nb4": (128, 64, {"entries_per_step": 2, "num_buffers": 4}),
-    "gluon d64 e2 nb5": (128, 64, {"entries_per_step": 2, "num_buffers": 5}),
-    "gluon d64 e2 nb2": (128, 64, {"entries_per_step": 2, "num_buffers": 2}),
-    "gluon d64 e2 nb3 q-smem": (
-        128, 64, {"entries_per_step": 2, "num_buffers": 3, "q_in_regs": False}
-    ),
-    "gluon d64 nb4": (128, 64, {"num_buffers": 4, "entries_per_step": 1}),
-    "ptr 128x64 w4s2 G32": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
-    "ptr 128x64 w4s2 G1": _t(128, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
-    "tma-dev 128x64 w4s2 G32": _t(128, 64, 4, 2, HOST_DESC=False, HEADS_PER_GROUP=32),
-    "tma-dev 128x64 w4s2 G1": _t(128, 64, 4, 2, HOST_DESC=False, HEADS_PER_GROUP=1),
-    "tma-dev 128x64 w4s2 G4": _t(128, 64, 4, 2, HOST_DESC=False, HEADS_PER_GROUP=4),
-    "tma 128x64 w4s2 G1": _t(128, 64, 4, 2, HEADS_PER_GROUP=1),
-    "tma 128x64 w4s2 G4": _t(128, 64, 4, 2, HEADS_PER_GROUP=4),
-    "tma+qreg 128x64 w4s2 G1": _t(128, 64, 4, 2, Q_IN_REGS=True),
-    "tma 128x64 w8s2 G1": _t(128, 64, 8, 2),
-    "tma 128x64 w4s3 G1": _t(128, 64, 4, 3),
-    "pair 128x64 w8s2 G1": _t(128, 64, 8, 2, USE_TMA=False, PAIR=True),
-    "tma 64x64 w4s2 G1": _t(64, 64, 4, 2),
+    "gluon d64 nb6": _gluon_fwd(num_buffers=6, entries_per_step=1),
+    "gluon d64 e2 nb3": _gluon_fwd(entries_per_step=2, num_buffers=3),
+    "gluon d64 e2 nb4": _gluon_fwd(entries_per_step=2, num_buffers=4),
+    "gluon d64 e2 nb5": _gluon_fwd(entries_per_step=2, num_buffers=5),
+    "gluon d64 e2 nb2": _gluon_fwd(entries_per_step=2, num_buffers=2),
+    "gluon d64 e2 nb3 q-smem": _gluon_fwd(entries_per_step=2, num_buffers=3, q_in_regs=False),
+    "gluon d64 nb4": _gluon_fwd(num_buffers=4, entries_per_step=1),
+    "ptr 128x64 w4s2 G32": _triton_fwd(128, 64, 4, 2, use_tma=False, heads_per_group=32),
+    "ptr 128x64 w4s2 G1": _triton_fwd(128, 64, 4, 2, use_tma=False, heads_per_group=1),
+    "tma-dev 128x64 w4s2 G32": _triton_fwd(128, 64, 4, 2, host_desc=False, heads_per_group=32),
+    "tma-dev 128x64 w4s2 G1": _triton_fwd(128, 64, 4, 2, host_desc=False, heads_per_group=1),
+    "tma-dev 128x64 w4s2 G4": _triton_fwd(128, 64, 4, 2, host_desc=False, heads_per_group=4),
+    "tma 128x64 w4s2 G1": _triton_fwd(128, 64, 4, 2, heads_per_group=1),
+    "tma 128x64 w4s2 G4": _triton_fwd(128, 64, 4, 2, heads_per_group=4),
+    "tma+qreg 128x64 w4s2 G1": _triton_fwd(128, 64, 4, 2, q_in_regs=True, heads_per_group=1),
+    "tma 128x64 w8s2 G1": _triton_fwd(128, 64, 8, 2, heads_per_group=1),
+    "tma 128x64 w4s3 G1": _triton_fwd(128, 64, 4, 3, heads_per_group=1),
+    "pair 128x64 w8s2 G1": _triton_fwd(128, 64, 8, 2, use_tma=False, pair=True, heads_per_group=1),
+    "tma 64x64 w4s2 G1": _triton_fwd(64, 64, 4, 2, heads_per_group=1),
 }
 DKDV = {
-    # The Gluon dK/dV (ops/backward_hopper.py): ring slots per stream (nb), (batch, KV head)
+    # The Gluon dK/dV (ops/gluon/backward_sm90.py): ring slots per stream (nb), (batch, KV head)
     # pairs per group of the item order (G; default: chosen from the lists' lengths).
-    "gluon nb2": (64, 64, {"num_buffers": 2}),
-    "gluon nb2 G1": (64, 64, {"num_buffers": 2, "heads_per_group": 1}),
-    "gluon nb2 G2": (64, 64, {"num_buffers": 2, "heads_per_group": 2}),
-    "gluon nb2 G4": (64, 64, {"num_buffers": 2, "heads_per_group": 4}),
-    "gluon nb2 G32": (64, 64, {"num_buffers": 2, "heads_per_group": 32}),
-    "gluon d64 nb4": (64, 64, {"num_buffers": 4}),
-    "ptr 64x64 w4s2 G32": _t(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
-    "ptr 64x64 w4s2 G1": _t(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
-    "tma 64x64 w4s2 G1": _t(64, 64, 4, 2, HEADS_PER_GROUP=1),
-    "tma 64x64 w4s2 G4": _t(64, 64, 4, 2, HEADS_PER_GROUP=4),
-    "tma 64x64 w8s2 G1": _t(64, 64, 8, 2, HEADS_PER_GROUP=1),
-    "tma+areg 64x64 w4s2 G4": _t(64, 64, 4, 2, A_IN_REGS=True, HEADS_PER_GROUP=4),
+    "gluon nb2": _gluon_dkdv(num_buffers=2),
+    "gluon nb2 G1": _gluon_dkdv(num_buffers=2, heads_per_group=1),
+    "gluon nb2 G2": _gluon_dkdv(num_buffers=2, heads_per_group=2),
+    "gluon nb2 G4": _gluon_dkdv(num_buffers=2, heads_per_group=4),
+    "gluon nb2 G32": _gluon_dkdv(num_buffers=2, heads_per_group=32),
+    "gluon d64 nb4": _gluon_dkdv(num_buffers=4),
+    "ptr 64x64 w4s2 G32": _triton_dkdv(64, 64, 4, 2, use_tma=False, heads_per_group=32),
+    "ptr 64x64 w4s2 G1": _triton_dkdv(64, 64, 4, 2, use_tma=False, heads_per_group=1),
+    "tma 64x64 w4s2 G1": _triton_dkdv(64, 64, 4, 2, heads_per_group=1),
+    "tma 64x64 w4s2 G4": _triton_dkdv(64, 64, 4, 2, heads_per_group=4),
+    "tma 64x64 w8s2 G1": _triton_dkdv(64, 64, 8, 2, heads_per_group=1),
+    "tma+areg 64x64 w4s2 G4": _triton_dkdv(64, 64, 4, 2, a_in_regs=True, heads_per_group=4),
 }
 DQ = {
-    # The Gluon dQ (ops/backward_hopper.py), on the forward's 128x64 tiles; "flat": one program
-    # per work item.
-    "gluon nb2": (128, 64, {"num_buffers": 2}),
-    "gluon nb3": (128, 64, {"num_buffers": 3}),
-    "gluon nb4": (128, 64, {"num_buffers": 4}),
-    "gluon nb2 flat": (128, 64, {"num_buffers": 2, "persistent": False}),
-    "ptr 64x64 w4s2 G32": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=32),
-    "ptr 64x64 w4s2 G1": _v(64, 64, 4, 2, USE_TMA=False, HEADS_PER_GROUP=1),
-    "tma 64x64 w4s2 G1": _v(64, 64, 4, 2, HEADS_PER_GROUP=1),
-    "tma 64x64 w4s2 G4": _v(64, 64, 4, 2, HEADS_PER_GROUP=4),
-    "tma 128x64 w8s2 G1": _v(128, 64, 8, 2, HEADS_PER_GROUP=1),
-    "tma+areg 64x64 w4s2 G1": _v(64, 64, 4, 2, A_IN_REGS=True, HEADS_PER_GROUP=1),
+    # The Gluon dQ (ops/gluon/backward_sm90.py), on the forward's 128x64 tiles; "flat": one
+    # program per work item.
+    "gluon nb2": _gluon_dq(num_buffers=2),
+    "gluon nb3": _gluon_dq(num_buffers=3),
+    "gluon nb4": _gluon_dq(num_buffers=4),
+    "gluon nb2 flat": _gluon_dq(num_buffers=2, persistent=False),
+    "ptr 64x64 w4s2 G32": _triton_dq(64, 64, 4, 2, use_tma=False, heads_per_group=32),
+    "ptr 64x64 w4s2 G1": _triton_dq(64, 64, 4, 2, use_tma=False, heads_per_group=1),
+    "tma 64x64 w4s2 G1": _triton_dq(64, 64, 4, 2, heads_per_group=1),
+    "tma 64x64 w4s2 G4": _triton_dq(64, 64, 4, 2, heads_per_group=4),
+    "tma 128x64 w8s2 G1": _triton_dq(128, 64, 8, 2, heads_per_group=1),
+    "tma+areg 64x64 w4s2 G1": _triton_dq(64, 64, 4, 2, a_in_regs=True, heads_per_group=1),
 }
-# The other backward kernel's configuration while one is varied (the current defaults).
+# The other backward kernel's variant while one is varied (--fixed-dkdv, --fixed-dq).
 FIXED_DKDV = DKDV["ptr 64x64 w4s2 G32"]
 FIXED_DQ = DQ["ptr 64x64 w4s2 G32"]
 
@@ -122,23 +148,45 @@ class Problem:
         self.out, self.lse = self.forward("tma 128x64 w4s2 G1")
 
     def forward(self, name):
-        bm, bn, opts = FWD[name]
+        bm, bn, options = FWD[name]
         lay = forward_layout(self.pattern, bm, bn, self.q.device, gather=True)
-        return fwd.forward(
-            self.q, self.k, self.v, lay, softmax_scale=self.scale, pattern_head_div=1,
-            launch_options=opts,
-        )  # fmt: skip
+        return dispatch.forward(
+            self.q,
+            self.k,
+            self.v,
+            lay,
+            softmax_scale=self.scale,
+            q_heads_per_pattern_head=1,
+            options=options,
+        )
 
     def backward(self, dkdv, dq):
-        (km, kn, kopts), (qm, qn, qopts) = dkdv, dq
+        """One backward, dK/dV by the ``dkdv`` variant and dQ by the ``dq`` one."""
+        (km, kn, dkdv_options), (qm, qn, dq_options) = dkdv, dq
         lay_kv = backward_layout(
             self.pattern, km, kn, self.q.device, self.seq // self.pattern.block_size
         )
         lay_q = forward_layout(self.pattern, qm, qn, self.q.device)
-        return bwd.backward(
-            self.g, self.q, self.k, self.v, self.out, self.lse, None, lay_kv, lay_q,
-            softmax_scale=self.scale, pattern_head_div=1, launch_options=(kopts, qopts),
-        )  # fmt: skip
+        options = replace(
+            dkdv_options,
+            dq_backend=dq_options.dq_backend,
+            triton_dq=dq_options.triton_dq,
+            gluon_dq=dq_options.gluon_dq,
+        )
+        return dispatch.backward(
+            self.g,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            None,
+            lay_kv,
+            lay_q,
+            softmax_scale=self.scale,
+            q_heads_per_pattern_head=1,
+            options=options,
+        )
 
     def run(self, pass_name, name):
         if pass_name == "fwd":
@@ -178,7 +226,12 @@ def _check_all(jobs, args):
     return results
 
 
+def _fix_backward_variants(args) -> None:
+    _fix_backward_variants(args)
+
+
 def _worker(jobs, args):
+    _fix_backward_variants(args)  # a spawned worker starts from the module's defaults
     return _check_all(jobs, args)
 
 
@@ -189,8 +242,7 @@ def main() -> None:
     ap.add_argument("--fixed-dkdv", default="ptr 64x64 w4s2 G32", help="dK/dV variant for dq rows")
     ap.add_argument("--fixed-dq", default="ptr 64x64 w4s2 G32", help="dQ variant for dkdv rows")
     args = ap.parse_args()
-    global FIXED_DKDV, FIXED_DQ
-    FIXED_DKDV, FIXED_DQ = DKDV[args.fixed_dkdv], DQ[args.fixed_dq]
+    _fix_backward_variants(args)
     tables = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
     only = [s for s in args.only.split(",") if s]
     jobs = [
@@ -241,8 +293,10 @@ def main() -> None:
     for pass_name, name, ms, tf, check in rows:
         second = f"  [{again[name]:.3f}]" if pass_name == "fwd" and name in again else ""
         print(f"{pass_name:5s} {name:22s} {ms:8.3f} {tf:6.0f}  {check}{second}")
-    print("(dkdv rows: whole backward with dQ fixed at", FIXED_DQ, "; dq rows: dK/dV fixed at",
-          FIXED_DKDV, "; TF/s counts 2.5x the forward FLOPs)")  # fmt: skip
+    print(
+        f"(dkdv rows: whole backward with dQ fixed at {args.fixed_dq!r}; dq rows: dK/dV fixed at "
+        f"{args.fixed_dkdv!r}; TF/s counts 2.5x the forward FLOPs)"
+    )
 
 
 if __name__ == "__main__":

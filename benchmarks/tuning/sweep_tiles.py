@@ -1,10 +1,14 @@
-"""Sweep tile sizes, warps and pipeline depth of the forward, dK/dV and dQ kernels on one shape.
+"""Sweep tile sizes, warps and pipeline depth of the Triton forward, dK/dV and dQ kernels on one
+shape.
 
 Prints one line per configuration (median ms of do_bench) and the best of each kernel, so the
-defaults in s2attn/ops/forward.py and backward.py can be chosen from measurement.
+defaults of s2attn/ops/triton/forward.py and backward.py (``default_config``) and the tile sizes
+of s2attn/ops/dispatch.py can be chosen from measurement. The swept pass runs the Triton kernel
+(``KernelOptions`` pins it); in a backward row the other pass runs as ``sparse_attention`` runs
+it, on its default tiles and backend.
 
-Drives the kernel launchers in ``s2attn.ops`` directly, with the internal names of commit 06a44cd
-(``launch_options``, ``pattern_head_div``): it follows them when they change.
+Drives the passes in ``s2attn.ops.dispatch`` directly, with ``KernelOptions``
+(``s2attn.ops.options``): it follows them when they change.
 
     python benchmarks/tuning/sweep_tiles.py --seq 32768 --stride 16
 """
@@ -21,11 +25,18 @@ import triton
 
 from s2attn import local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
-from s2attn.ops import backward as bwd
-from s2attn.ops import forward as fwd
+from s2attn.ops import dispatch
+from s2attn.ops.options import KernelOptions, TritonBackwardConfig, TritonForwardConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
 from run_info import sweep_arguments  # noqa: E402
+
+# Per pass: the (block_m, block_n) tiles, warps and stages to try.
+SPACE = {
+    "fwd": ([(64, 64), (128, 64), (128, 128), (64, 128)], (4, 8), (2, 3, 4)),
+    "dkdv": ([(64, 64), (32, 64), (64, 128), (32, 128), (128, 64)], (4, 8), (2, 3)),
+    "dq": ([(64, 64), (128, 64), (128, 32), (64, 32)], (4, 8), (2, 3)),
+}
 
 
 def bench(fn) -> float:
@@ -44,75 +55,55 @@ def main() -> None:
     flops = 4 * d * pattern.kept_token_pairs(s)
     q, k, v, g = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = d**-0.5
+    dev = q.device
     print(
         f"{torch.cuda.get_device_name()} seq {s} heads {h} dim {d} block {args.block_size} "
         f"stride {args.stride} density {pattern.density(s):.4f}",
         flush=True,
     )
-    out, lse = fwd.forward(
-        q, k, v, forward_layout(pattern, 128, 64, q.device), softmax_scale=scale, pattern_head_div=1
-    )
-    passes = args.passes.split(",")
-    space = {
-        "fwd": ([(64, 64), (128, 64), (128, 128), (64, 128)], (4, 8), (2, 3, 4)),
-        "dkdv": ([(64, 64), (32, 64), (64, 128), (32, 128), (128, 64)], (4, 8), (2, 3)),
-        "dq": ([(64, 64), (128, 64), (128, 32), (64, 32)], (4, 8), (2, 3)),
-    }
+    num_blocks = s // args.block_size
+    fwd_tiles = dispatch.forward_tile_sizes(d, q.dtype, dev)
+    dkdv_tiles, dq_tiles = dispatch.backward_tile_sizes(d, q.dtype, dev)
+    common = dict(softmax_scale=scale, q_heads_per_pattern_head=1)
+    out, lse = dispatch.forward(q, k, v, forward_layout(pattern, *fwd_tiles, dev), **common)
+
+    def backward(lay_kv, lay_q, options):
+        return dispatch.backward(
+            g, q, k, v, out, lse, None, lay_kv, lay_q, **common, options=options
+        )
+
     best = {}
-    for name in passes:
-        tiles, warps, stages = space[name]
-        opts = [dict(num_warps=w, num_stages=st) for w, st in itertools.product(warps, stages)]
-        for (bm, bn), o in itertools.product(tiles, opts):
+    for name in args.passes.split(","):
+        tiles, warps, stages = SPACE[name]
+        for (bm, bn), w, st in itertools.product(tiles, warps, stages):
             if name == "fwd":
-                lay = forward_layout(pattern, bm, bn, q.device)
-                fn = lambda: fwd.forward(
-                    q,
-                    k,
-                    v,
-                    lay,
-                    softmax_scale=scale,
-                    pattern_head_div=1,  # noqa: E731
-                    launch_options=o,
-                )
+                config = TritonForwardConfig(num_warps=w, num_stages=st)
+                options = KernelOptions(forward_backend="triton", triton_forward=config)
+                lay = forward_layout(pattern, bm, bn, dev)
+                fn = lambda: dispatch.forward(q, k, v, lay, **common, options=options)
                 work = flops
             else:
+                config = TritonBackwardConfig(num_warps=w, num_stages=st)
                 if name == "dkdv":
-                    lay_kv, lay_q = (
-                        backward_layout(pattern, bm, bn, q.device, s // args.block_size),
-                        forward_layout(pattern, 128, 64, q.device),
-                    )
-                    opts_pair = (o, dict(num_warps=8, num_stages=2))
+                    options = KernelOptions(dkdv_backend="triton", triton_dkdv=config)
+                    lay_kv = backward_layout(pattern, bm, bn, dev, num_blocks)
+                    lay_q = forward_layout(pattern, *dq_tiles, dev)
                 else:
-                    lay_kv, lay_q = (
-                        backward_layout(pattern, 64, 64, q.device, s // args.block_size),
-                        forward_layout(pattern, bm, bn, q.device),
-                    )
-                    opts_pair = (dict(num_warps=8, num_stages=2), o)
-                fn = lambda: bwd.backward(
-                    g,
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    None,
-                    lay_kv,
-                    lay_q,  # noqa: E731
-                    softmax_scale=scale,
-                    pattern_head_div=1,
-                    launch_options=opts_pair,
-                )
+                    options = KernelOptions(dq_backend="triton", triton_dq=config)
+                    lay_kv = backward_layout(pattern, *dkdv_tiles, dev, num_blocks)
+                    lay_q = forward_layout(pattern, bm, bn, dev)
+                fn = lambda: backward(lay_kv, lay_q, options)
                 work = 2.5 * flops
             ms = bench(fn)
             print(
-                f"{name:5s} bm {bm:3d} bn {bn:3d} warps {o['num_warps']} stages {o['num_stages']}: "
+                f"{name:5s} bm {bm:3d} bn {bn:3d} warps {w} stages {st}: "
                 f"{ms:8.3f} ms {work / ms / 1e9:6.0f} TF/s",
                 flush=True,
             )
             if ms < best.get(name, (float("inf"),))[0]:
-                best[name] = (ms, bm, bn, o)
-    for name, (ms, bm, bn, o) in best.items():
-        print(f"BEST {name}: {ms:.3f} ms bm {bm} bn {bn} {o}")
+                best[name] = (ms, bm, bn, w, st)
+    for name, (ms, bm, bn, w, st) in best.items():
+        print(f"BEST {name}: {ms:.3f} ms bm {bm} bn {bn} warps {w} stages {st}")
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ from ..pattern import BlockPattern, dense_pattern, local_stride_pattern
 from ..reference import attention_reference
 
 __all__ = [
-    "S2Settings",
     "S2CoreAttention",
+    "S2Settings",
     "get_hhst_layer_spec",
     "layer_pattern",
     "tp_head_range",

@@ -50,8 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..attention import sparse_attention
-from ..cache import PagedKVCache
-from ..inference import sparse_attention_with_kvcache
+from ..inference import PagedKVCache, sparse_attention_with_kvcache
 from ..pattern import BlockPattern, dense_pattern, local_stride_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..reference import attention_reference
@@ -59,11 +58,11 @@ from ..reference import attention_reference
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "REFERENCE_IMPLEMENTATION",
-    "configure",
-    "layer_pattern",
     "S2Cache",
     "S2CacheLayer",
     "attention_forward",
+    "configure",
+    "layer_pattern",
     "reference_attention_forward",
 ]
 
@@ -145,20 +144,42 @@ def _pattern_key(config, settings: dict) -> tuple:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return (
-        heads, kv_heads, settings["max_seq_len"], settings["block_size"], settings["local_blocks"],
-        settings["vert_stride"], settings["num_dense_heads"], settings["homo_head"],
+        heads,
+        kv_heads,
+        settings["max_seq_len"],
+        settings["block_size"],
+        settings["local_blocks"],
+        settings["vert_stride"],
+        settings["num_dense_heads"],
+        settings["homo_head"],
         settings["head_offset"],
-    )  # fmt: skip
+    )
 
 
 @functools.lru_cache(maxsize=16)
-def _build_pattern(heads, kv_heads, max_seq_len, block_size, local_blocks, vert_stride,
-                   num_dense_heads, homo_head, head_offset) -> BlockPattern:  # fmt: skip
+def _build_pattern(
+    heads,
+    kv_heads,
+    max_seq_len,
+    block_size,
+    local_blocks,
+    vert_stride,
+    num_dense_heads,
+    homo_head,
+    head_offset,
+) -> BlockPattern:
     # One pattern object per configuration: every S2 layer shares it, and with it its layouts.
     return local_stride_pattern(
-        heads, max_seq_len, block_size, local_blocks, vert_stride, num_kv_heads=kv_heads,
-        num_dense_heads=num_dense_heads, homo_head=homo_head, head_offset=head_offset,
-    )  # fmt: skip
+        heads,
+        max_seq_len,
+        block_size,
+        local_blocks,
+        vert_stride,
+        num_kv_heads=kv_heads,
+        num_dense_heads=num_dense_heads,
+        homo_head=homo_head,
+        head_offset=head_offset,
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -240,9 +261,14 @@ def _attend_context(fn, q, k, v, pattern, mask, scale):
     q_counts = q_counts or [q.shape[1]] * q.shape[0]
     k_counts = k_counts or [k.shape[1]] * k.shape[0]
     out = fn(
-        _pack(q, q_counts), _pack(k, k_counts), _pack(v, k_counts), pattern, softmax_scale=scale,
-        cu_seqlens_q=_cu(q_counts, q.device), cu_seqlens_k=_cu(k_counts, q.device),
-    )  # fmt: skip
+        _pack(q, q_counts),
+        _pack(k, k_counts),
+        _pack(v, k_counts),
+        pattern,
+        softmax_scale=scale,
+        cu_seqlens_q=_cu(q_counts, q.device),
+        cu_seqlens_k=_cu(k_counts, q.device),
+    )
     return _unpack(out, q_counts, q.shape[1])
 
 
@@ -282,9 +308,13 @@ def attention_forward(
     if counts is None:
         return sparse_attention_with_kvcache(q, paged, k, v, softmax_scale=scaling), None
     out = sparse_attention_with_kvcache(
-        _pack(q, counts), paged, _pack(k, counts), _pack(v, counts), softmax_scale=scaling,
+        _pack(q, counts),
+        paged,
+        _pack(k, counts),
+        _pack(v, counts),
+        softmax_scale=scaling,
         cu_seqlens_q=_cu(counts, q.device),
-    )  # fmt: skip
+    )
     return _unpack(out, counts, q.shape[1]), None
 
 
@@ -310,9 +340,13 @@ def reference_attention_forward(
         device_type = query.device.type
         with torch.autocast(device_type, enabled=False):
             return reference_attention_forward(
-                module, *cast_inputs(region, device_type, query, key, value), attention_mask,
-                scaling, dropout, **kwargs,
-            )  # fmt: skip
+                module,
+                *cast_inputs(region, device_type, query, key, value),
+                attention_mask,
+                scaling,
+                dropout,
+                **kwargs,
+            )
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     pattern = _attention_pattern(module.config, module.layer_idx)
     return _attend_context(attention_reference, q, k, v, pattern, attention_mask, scaling), None
@@ -391,10 +425,16 @@ class S2CacheLayer(CacheLayerMixin):
         # attention computes at the region's dtype: keep the cache there, not at twice the bytes.
         dtype = autocast_dtype(key_states) or key_states.dtype
         self.paged = PagedKVCache(
-            self.pattern, batch_size=key_states.shape[0], num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, dtype=dtype, device=key_states.device,
-            max_seq_len=self.max_seq_len, block_size=self.block_size, num_pages=self.num_pages,
-        )  # fmt: skip
+            self.pattern,
+            batch_size=key_states.shape[0],
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            device=key_states.device,
+            max_seq_len=self.max_seq_len,
+            block_size=self.block_size,
+            num_pages=self.num_pages,
+        )
         self.batch_size = key_states.shape[0]
         self.is_initialized = True
 
@@ -475,12 +515,15 @@ class S2Cache(Cache):
         length = max_seq_len or settings["max_seq_len"]
         layers = [
             S2CacheLayer(
-                layer_pattern(text, i), num_kv_heads=kv_heads, head_dim=head_dim,
-                block_size=block_size, max_seq_len=math.ceil(length / block_size) * block_size,
+                layer_pattern(text, i),
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                max_seq_len=math.ceil(length / block_size) * block_size,
                 num_pages=num_pages,
             )
             for i in range(text.num_hidden_layers)
-        ]  # fmt: skip
+        ]
         super().__init__(layers=layers)
 
     def memory_report(self) -> dict[str, int]:

@@ -671,8 +671,15 @@ class TokenStream:
 
     def next_batch(self) -> torch.Tensor:
         """The next ``(batch_size, seq_len + 1)`` int64 CPU tensor of token ids."""
+        return self.next_batch_with_answers()[0]
+
+    def next_batch_with_answers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch, as :meth:`next_batch`, and a bool tensor of its shape marking the
+        needle answers' tokens (the tokens a model can only predict by retrieval), so that a
+        trainer can weight them."""
         length = self.seq_len + 1
         batch = np.empty((self.batch_size, length), dtype=np.int64)
+        answers = np.zeros((self.batch_size, length), dtype=bool)
         for b in range(self.batch_size):
             rng = random.Random(_stable_int("row", self.seed, self.rows))
             self.rows += 1
@@ -684,9 +691,11 @@ class TokenStream:
                     torch.from_numpy(filler), length, depths, rng, self.key_len, self.value_len
                 )
                 batch[b] = sample.tokens.numpy()
+                for start in sample.answer_starts:
+                    answers[b, start : start + sample.answer_len] = True
             else:
                 self._fill(batch[b])
-        return torch.from_numpy(batch)
+        return torch.from_numpy(batch), torch.from_numpy(answers)
 
     def __iter__(self):
         while True:

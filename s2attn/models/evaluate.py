@@ -81,8 +81,9 @@ def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 def _check_batch(batch: object, what: str) -> None:
     if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.shape[1] < 2:
         shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
-        raise ValueError(f"{what} must be a (batch, seq_len + 1) tensor with seq_len >= 1, "
-                         f"got {shape}")  # fmt: skip
+        raise ValueError(
+            f"{what} must be a (batch, seq_len + 1) tensor with seq_len >= 1, got {shape}"
+        )
     if batch.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{what} must hold int64 token ids, got {batch.dtype}")
 
@@ -162,9 +163,11 @@ def needle_accuracy(
         if not isinstance(s, NeedleSample):
             raise ValueError(f"samples[{i}] must be a NeedleSample, got {type(s).__name__}")
         if not 1 <= s.answer_start <= s.answer_start + s.answer_len <= len(s.tokens):
-            raise ValueError(f"samples[{i}]: answer [{s.answer_start}, "
-                             f"{s.answer_start + s.answer_len}) lies outside its "
-                             f"{len(s.tokens)} tokens or at position 0")  # fmt: skip
+            raise ValueError(
+                f"samples[{i}]: answer [{s.answer_start}, "
+                f"{s.answer_start + s.answer_len}) lies outside its "
+                f"{len(s.tokens)} tokens or at position 0"
+            )
     by_length: dict[int, list[NeedleSample]] = {}
     for s in samples:
         by_length.setdefault(len(s.tokens), []).append(s)
@@ -194,8 +197,10 @@ def _check_depths(depths: Sequence[float]) -> list[float]:
 
 def _check_length(length: object, what: str = "length") -> None:
     if isinstance(length, bool) or not isinstance(length, int) or length <= _NEEDLE_OVERHEAD:
-        raise ValueError(f"{what} must be an int > {_NEEDLE_OVERHEAD} (a needle, its question "
-                         f"and some filler), got {length!r}")  # fmt: skip
+        raise ValueError(
+            f"{what} must be an int > {_NEEDLE_OVERHEAD} (a needle, its question "
+            f"and some filler), got {length!r}"
+        )
 
 
 def needle_samples(
@@ -285,12 +290,15 @@ def plot_needle_heatmaps(results: dict[str, dict], path: str | Path) -> Path:
             or not accuracy
             or not all(isinstance(row, dict) and row for row in accuracy.values())
         ):
-            raise ValueError(f"results[{title!r}] must be {{'<length>': {{'<depth>': value}}}} "
-                             "or hold it under 'accuracy'")  # fmt: skip
+            raise ValueError(
+                f"results[{title!r}] must be {{'<length>': {{'<depth>': value}}}} "
+                "or hold it under 'accuracy'"
+            )
         grids[title] = accuracy
     panels = len(grids)
-    fig, axes = plt.subplots(1, panels, figsize=(1.2 + 3.2 * panels, 3.6), squeeze=False,
-                             constrained_layout=True)  # fmt: skip
+    fig, axes = plt.subplots(
+        1, panels, figsize=(1.2 + 3.2 * panels, 3.6), squeeze=False, constrained_layout=True
+    )
     image = None
     for i, (ax, (title, accuracy)) in enumerate(zip(axes[0], grids.items())):
         lengths = sorted(accuracy, key=int)
@@ -299,8 +307,9 @@ def plot_needle_heatmaps(results: dict[str, dict], path: str | Path) -> Path:
         image = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
         for r, row in enumerate(values):
             for c, v in enumerate(row):
-                ax.text(c, r, "-" if math.isnan(v) else f"{v:.2f}", ha="center", va="center",
-                        fontsize=8)  # fmt: skip
+                ax.text(
+                    c, r, "-" if math.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8
+                )
         ax.set_xticks(range(len(lengths)), [_length_label(int(n)) for n in lengths])
         ax.set_yticks(range(len(depths)), [_depth_key(float(d)) for d in depths])
         ax.set_xlabel("context length (tokens)")
@@ -454,8 +463,10 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
-        raise ValueError(f"model_dir {str(model_dir)!r} holds no config.json: pass a directory "
-                         "written by `s2attn train` or save_pretrained")  # fmt: skip
+        raise ValueError(
+            f"model_dir {str(model_dir)!r} holds no config.json: pass a directory "
+            "written by `s2attn train` or save_pretrained"
+        )
     record = _run_record(model_dir)
     config = LlamaConfig.from_pretrained(model_dir)
     limit = _context_limit(config)
@@ -463,10 +474,14 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or record.get("seq_len") or limit
     seed = args.seed if args.seed is not None else int(record.get("seed", 0))
     batch_size = args.batch_size or int(record.get("batch_size", 8))
-    val_batches = args.val_batches if args.val_batches is not None else int(
-        record.get("val_batches", 4))  # fmt: skip
-    val_fraction = args.val_fraction if args.val_fraction is not None else float(
-        record.get("val_fraction", 0.05))  # fmt: skip
+    val_batches = (
+        args.val_batches if args.val_batches is not None else int(record.get("val_batches", 4))
+    )
+    val_fraction = (
+        args.val_fraction
+        if args.val_fraction is not None
+        else float(record.get("val_fraction", 0.05))
+    )
     roots = args.data_root or record.get("data_root") or record.get("data_roots") or None
     lengths = args.lengths or [seq_len]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -474,8 +489,10 @@ def run(args: argparse.Namespace) -> int:
     _positive("--val-batches", val_batches, allow_zero=True)
     _positive("--samples", args.samples)
     if seq_len > limit:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's context limit of {limit} "
-                         "tokens (its S2 patterns' / position table's length)")  # fmt: skip
+        raise ValueError(
+            f"--seq-len {seq_len} exceeds the model's context limit of {limit} "
+            "tokens (its S2 patterns' / position table's length)"
+        )
     if args.needle:
         for n in lengths:
             _check_length(n, "--lengths entries")
@@ -500,8 +517,10 @@ def run(args: argparse.Namespace) -> int:
     model.to(device)
     title = " ".join(str(record[k]) for k in ("variant", "preset") if record.get(k))
     title = title or model_dir.name
-    print(f"{title}: {model_dir} on {device}"
-          f"{' (bf16 autocast)' if autocast_dtype else ''}; val corpus {corpus!r}")  # fmt: skip
+    print(
+        f"{title}: {model_dir} on {device}"
+        f"{' (bf16 autocast)' if autocast_dtype else ''}; val corpus {corpus!r}"
+    )
 
     result: dict = {
         "model_dir": str(model_dir),
@@ -522,14 +541,29 @@ def run(args: argparse.Namespace) -> int:
         batches = validation_batches(corpus, seq_len, batch_size, val_batches, seed)
         bpb = validation_bpb(model, batches, device=device, autocast_dtype=autocast_dtype)
         tokens = sum(b[:, 1:].numel() for b in batches)
-        print(f"validation: {bpb:.4f} bits per byte over {tokens} tokens "
-              f"({val_batches} x {batch_size} x {seq_len})")  # fmt: skip
+        print(
+            f"validation: {bpb:.4f} bits per byte over {tokens} tokens "
+            f"({val_batches} x {batch_size} x {seq_len})"
+        )
         result.update(val_bpb=bpb, val_seq_len=seq_len, val_tokens=tokens)
     if args.needle:
-        result.update(samples_per_cell=args.samples, lengths=lengths, depths=depths,
-                      accuracy=_needle_grid(model, corpus, lengths, depths, args.samples, seed,
-                                            device, autocast_dtype, batch_size,
-                                            not args.no_progress))  # fmt: skip
+        result.update(
+            samples_per_cell=args.samples,
+            lengths=lengths,
+            depths=depths,
+            accuracy=_needle_grid(
+                model,
+                corpus,
+                lengths,
+                depths,
+                args.samples,
+                seed,
+                device,
+                autocast_dtype,
+                batch_size,
+                not args.no_progress,
+            ),
+        )
         _print_grid(result["accuracy"])
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -541,20 +575,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _needle_grid(model, corpus, lengths, depths, samples, seed, device, autocast_dtype,
-                 batch_size, progress: bool) -> dict[str, dict[str, float]]:  # fmt: skip
+def _needle_grid(
+    model,
+    corpus,
+    lengths,
+    depths,
+    samples,
+    seed,
+    device,
+    autocast_dtype,
+    batch_size,
+    progress: bool,
+) -> dict[str, dict[str, float]]:
     from tqdm.auto import tqdm
 
     accuracy: dict[str, dict[str, float]] = {}
-    with tqdm(total=len(lengths) * len(depths), desc="needle grid", unit="cell",
-              disable=not progress) as bar:  # fmt: skip
+    with tqdm(
+        total=len(lengths) * len(depths), desc="needle grid", unit="cell", disable=not progress
+    ) as bar:
         for n in lengths:
             cells = needle_samples(corpus, n, depths, samples, seed)
             row = accuracy.setdefault(str(n), {})
             for d, group in cells.items():
-                row[_depth_key(d)] = needle_accuracy(model, group, device=device,
-                                                     autocast_dtype=autocast_dtype,
-                                                     batch_size=batch_size)  # fmt: skip
+                row[_depth_key(d)] = needle_accuracy(
+                    model,
+                    group,
+                    device=device,
+                    autocast_dtype=autocast_dtype,
+                    batch_size=batch_size,
+                )
                 bar.set_postfix(length=n, depth=_depth_key(d), acc=f"{row[_depth_key(d)]:.2f}")
                 bar.update()
     return accuracy
@@ -565,5 +614,4 @@ def _print_grid(accuracy: dict[str, dict[str, float]]) -> None:
     print("needle accuracy (rows: depth, columns: context length)")
     print(f"{'depth':>7} " + " ".join(f"{_length_label(int(n)):>7}" for n in accuracy))
     for d in depths:
-        print(f"{d:>7} " + " ".join(f"{accuracy[n].get(d, float('nan')):>7.2f}"
-                                     for n in accuracy))  # fmt: skip
+        print(f"{d:>7} " + " ".join(f"{accuracy[n].get(d, float('nan')):>7.2f}" for n in accuracy))

@@ -148,6 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--needle-fraction", type=float, help="share of training rows that are retrieval samples")
     add("--needles-per-sample", type=int,
         help="needles planted in each retrieval row, each asked for at its end")
+    add("--answer-weight", type=float,
+        help="weight of the needle answers' tokens in the training loss (1: plain LM loss)")
     add(
         "--data-root",
         action="append",
@@ -255,6 +257,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         seed=args.seed,
         needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),
         needles_per_sample=pick(args.needles_per_sample, preset.needles_per_sample),
+        answer_weight=float(pick(args.answer_weight, preset.answer_weight)),
         data_root=None,  # filled in once the corpus has resolved the roots
         val_fraction=float(args.val_fraction),
         val_every=pick(args.val_every, preset.val_every),
@@ -268,6 +271,8 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         _positive("--" + name.replace("_", "-"), options[name])
     for name in ("warmup_steps", "val_every", "val_batches", "val_needles", "checkpoint_every"):
         _positive("--" + name.replace("_", "-"), options[name], minimum=0)
+    if not options["answer_weight"] >= 0 or not math.isfinite(options["answer_weight"]):
+        raise ValueError(f"--answer-weight must be >= 0, got {options['answer_weight']}")
     if not options["lr"] > 0 or not math.isfinite(options["lr"]):
         raise ValueError(f"--lr must be a positive number, got {options['lr']}")
     if options["seq_len"] > options["max_seq_len"]:
@@ -664,12 +669,24 @@ def _train(plan: _Plan, started: float) -> int:
         while progress.step < last:
             t0 = time.perf_counter()
             for _ in range(opts["grad_accum"]):
-                batch = stream.next_batch().to(device, non_blocking=True)
+                batch, answers = stream.next_batch_with_answers()
+                batch = batch.to(device, non_blocking=True)
                 with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
                     logits = model(input_ids=batch[:, :-1], use_cache=False).logits
                 # Cross-entropy in float32 whatever the logits' dtype: bf16 would round it.
-                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-                (loss / opts["grad_accum"]).backward()
+                token_loss = F.cross_entropy(
+                    logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none"
+                )
+                loss = token_loss.mean()  # what is logged: the plain language-model loss
+                objective = loss
+                if opts["answer_weight"] != 1:
+                    # The answers are a few tokens in thousands: weighting them is what lets a
+                    # small model learn retrieval within a short run.
+                    extra = answers[:, 1:].flatten().to(device, non_blocking=True)
+                    objective = loss + (opts["answer_weight"] - 1) * (
+                        token_loss * extra
+                    ).sum() / token_loss.numel()
+                (objective / opts["grad_accum"]).backward()
                 row_loss += loss.detach() / opts["grad_accum"]
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _CLIP_NORM)
             lr = optimizer.param_groups[0]["lr"]

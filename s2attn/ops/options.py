@@ -21,6 +21,7 @@ __all__ = [
     "GluonForwardConfig",
     "KernelOptions",
     "TritonBackwardConfig",
+    "TritonDecodeConfig",
     "TritonForwardConfig",
 ]
 
@@ -74,6 +75,18 @@ class TritonBackwardConfig(_Settings):
     use_tma: bool | None = None
     heads_per_group: int | None = None
     a_in_regs: bool | None = None
+
+
+@dataclass(frozen=True)
+class TritonDecodeConfig(_Settings):
+    """The Triton decode kernel's launch over a paged KV cache (ops/triton/decode.py): warps,
+    pipeline depth, and keys per K/V tile (``block_n``, dividing the page size: a page is read
+    in ``block_size // block_n`` slices). Decode has one backend and is not a pass of
+    :class:`KernelOptions`: bench_decode.py's sweep hands it to the launcher."""
+
+    num_warps: int | None = None
+    num_stages: int | None = None
+    block_n: int | None = None
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,11 @@ Storage is a pool of pages. A page holds the keys (and, in a twin pool, the valu
 (batch, kv_heads, max_blocks) of int32 maps every KV block to its page, -1 when absent, and a free
 list hands pages freed anywhere in the batch to whichever sequence needs one next.
 
-Eviction. Every (KV head, KV block) has a last query block that reads it
-(:func:`s2attn.layout.kv_last_use`, the union over the query heads of the GQA group). Before new
-tokens are written, each sequence names the first position whose queries will still read the
-cache (``keep_from``); every page whose block is last read before that position's query block is
-freed, and new blocks that no such query reads are never stored. Because S2 patterns are
-KV-efficient (a block's readers form one run), what stays is exactly what the pattern still
-needs: for the local-stride pattern, the local window plus the stripes, within one block per head.
-Dense layers (``pattern=None`` or an all-dense pattern) keep everything. Patterns that are not
-KV-efficient work but evict nothing, with a warning.
+Eviction. Before new tokens are written, each sequence names the first position whose queries
+will still read the cache (``keep_from``); the layer's :class:`~.eviction.EvictionSchedule` says
+which stored blocks no such query reads (their pages are freed) and which new blocks none reads
+(they are never stored). For S2 patterns what stays is what the pattern still needs, within one
+block per head.
 
 Bookkeeping (lengths, page table, free list) lives on the host and is mirrored to the device
 only when it changes, i.e. when a sequence enters a new block: a decode step within a block costs
@@ -23,54 +19,24 @@ no host-device synchronisation.
 from __future__ import annotations
 
 import math
-import warnings
-import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from .attention import check_cu_seqlens
-from .layout import DecodeLayout, decode_layout, dense_decode_layout, kv_last_use
-from .ops.decode import kernels_available, write_pages
-from .pattern import BlockPattern
+from ..layout import DecodeLayout, decode_layout, dense_decode_layout
+from ..ops.dispatch import supports_triton
+from ..ops.triton.page_write import write_pages
+from ..pattern import BlockPattern
+from ..validation import check_cu_seqlens, check_int, check_tensor
+from .eviction import EvictionSchedule
 
-__all__ = ["PagedKVCache", "ModelKVCache"]
+__all__ = ["ModelKVCache", "PagedKVCache"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# "Never evicted": a last use past any query block.
-_NEVER = torch.iinfo(torch.int64).max
-_WARNED: weakref.WeakSet = weakref.WeakSet()
 # Appends of more (token, KV head) rows than this are prefills: they filter unstored rows.
 _FILTER_WRITES_ABOVE = 4096
 # Batched appends of at most this many tokens per sequence (decode steps) write with one kernel.
 _KERNEL_WRITES_UP_TO = 16
-
-
-def _check_int(name: str, value: object, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def is_dense_pattern(pattern: BlockPattern) -> bool:
-    """True when a causal pattern keeps every visible block of every head."""
-    visible = torch.ones(pattern.num_q_blocks, pattern.num_kv_blocks, dtype=torch.bool).tril()
-    return bool((pattern.mask | ~visible).all())
-
-
-# Per pattern and KV heads: (dense, KV-efficient, last use). Every layer of a model shares its
-# pattern, and at 128k these take a second each.
-_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _pattern_facts(pattern: BlockPattern, num_kv_heads: int) -> tuple[bool, bool, torch.Tensor]:
-    per_pattern = _FACTS.setdefault(pattern, {})
-    if num_kv_heads not in per_pattern:
-        dense = is_dense_pattern(pattern)
-        efficient = dense or pattern.is_kv_efficient()
-        last_use = None if dense or not efficient else kv_last_use(pattern, num_kv_heads)
-        per_pattern[num_kv_heads] = (dense, efficient, last_use)
-    return per_pattern[num_kv_heads]
 
 
 class PagedKVCache:
@@ -92,7 +58,8 @@ class PagedKVCache:
 
     Attributes read by the kernels: ``k_pages``/``v_pages`` (num_pages + 1, block_size, head_dim),
     whose last page absorbs writes that are not stored; ``page_table`` int32 (batch, kv_heads,
-    max_blocks); ``seq_lens`` int32 (batch,).
+    max_blocks); ``seq_lens`` int32 (batch,). ``eviction``: the :class:`EvictionSchedule` that
+    decides which pages to free and which blocks to store.
 
     Example::
 
@@ -116,15 +83,15 @@ class PagedKVCache:
         block_size: int | None = None,
         num_pages: int | None = None,
     ):
-        _check_int("batch_size", batch_size)
-        _check_int("num_kv_heads", num_kv_heads)
-        _check_int("head_dim", head_dim)
+        check_int("batch_size", batch_size)
+        check_int("num_kv_heads", num_kv_heads)
+        check_int("head_dim", head_dim)
         if dtype not in _SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         if pattern is None:
             if block_size is None or max_seq_len is None:
                 raise ValueError("a dense cache (pattern=None) needs block_size and max_seq_len")
-            _check_int("block_size", block_size, 16)
+            check_int("block_size", block_size, 16)
             if block_size & (block_size - 1):
                 raise ValueError(f"block_size must be a power of two, got {block_size}")
         else:
@@ -150,7 +117,7 @@ class PagedKVCache:
                 raise ValueError(
                     f"max_seq_len={max_seq_len} exceeds the pattern's {pattern.max_seq_len}"
                 )
-        _check_int("max_seq_len", max_seq_len)
+        check_int("max_seq_len", max_seq_len)
 
         self.pattern = pattern
         self.batch_size = batch_size
@@ -163,29 +130,12 @@ class PagedKVCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.block_size = block_size
         self.max_seq_len = max_seq_len
-        self.max_blocks = math.ceil(max_seq_len / block_size)
-        if pattern is None:
-            self.dense, self.kv_efficient, last_use = True, True, None
-        else:
-            self.dense, self.kv_efficient, last_use = _pattern_facts(pattern, num_kv_heads)
-
-        nb = self.max_blocks
-        if last_use is None:
-            last_use = torch.full((num_kv_heads, nb), _NEVER, dtype=torch.int64)
-            if not self.kv_efficient and pattern not in _WARNED:
-                _WARNED.add(pattern)
-                warnings.warn(
-                    "the pattern is not KV-efficient (a KV block's readers do not form one run): "
-                    "the KV cache keeps every block and evicts nothing",
-                    stacklevel=2,
-                )
-        else:
-            last_use = last_use[:, :nb].contiguous()
-        self._last_use = last_use  # (kv_heads, max_blocks), CPU
+        self.max_blocks = nb = math.ceil(max_seq_len / block_size)
+        self.eviction = EvictionSchedule(pattern, num_kv_heads, nb)
 
         if num_pages is None:
-            num_pages = batch_size * int(self._peak_pages_per_sequence())
-        _check_int("num_pages", num_pages)
+            num_pages = batch_size * self.eviction.peak_blocks_per_sequence()
+        check_int("num_pages", num_pages)
         self.num_pages = num_pages
         # One extra page at the end takes the writes of blocks that are not stored.
         shape = (num_pages + 1, block_size, head_dim)
@@ -204,22 +154,15 @@ class PagedKVCache:
         self._layout: DecodeLayout | None = None
 
     # ---------------------------------------------------------------------------- sizes
-    def _peak_pages_per_sequence(self) -> int:
-        """Pages one sequence holds at most: max over query blocks q of the blocks j <= q still
-        read from q on, plus one for the block the newest tokens enter, summed over KV heads."""
-        nb = self.max_blocks
-        if self.dense or not self.kv_efficient:
-            return self.num_kv_heads * nb
-        lu = self._last_use
-        stored = lu >= torch.arange(nb)[None, :]  # blocks nobody reads are never stored
-        # Block j is held while the query block runs over [j, last_use]: a difference array.
-        diff = torch.zeros(self.num_kv_heads, nb + 1, dtype=torch.int64)
-        starts = torch.arange(nb).expand_as(lu)
-        ends = lu.clamp(max=nb - 1) + 1
-        diff.scatter_add_(1, starts, stored.to(torch.int64))
-        diff.scatter_add_(1, torch.where(stored, ends, nb), -stored.to(torch.int64))
-        live = diff.cumsum(1)[:, :nb]
-        return int((live.amax(dim=1) + 1).clamp(max=nb).sum())
+    @property
+    def dense(self) -> bool:
+        """Whether the layer reads every block to the end (no pattern, or an all-dense one)."""
+        return self.eviction.dense
+
+    @property
+    def kv_efficient(self) -> bool:
+        """Whether the pattern lets the cache evict (a block's readers form one run)."""
+        return self.eviction.kv_efficient
 
     @property
     def lengths(self) -> list[int]:
@@ -256,7 +199,7 @@ class PagedKVCache:
             if n == 0:
                 continue
             last = (n - 1) // self.block_size
-            total += int((self._last_use[:, : last + 1] >= n // self.block_size).sum())
+            total += int(self.eviction.read_from(n // self.block_size, slice(0, last + 1)).sum())
         return total
 
     def memory_report(self) -> dict[str, int]:
@@ -288,8 +231,7 @@ class PagedKVCache:
         self, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> list[int]:
         for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            check_tensor(name, t)
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
             if t.device != self.device:
@@ -371,7 +313,7 @@ class PagedKVCache:
 
     def _evict(self, keep_block: list[int], changed: list[torch.Tensor]) -> None:
         """Free the pages of blocks whose last reader lies before each sequence's keep block."""
-        if self.dense or not self.kv_efficient:
+        if not self.eviction.evicts:
             return
         h, nb = self.num_kv_heads, self.max_blocks
         for b, q0 in enumerate(keep_block):
@@ -379,7 +321,7 @@ class PagedKVCache:
                 continue
             # A stored block j has last use >= j, so only blocks before q0 can go.
             table = self._table[b, :, :q0]
-            drop = (table >= 0) & (self._last_use[:, :q0] < q0)
+            drop = (table >= 0) & ~self.eviction.read_from(q0, slice(0, q0))
             if not drop.any():
                 continue
             heads, blocks = drop.nonzero(as_tuple=True)
@@ -407,7 +349,7 @@ class PagedKVCache:
             return
         seq, blk = torch.cat(seqs), torch.cat(blocks)
         keep = torch.tensor(keep_block, dtype=torch.int64)[seq]
-        want = self._last_use[:, blk].T >= keep[:, None]  # (entries, kv_heads)
+        want = self.eviction.read_from(keep, blk).T  # (entries, kv_heads)
         want &= self._table[seq, :, blk] < 0
         rows, heads = want.nonzero(as_tuple=True)
         if rows.numel() == 0:
@@ -472,7 +414,7 @@ class PagedKVCache:
         if (
             cu_seqlens is None
             and counts[0] <= _KERNEL_WRITES_UP_TO
-            and kernels_available(self.device)
+            and supports_triton(self.device)
         ):
             # A decode step: one launch (self.seq_lens still holds the old lengths).
             write_pages(k, v, self.k_pages, self.v_pages, self.page_table, self.seq_lens)
@@ -526,7 +468,7 @@ class PagedKVCache:
         Tokens past the point eviction has reached cannot come back: cropping below the
         first position whose queries still read the cache raises.
         """
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, 0)
         bs, h, nb = self.block_size, self.num_kv_heads, self.max_blocks
         new = [n - num_tokens for n in self._lengths]
         for b, n in enumerate(new):
@@ -602,12 +544,18 @@ class ModelKVCache:
             raise ValueError("patterns must name at least one layer")
         self.layers = [
             PagedKVCache(
-                p, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                dtype=dtype, device=device, max_seq_len=max_seq_len, block_size=block_size,
+                p,
+                batch_size=batch_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                device=device,
+                max_seq_len=max_seq_len,
+                block_size=block_size,
                 num_pages=num_pages,
             )
             for p in patterns
-        ]  # fmt: skip
+        ]
 
     def __len__(self) -> int:
         return len(self.layers)

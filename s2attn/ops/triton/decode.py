@@ -12,10 +12,8 @@ With one split, the program writes the output directly. With more, each writes i
 partial output and natural-log LSE, and ``_merge_kernel`` combines them exactly: at long contexts
 and small batches there are too few (sequence, KV head) pairs to fill the GPU otherwise.
 
-``_write_kernel`` stores a decode step's new keys and values into their pages: one launch where
-the equivalent torch indexing takes a dozen.
-
-The kernels know layouts, page tables and strides, never patterns.
+The kernels know layouts, page tables and strides, never patterns. The cache's page writes are
+in ``page_write.py``.
 """
 
 from __future__ import annotations
@@ -26,12 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import DecodeLayout
-from .env import POISON_OUTPUTS
-from .launch import LOG2E, lse_dtype
-from .triton.common import dot_precision, padded_head_dim
+from ...layout import DecodeLayout
+from ..env import POISON_OUTPUTS
+from ..launch import LOG2E, lse_dtype
+from ..options import TritonDecodeConfig
+from .common import dot_precision, padded_head_dim
 
-__all__ = ["decode", "decode_num_splits", "write_pages", "kernels_available", "MAX_DECODE_ROWS"]
+__all__ = ["MAX_DECODE_ROWS", "decode", "decode_num_splits", "default_config"]
 
 # Rows of one program (query heads of a GQA group x new tokens): more would spill registers.
 MAX_DECODE_ROWS = 128
@@ -208,7 +207,7 @@ def _decode_kernel(
         + offs_d[None, :] * stride_qd,
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
-    )  # fmt: skip
+    )
 
     if DENSE:
         full_start = 0
@@ -241,13 +240,13 @@ def _decode_kernel(
         K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
         row_pos, bitpos, ctx_len, qk_scale,
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, DENSE, DOT_PRECISION,
-    )  # fmt: skip
+    )
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, partial_cols, partial_bits, part_lo, part_hi, pages_ptr, stride_tj,
         K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
         row_pos, bitpos, ctx_len, qk_scale,
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION,
-    )  # fmt: skip
+    )
 
     # Rows that attend nothing (in this split): output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
@@ -260,7 +259,7 @@ def _decode_kernel(
             + offs_d[None, :] * stride_od,
             out.to(Out.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
-        )  # fmt: skip
+        )
         tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_ls, lse, mask=row_ok)
     else:
         # Scratch (batch, new, heads, splits, dim), contiguous: a merge row reads one run.
@@ -324,83 +323,6 @@ def _merge_kernel(
     tl.store(Lse + b * stride_lb + h * stride_lh + t * stride_ls, lse)
 
 
-@triton.jit
-def _write_kernel(
-    K,
-    V,
-    KPages,
-    VPages,
-    page_table,
-    seq_lens,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
-    stride_kp,
-    stride_kn,
-    stride_kpd,
-    stride_vp,
-    stride_vn,
-    stride_vpd,
-    stride_tb,
-    stride_th,
-    stride_tj,
-    NUM_NEW: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-):
-    """One program per (sequence, new token, KV head): copy its key and value rows into the page
-    of its block, if the block is stored."""
-    bt = tl.program_id(0)
-    h = tl.program_id(1)
-    b = bt // NUM_NEW
-    t = bt % NUM_NEW
-    pos = tl.load(seq_lens + b) + t  # seq_lens: the lengths before this step
-    page = tl.load(page_table + b * stride_tb + h * stride_th + (pos // PAGE_SIZE) * stride_tj)
-    if page >= 0:
-        page_row = page.to(tl.int64)  # a new name: compiled Triton keeps a variable's type fixed
-        slot = pos % PAGE_SIZE
-        offs = tl.arange(0, BLOCK_D)
-        ok = offs < HEAD_DIM
-        k = tl.load(K + b * stride_kb + t * stride_ks + h * stride_kh + offs * stride_kd, mask=ok)
-        v = tl.load(V + b * stride_vb + t * stride_vs + h * stride_vh + offs * stride_vd, mask=ok)
-        tl.store(KPages + page_row * stride_kp + slot * stride_kn + offs * stride_kpd, k, mask=ok)
-        tl.store(VPages + page_row * stride_vp + slot * stride_vn + offs * stride_vpd, v, mask=ok)
-
-
-def write_pages(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
-    """Store new tokens' K/V, (batch, num_new, kv_heads, dim), at positions ``seq_lens[b] + t``
-    of each sequence through the page table (blocks with page -1 are skipped)."""
-    batch, num_new, num_kv_heads, head_dim = k.shape
-    if k.numel() == 0:
-        return
-    _write_kernel[(batch * num_new, num_kv_heads)](
-        k, v, k_pages, v_pages, page_table, seq_lens,
-        *k.stride(), *v.stride(), *k_pages.stride(), *v_pages.stride(), *page_table.stride(),
-        NUM_NEW=num_new, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE_SIZE=k_pages.shape[1],
-    )  # fmt: skip
-
-
-def kernels_available(device: torch.device) -> bool:
-    """Whether Triton kernels run on ``device``: a GPU, or the CPU under the interpreter."""
-    from .dispatch import supports_triton
-
-    return supports_triton(device)
-
-
 @functools.cache
 def _num_sms(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -423,12 +345,15 @@ def decode_num_splits(
     return max(1, min(want, triton.cdiv(longest_list, 4), 64))
 
 
-def _launch_options(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    # Each iteration is a chain of dependent loads (list entry -> page id -> page): a deep
-    # pipeline issues the next entries' index loads while this page's K/V arrive. 4 warps suffice
-    # for a 16-row tile. H100 sweep (bench_decode.py --sweep, 128k, batch 16, V64): 4 warps,
-    # 4 stages, 64-key tiles were best of 120 launches.
-    return {"num_warps": 4, "num_stages": 4}
+def default_config(block_size: int) -> TritonDecodeConfig:
+    """The launch for pages of ``block_size`` tokens.
+
+    Each iteration is a chain of dependent loads (list entry -> page id -> page): a deep pipeline
+    issues the next entries' index loads while this page's K/V arrive. 4 warps suffice for a
+    16-row tile. H100 sweep (bench_decode.py --sweep, 128k, batch 16, V64): 4 warps, 4 stages,
+    64-key tiles were best of 120 launches.
+    """
+    return TritonDecodeConfig(num_warps=4, num_stages=4, block_n=min(block_size, 64))
 
 
 def decode(
@@ -441,8 +366,7 @@ def decode(
     *,
     softmax_scale: float,
     num_splits: int = 1,
-    block_n: int | None = None,
-    launch_options: dict[str, int] | None = None,
+    config: TritonDecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernel (and the merge when ``num_splits > 1``) on validated inputs.
 
@@ -458,9 +382,8 @@ def decode(
         layout: the decode layout, over ``kv_heads`` KV heads and pages of ``block_size``.
         softmax_scale: the score scale.
         num_splits: programs per (sequence, KV head); see :func:`decode_num_splits`.
-        block_n: keys per K/V tile (a page is read in ``block_size // block_n`` slices);
-            default ``min(block_size, 64)``. For tuning sweeps, like ``launch_options``.
-        launch_options: (num_warps, num_stages) overriding the defaults.
+        config: launch settings for tuning sweeps; the fields left None take
+            :func:`default_config`'s.
 
     Returns ``out`` like q in q's dtype and ``lse`` float32 (batch, heads, num_new).
     """
@@ -482,7 +405,9 @@ def decode(
         return out, lse
 
     block_size = layout.block_size
-    block_n = block_n or min(block_size, 64)
+    defaults = default_config(block_size)
+    config = defaults if config is None else config.over(defaults)
+    block_n = config.block_n
     if block_size % block_n:
         raise ValueError(f"block_n={block_n} must divide the page size {block_size}")
     block_m = max(16, triton.next_power_of_2(group * num_new))
@@ -507,8 +432,9 @@ def decode(
         PAGE_SIZE=block_size,
         DENSE=layout.dense,
         DOT_PRECISION=dot_precision(q.dtype),
-        **(launch_options or _launch_options(head_dim, q.dtype)),
-    )  # fmt: skip
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     if num_splits > 1:
         _merge_kernel[(batch * num_new * num_heads,)](
             out_split, lse_split, out, lse, *out.stride(), *lse.stride(), num_splits,
@@ -517,5 +443,5 @@ def decode(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
-        )  # fmt: skip
+        )
     return out, lse

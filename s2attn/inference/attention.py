@@ -1,4 +1,4 @@
-"""Attention over a :class:`s2attn.PagedKVCache`: prefill, chunked prefill and decode in one call.
+"""Attention over a :class:`~.cache.PagedKVCache`: prefill, chunked prefill and decode in one call.
 
 ``sparse_attention_with_kvcache(q, cache, k, v)`` appends the new tokens' keys and values to each
 sequence and attends the new queries to everything before them, bottom-right aligned (the new
@@ -20,17 +20,18 @@ tokens sit at the end of each sequence). The path depends on the step:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-from .attention import check_cu_seqlens, sparse_attention
+from ..attention import sparse_attention
+from ..ops.dispatch import supports_triton
+from ..ops.triton import decode as triton_decode
+from ..pattern import BlockPattern, dense_pattern
+from ..precision import autocast_dtype, cast_inputs
+from ..validation import check_cu_seqlens, check_softmax_scale, check_tensor
 from .cache import PagedKVCache
-from .ops import decode as _dec
-from .pattern import BlockPattern, dense_pattern
-from .precision import autocast_dtype, cast_inputs
 
-__all__ = ["sparse_attention_with_kvcache", "MAX_DECODE_TOKENS"]
+__all__ = ["MAX_DECODE_TOKENS", "sparse_attention_with_kvcache"]
 
 # New tokens per sequence the decode kernel takes: they then span at most two query blocks.
 MAX_DECODE_TOKENS = 16
@@ -52,8 +53,7 @@ def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> tuple[float, list[
     """Check every input; return the scale and the new tokens per sequence."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an s2attn.PagedKVCache, got {type(cache).__name__}")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    check_tensor("q", q)
     if q.dtype != cache.dtype:
         raise TypeError(f"q has dtype {q.dtype} but the cache holds {cache.dtype}")
     if q.device != cache.device:
@@ -108,11 +108,7 @@ def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> tuple[float, list[
                 f"sequence ({min(cache.lengths)}); pass k and v to append them"
             )
         counts = [0] * cache.batch_size
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim), counts
-    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    return float(softmax_scale), counts
+    return check_softmax_scale(softmax_scale, head_dim), counts
 
 
 def _new_counts(
@@ -131,11 +127,17 @@ def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):
     if num_splits is None:
         blocks = [(n - num_new) // cache.block_size for n in cache.lengths]
         longest = int(layout.list_lengths[blocks].max())
-        num_splits = _dec.decode_num_splits(batch, cache.num_kv_heads, longest, q.device)
-    return _dec.decode(
-        q, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, layout,
-        softmax_scale=scale, num_splits=num_splits,
-    )  # fmt: skip
+        num_splits = triton_decode.decode_num_splits(batch, cache.num_kv_heads, longest, q.device)
+    return triton_decode.decode(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        cache.page_table,
+        cache.seq_lens,
+        layout,
+        softmax_scale=scale,
+        num_splits=num_splits,
+    )
 
 
 def _attend_dense(q, cache, k, v, scale, cu_q, counts, past):
@@ -164,10 +166,17 @@ def _attend_dense(q, cache, k, v, scale, cu_q, counts, past):
     lens_k = [p + n for p, n in zip(past, counts)]
     cu_k = torch.tensor([0, *lens_k], dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
     out, lse = sparse_attention(
-        packed_q, k_ctx, v_ctx, _layer_pattern(cache), softmax_scale=scale,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(counts), max_seqlen_k=max(lens_k),
+        packed_q,
+        k_ctx,
+        v_ctx,
+        _layer_pattern(cache),
+        softmax_scale=scale,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max(counts),
+        max_seqlen_k=max(lens_k),
         return_lse=True,
-    )  # fmt: skip
+    )
     return out, lse
 
 
@@ -224,17 +233,20 @@ def sparse_attention_with_kvcache(
         device_type = q.device.type
         with torch.autocast(device_type, enabled=False):
             result = sparse_attention_with_kvcache(
-                *cast_inputs(cache.dtype, device_type, q), cache,
+                *cast_inputs(cache.dtype, device_type, q),
+                cache,
                 *cast_inputs(cache.dtype, device_type, k, v),
-                softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q, return_lse=return_lse,
+                softmax_scale=softmax_scale,
+                cu_seqlens_q=cu_seqlens_q,
+                return_lse=return_lse,
                 num_splits=num_splits,
-            )  # fmt: skip
+            )
         if return_lse:
             return result[0].to(region), result[1]
         return result.to(region)
     scale, counts = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
     if k is None:
-        if not _dec.kernels_available(q.device):
+        if not supports_triton(q.device):
             raise RuntimeError("reading new tokens back from the cache needs the Triton kernels")
         out, lse = _decode(q, cache, scale, num_splits)
         return (out, lse) if return_lse else out
@@ -245,8 +257,8 @@ def sparse_attention_with_kvcache(
     decode_step = (
         not packed
         and q.shape[1] <= MAX_DECODE_TOKENS
-        and group * q.shape[1] <= _dec.MAX_DECODE_ROWS
-        and _dec.kernels_available(q.device)
+        and group * q.shape[1] <= triton_decode.MAX_DECODE_ROWS
+        and supports_triton(q.device)
     )
     if decode_step:
         cache.append(k, v)
