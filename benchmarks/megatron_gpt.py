@@ -194,11 +194,14 @@ def check_layer(model, args, layer: int, ids, pos, rank: int, tp: int) -> dict:
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = s2attn.attention_reference(
-        qf.transpose(0, 1), kf.transpose(0, 1), vf.transpose(0, 1), expected
-    ).transpose(0, 1)
-    ref = ref.reshape(out.shape)
-    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
+    # The reference in float32: main runs under bf16 autocast, which would otherwise compute the
+    # reference's matmuls, and its backward's, in bf16 as well.
+    with torch.autocast(q.device.type, enabled=False):
+        ref = s2attn.attention_reference(
+            qf.transpose(0, 1), kf.transpose(0, 1), vf.transpose(0, 1), expected
+        ).transpose(0, 1)
+        ref = ref.reshape(out.shape)
+        ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
     errors = {"out": rel(out, ref)}
     errors.update({f"d{n}": rel(g, r) for n, g, r in zip("qkv", grads, ref_grads)})
     errors = {name: worst(e) for name, e in errors.items()}

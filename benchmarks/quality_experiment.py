@@ -148,6 +148,21 @@ def plot_curves(names: list[str], runs: Path, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def recorded_environment(runs: Path, names: list[str]) -> dict:
+    """The environment the runs themselves recorded (device, versions, the dates they ran)."""
+    records = [json.loads((runs / n / "run.json").read_text()) for n in names]
+    first = records[0]
+    dates = sorted(r["date"] for r in records)
+    return dict(
+        device=first["device"],
+        torch=first["versions"]["torch"],
+        triton=first["versions"].get("triton"),
+        cuda=first["versions"].get("cuda", "n/a"),
+        s2attn=first["versions"].get("s2attn", "0.1.0"),
+        date=dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}",
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
@@ -162,6 +177,13 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--train-args", default="", help="extra arguments for every train run")
     ap.add_argument("--skip-train", action="store_true", help="evaluate existing runs only")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="neither train nor evaluate: tabulate and plot the runs' metrics.jsonl and "
+        "needle.json (e.g. runs made in several calls and gathered here), with the device, "
+        "versions and date their run.json recorded",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU: no GPU assumed")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="quality")
@@ -179,7 +201,7 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     python = [sys.executable, "-m", "s2attn"]
 
-    if not args.skip_train:
+    if not (args.skip_train or args.report_only):
         print(f"training {len(args.only)} variants, {args.parallel} at once", flush=True)
         jobs = {
             name: [
@@ -206,7 +228,9 @@ def main() -> int:
         if any(codes.values()):
             print("some runs failed; see their logs in", args.runs)
     trained = [n for n in args.only if (args.runs / n / "config.json").exists()]
-    print(f"evaluating {len(trained)} models", flush=True)
+    if args.report_only:
+        trained = [n for n in args.only if (args.runs / n / "run.json").exists()]
+    print(f"evaluating {0 if args.report_only else len(trained)} models", flush=True)
     jobs = {
         f"{name}.eval": [
             *python,
@@ -227,10 +251,11 @@ def main() -> int:
         ]
         for name in trained
     }
-    run_all(jobs, args.runs, args.parallel, env)
+    if not args.report_only:
+        run_all(jobs, args.runs, args.parallel, env)
     done = [n for n in trained if (args.runs / n / "needle.json").exists()]
 
-    result_env = environment()
+    result_env = environment() if not args.report_only else recorded_environment(args.runs, done)
     rows = summarize(done, args.runs, args.train_len)
     text = markdown(rows, result_env, args, summary)
     print(text)

@@ -379,3 +379,24 @@ def test_default_roots_list_and_stream():
     for _ in range(3):
         x = stream.next_batch()
         assert x.shape == (2, 1024) and int(x.max()) < D.VOCAB_SIZE
+
+
+def test_stream_marks_exactly_the_answers(corpus_root):
+    root, _ = corpus_root
+    corpus = D.SourceCorpus([root], val_fraction=0.0)
+    n, value_len = 2, 6
+    stream = D.TokenStream(corpus, seq_len=199, batch_size=6, seed=3, needle_fraction=0.5,
+                           needles_per_sample=n, value_len=value_len)  # fmt: skip
+    state = stream.state_dict()
+    tokens, answers = stream.next_batch_with_answers()
+    stream.load_state_dict(state)
+    assert torch.equal(stream.next_batch(), tokens)  # the same batch either way
+    for row, marked in zip(tokens.tolist(), answers.tolist()):
+        keys = [i for i, t in enumerate(row) if t == D.KEY]
+        if not keys:  # a plain text row: nothing to retrieve
+            assert not any(marked)
+            continue
+        # The answers follow the questions' VALUE markers, the last n of the row.
+        values = [i for i, t in enumerate(row) if t == D.VALUE][n:]
+        want = {i for v in values for i in range(v + 1, v + 1 + value_len)}
+        assert {i for i, m in enumerate(marked) if m} == want

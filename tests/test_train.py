@@ -293,3 +293,19 @@ def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
         "tiny", variant, seq_len=64, dense_layers=[1] if "--dense-layers" in extra else None
     )
     assert config.get("s2attn") == getattr(want, "s2attn", None)
+
+
+def test_answer_weight_changes_only_the_objective(tmp_path, corpus_root):
+    """Weighting the needle answers changes what is optimised (the weights move differently),
+    not what is logged: the logged loss stays the plain language-model loss of the batch."""
+    opts = ["--steps", "3", "--log-every", "1", "--val-every", "0"]
+    opts += ["--needle-fraction", "1", "--needles-per-sample", "1"]
+    plain, weighted = tmp_path / "plain", tmp_path / "weighted"
+    assert train.run(_args(plain, corpus_root, *opts)) == 0
+    assert train.run(_args(weighted, corpus_root, *opts, "--answer-weight", "50")) == 0
+    first_plain, first_weighted = _rows(plain)[0], _rows(weighted)[0]
+    # Step 1's loss is measured before any update: the same batch and weights, the same loss.
+    assert first_plain["loss"] == pytest.approx(first_weighted["loss"], rel=1e-6)
+    assert _rows(plain)[-1]["loss"] != pytest.approx(_rows(weighted)[-1]["loss"], rel=1e-6)
+    with pytest.raises(ValueError, match="--answer-weight"):
+        train.run(_args(tmp_path / "bad", corpus_root, *opts, "--answer-weight", "-1"))
