@@ -1,20 +1,16 @@
-"""The functional entry point: validation, layout lookup, the autograd Function, exact merging.
+"""The functional entry point: validation, then the autograd Functions (eager) or the registered
+operator (under ``torch.compile``, ``s2attn.custom_ops``), and exact merging.
 
 Everything a user calls goes through here; nothing above this module touches Triton.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
-from dataclasses import dataclass
-
 import torch
 from torch.autograd.function import once_differentiable
 
-from .layout import backward_layout, forward_layout
+from .custom_ops import _AttentionPlan, attention_forward, pattern_key
 from .ops import dispatch
-from .ops.options import KernelOptions
 from .pattern import BlockPattern
 from .precision import autocast_dtype, cast_inputs
 from .reference import attention_reference
@@ -92,6 +88,14 @@ def _validate(
             f"or the k/v heads ({num_kv_heads})"
         )
 
+    if varlen and torch.compiler.is_compiling():
+        # Offsets are data: reading them here would break the graph. The operator reads the
+        # longest lengths at run time; lengths past the pattern are not checked.
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D int32 tensor for packed (3-D) inputs")
+        scale = check_softmax_scale(softmax_scale, head_dim)
+        return varlen, [max_seqlen_q], [max_seqlen_k], scale, q_heads_per_pattern_head
     if varlen:
         cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
         ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
@@ -125,108 +129,26 @@ def _validate(
     return varlen, lens_q, lens_k, scale, q_heads_per_pattern_head
 
 
-@torch.compiler.disable
-def _note_graph_break() -> None:
-    # Python shows a warning once per place it is raised from, so this speaks once per process.
-    warnings.warn(
-        "s2attn: torch.compile does not trace sparse_attention yet: the graph breaks at the call, "
-        "which runs eagerly (layouts, kernel launches and its backward); the code around it still "
-        "compiles. Registering the kernels as custom ops will keep the call in the graph.",
-        stacklevel=1,
+def _traced_call(
+    q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call as ``torch.compile`` traces it: one registered operator (``s2attn.custom_ops``),
+    which picks the kernels or the reference when it runs, with the pattern as a constant key.
+
+    Eager calls skip the operator's dispatch (some microseconds of host time per call) and apply
+    the autograd Functions below, which run the same plan."""
+    return attention_forward(
+        q,
+        k,
+        v,
+        pattern_key(pattern),
+        scale,
+        q_heads_per_pattern_head,
+        cu_q,
+        cu_k,
+        max_q if varlen else None,
+        max_k if varlen else None,
     )
-
-
-@dataclass(frozen=True)
-class _AttentionPlan:
-    """One call's plan and its launcher: everything about the call that is not a tensor the
-    autograd graph tracks, and its two passes, which fetch the layouts the plan needs (cached per
-    pattern, tile sizes and device) and hand them to the kernels (``s2attn.ops.dispatch``).
-
-    ``torch.compile`` does not trace the passes (Python-side layout caches, Triton and Gluon
-    launches): it breaks the graph around them and says so once.
-    """
-
-    pattern: BlockPattern
-    scale: float
-    q_heads_per_pattern_head: int
-    cu_seqlens_q: torch.Tensor | None
-    cu_seqlens_k: torch.Tensor | None
-    max_seqlen_q: int
-    max_seqlen_k: int
-    options: KernelOptions = dispatch.DEFAULT_OPTIONS
-
-    def __post_init__(self) -> None:
-        # Plans are made in traced code; the passes run eagerly, where this reads False.
-        if torch.compiler.is_compiling():
-            _note_graph_break()
-
-    @torch.compiler.disable
-    def forward(self, q, k, v):
-        """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them."""
-        block_m, block_n = dispatch.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
-        # A causal tile never lists KV tiles past its queries, so one layout serves every length;
-        # bidirectional tiles list everything, so crop the pattern to the longest sequence.
-        num_blocks = None if self.pattern.causal else self._num_blocks
-        # Gathered KV tiles pack lone stride blocks smaller than block_n.
-        layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks, gather=True)
-        return dispatch.forward(
-            q,
-            k,
-            v,
-            layout,
-            softmax_scale=self.scale,
-            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            options=self.options,
-        )
-
-    @torch.compiler.disable
-    def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
-        """(dq, dk, dv), as ``s2attn.ops.dispatch.backward`` returns them; ``grad_out`` None when
-        only the LSE was used."""
-        tiles = dispatch.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
-        (dkdv_m, dkdv_n), (dq_m, dq_n) = tiles
-        # Lone blocks smaller than a KV tile go to gathered tiles, as in the forward: in dQ's
-        # lists, and in dK/dV's when each KV head has one pattern head (a gathered tile's sums
-        # then belong to one KV head alone).
-        gather_dq = self.options.gather_dq
-        gather_dkdv = self.options.gather_dkdv and self.pattern.num_heads == k.shape[-2]
-        # The per-KV-tile lists run to the end of the pattern even when causal: crop them.
-        dkdv_layout = backward_layout(
-            self.pattern, dkdv_m, dkdv_n, q.device, self._num_blocks, gather=gather_dkdv
-        )
-        num_blocks = None if self.pattern.causal else self._num_blocks
-        dq_layout = forward_layout(self.pattern, dq_m, dq_n, q.device, num_blocks, gather=gather_dq)
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        return dispatch.backward(
-            grad_out,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            grad_lse,
-            dkdv_layout,
-            dq_layout,
-            softmax_scale=self.scale,
-            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            options=self.options,
-        )
-
-    @property
-    def _num_blocks(self) -> int:
-        return math.ceil(self.max_seqlen_k / self.pattern.block_size)
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
@@ -339,6 +261,21 @@ def sparse_attention(
     varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
+    if torch.compiler.is_compiling():
+        out, lse = _traced_call(
+            q,
+            k,
+            v,
+            pattern,
+            scale,
+            q_heads_per_pattern_head,
+            varlen,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        )
+        return (out, lse) if return_lse else out
     if not dispatch.supports_triton(q.device):
         # No Triton backend here (CPU without the interpreter): the dense-mask reference is exact.
         return attention_reference(
@@ -417,6 +354,23 @@ def sparse_attention_qkvpacked(
     varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
     )
+    if torch.compiler.is_compiling():
+        # The gradient comes back as three tensors that autograd stacks into qkv's (a copy the
+        # eager path's slice-by-slice writes avoid).
+        out, lse = _traced_call(
+            q,
+            k,
+            v,
+            pattern,
+            scale,
+            q_heads_per_pattern_head,
+            varlen,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+        )
+        return (out, lse) if return_lse else out
     if not dispatch.supports_triton(qkv.device):
         return attention_reference(
             q,

@@ -21,7 +21,8 @@ class SparseAttention(nn.Module):
     ``forward`` takes the arguments of :func:`s2attn.sparse_attention` after ``pattern``, and
     follows ``torch.autocast`` as it does: inside a region q, k and v are cast to the region's
     dtype and the output comes back in it. Float32 outside autocast runs far slower on a GPU than
-    bfloat16 (see :func:`s2attn.sparse_attention`).
+    bfloat16 (see :func:`s2attn.sparse_attention`). ``torch.compile`` traces it with no graph
+    break; a compiled module recompiles once when ``pattern`` is replaced by another pattern.
 
     Example::
 

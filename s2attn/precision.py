@@ -8,11 +8,12 @@ and float32 keeps its exact float32 path.
 
 The public entry points ask :func:`autocast_dtype` at their boundary and, inside a region, call
 themselves again on :func:`cast_inputs`' tensors with autocast off (so that nothing below, the
-dense-mask reference's matmuls included, is cast a second time). Once the entry points are
-``torch.library`` custom ops (the torch.compile work), that boundary moves onto the ops' Autocast
-kernels and these two functions go with it. Note that ``torch.library.register_autocast`` casts
-to one dtype fixed at registration: to follow the region's dtype, register a kernel for the
-Autocast dispatch key that reads ``torch.get_autocast_dtype`` instead.
+dense-mask reference's matmuls included, is cast a second time). The boundary stays here, not on
+the custom operators' Autocast kernels (``s2attn.custom_ops``): ``torch.compile`` traces it (the
+region's dtype is a constant of the trace and the casts land in the graph), eager calls do not go
+through the operators at all (their dispatch costs host time), and
+``torch.library.register_autocast`` casts to one dtype fixed at registration, where SDPA's rule
+follows the region's.
 """
 
 from __future__ import annotations

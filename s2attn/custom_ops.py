@@ -1,0 +1,348 @@
+"""The attention passes as ``torch.library`` custom operators, so that ``torch.compile`` keeps a
+call inside its graph.
+
+Two operators in namespace ``s2attn``:
+
+- ``s2attn::forward(q, k, v, pattern_key, softmax_scale, q_heads_per_pattern_head,
+  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
+- ``s2attn::backward(grad_out, grad_lse, q, k, v, out, lse, <the same>) -> (dq, dk, dv)``
+
+with fake implementations (exact shapes, strides and dtypes, so the compiler allocates around
+them) and the forward's autograd registered through the library. Each runs the kernels where a
+Triton backend runs (a GPU, or the CPU under the interpreter) and the dense-mask reference
+elsewhere.
+
+A pattern is not a tensor: the operators take an integer key (:func:`pattern_key`) naming it in a
+process-wide registry of live patterns. ``torch.compile`` computes the key while tracing, bakes it
+into the graph as a constant and guards on the pattern object's identity, so a compiled graph is
+reused for as long as the same pattern comes back and recompiled once when another does. The
+registry holds patterns weakly (a 128k pattern and its layouts are large): a compiled graph runs
+only while its pattern is alive, which a module attribute or a global ensures.
+
+The per-call plan (:class:`_AttentionPlan`) fetches the layouts, cached per pattern as
+``s2attn.layout`` does, and launches through ``s2attn.ops.dispatch``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .layout import backward_layout, forward_layout
+from .ops import dispatch
+from .ops.launch import lse_dtype
+from .ops.options import KernelOptions
+from .pattern import BlockPattern
+from .reference import attention_reference
+
+__all__ = ["pattern_for_key", "pattern_key"]
+
+# --------------------------------------------------------------------------- pattern registry
+_KEY_ATTR = "_s2attn_op_key"
+_PATTERNS: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
+_NEXT_KEY = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def pattern_key(pattern: BlockPattern) -> int:
+    """The integer that names ``pattern`` in the operators' arguments (registering it on first
+    use). Under ``torch.compile`` it runs at trace time: the key becomes a constant of the graph,
+    guarded on the pattern's identity."""
+    key = pattern.__dict__.get(_KEY_ATTR)
+    if key is None:
+        key = next(_NEXT_KEY)
+        # A copied pattern (copy.deepcopy of a model) carries its original's key: same content,
+        # so either serves; re-register it so the key outlives the original.
+        pattern.__dict__[_KEY_ATTR] = key
+    if _PATTERNS.get(key) is None:
+        _PATTERNS[key] = pattern
+    return key
+
+
+def pattern_for_key(key: int) -> BlockPattern:
+    """The live pattern registered under ``key``."""
+    pattern = _PATTERNS.get(key)
+    if pattern is None:
+        raise RuntimeError(
+            f"s2attn: no live BlockPattern has key {key}: the pattern a compiled graph was traced "
+            "with was garbage-collected. Keep the pattern alive (e.g. as a module attribute) "
+            "while graphs that use it run."
+        )
+    return pattern
+
+
+# ------------------------------------------------------------------------------------ the plan
+@dataclass(frozen=True)
+class _AttentionPlan:
+    """One call's plan and its launcher: everything about the call that is not a tensor the
+    autograd graph tracks, and its two passes, which fetch the layouts the plan needs (cached per
+    pattern, tile sizes and device) and hand them to the kernels (``s2attn.ops.dispatch``)."""
+
+    pattern: BlockPattern
+    scale: float
+    q_heads_per_pattern_head: int
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    options: KernelOptions = dispatch.DEFAULT_OPTIONS
+
+    def forward(self, q, k, v):
+        """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them."""
+        block_m, block_n = dispatch.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        # A causal tile never lists KV tiles past its queries, so one layout serves every length;
+        # bidirectional tiles list everything, so crop the pattern to the longest sequence.
+        num_blocks = None if self.pattern.causal else self._num_blocks
+        # Gathered KV tiles pack lone stride blocks smaller than block_n.
+        layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks, gather=True)
+        return dispatch.forward(
+            q,
+            k,
+            v,
+            layout,
+            softmax_scale=self.scale,
+            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            options=self.options,
+        )
+
+    def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
+        """(dq, dk, dv), as ``s2attn.ops.dispatch.backward`` returns them; ``grad_out`` None when
+        only the LSE was used."""
+        tiles = dispatch.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
+        (dkdv_m, dkdv_n), (dq_m, dq_n) = tiles
+        # Lone blocks smaller than a KV tile go to gathered tiles, as in the forward: in dQ's
+        # lists, and in dK/dV's when each KV head has one pattern head (a gathered tile's sums
+        # then belong to one KV head alone).
+        gather_dq = self.options.gather_dq
+        gather_dkdv = self.options.gather_dkdv and self.pattern.num_heads == k.shape[-2]
+        # The per-KV-tile lists run to the end of the pattern even when causal: crop them.
+        dkdv_layout = backward_layout(
+            self.pattern, dkdv_m, dkdv_n, q.device, self._num_blocks, gather=gather_dkdv
+        )
+        num_blocks = None if self.pattern.causal else self._num_blocks
+        dq_layout = forward_layout(self.pattern, dq_m, dq_n, q.device, num_blocks, gather=gather_dq)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        return dispatch.backward(
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_lse,
+            dkdv_layout,
+            dq_layout,
+            softmax_scale=self.scale,
+            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            options=self.options,
+        )
+
+    @property
+    def _num_blocks(self) -> int:
+        return math.ceil(self.max_seqlen_k / self.pattern.block_size)
+
+
+def _max_len(cu_seqlens: torch.Tensor | None, given: int | None, padded: int) -> int:
+    """The longest sequence: ``given``, else read from ``cu_seqlens`` (a compiled varlen call
+    leaves it to run time), else the padded length."""
+    if given is not None:
+        return given
+    if cu_seqlens is None:
+        return padded
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
+def _plan(q, k, key, scale, q_heads_per_pattern_head, cu_q, cu_k, max_q, max_k) -> _AttentionPlan:
+    return _AttentionPlan(
+        pattern_for_key(key),
+        scale,
+        q_heads_per_pattern_head,
+        cu_q,
+        cu_k,
+        _max_len(cu_q, max_q, q.shape[1] if q.dim() == 4 else q.shape[0]),
+        _max_len(cu_k, max_k, k.shape[1] if k.dim() == 4 else k.shape[0]),
+    )
+
+
+def _reference(q, k, v, key, scale, cu_q, cu_k) -> tuple[torch.Tensor, torch.Tensor]:
+    # Contiguous, like the kernels' outputs (and the fake's): the reference's are transposes.
+    out, lse = attention_reference(
+        q,
+        k,
+        v,
+        pattern_for_key(key),
+        softmax_scale=scale,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        return_lse=True,
+    )
+    return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous()
+
+
+# -------------------------------------------------------------------------------- the forward
+@torch.library.custom_op("s2attn::forward", mutates_args=())
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern_key: int,
+    softmax_scale: float,
+    q_heads_per_pattern_head: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) on validated inputs: out (batch, seq_q, heads, dim) or (total_q, heads, dim),
+    contiguous in q's dtype; lse (batch, heads, seq_q) or (heads, total_q), float32 (float64 for
+    float64 inputs)."""
+    if not dispatch.supports_triton(q.device):
+        return _reference(q, k, v, pattern_key, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    plan = _plan(
+        q,
+        k,
+        pattern_key,
+        softmax_scale,
+        q_heads_per_pattern_head,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
+    return plan.forward(q, k, v)
+
+
+@attention_forward.register_fake
+def _(q, k, v, pattern_key, softmax_scale, q_heads_per_pattern_head, *lengths):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.dim() == 3:
+        lse_shape = (q.shape[1], q.shape[0])
+    else:
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    return out, torch.empty(lse_shape, dtype=lse_dtype(q.dtype), device=q.device)
+
+
+# ------------------------------------------------------------------------------- the backward
+@torch.library.custom_op("s2attn::backward", mutates_args=())
+def attention_backward(
+    grad_out: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pattern_key: int,
+    softmax_scale: float,
+    q_heads_per_pattern_head: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), each ``torch.empty_like`` its input, from the forward's inputs and outputs
+    and the gradients of out (None when only the LSE was used) and lse (None when unused)."""
+    if not dispatch.supports_triton(q.device):
+        return _reference_backward(
+            grad_out, grad_lse, q, k, v, pattern_key, softmax_scale, cu_seqlens_q, cu_seqlens_k
+        )
+    plan = _plan(
+        q,
+        k,
+        pattern_key,
+        softmax_scale,
+        q_heads_per_pattern_head,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
+    return plan.backward(grad_out, grad_lse, q, k, v, out, lse)
+
+
+def _reference_backward(grad_out, grad_lse, q, k, v, key, scale, cu_q, cu_k):
+    # No kernels here: the reference's gradients, by hand (an operator's kernel runs below the
+    # autograd dispatch key, where tensors record no history to differentiate).
+    pattern = pattern_for_key(key)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    if cu_q is None:
+        spans = [((b,), (b,)) for b in range(q.shape[0])]
+    else:
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        spans = [((slice(a, b),), (slice(c, d),)) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+    for rows, cols in spans:
+        # The LSE is (batch, heads, seq_q), or (heads, total_q) when packed.
+        gl = None if grad_lse is None else grad_lse[rows if cu_q is None else (slice(None), *rows)]
+        go = None if grad_out is None else grad_out[rows]
+        grads = _sequence_grads(q[rows], k[cols], v[cols], go, gl, pattern, scale)
+        for d, g, index in zip((dq, dk, dv), grads, (rows, cols, cols)):
+            d[index] = g
+    return dq, dk, dv
+
+
+def _sequence_grads(q, k, v, grad_out, grad_lse, pattern, scale):
+    """One sequence's (dq, dk, dv): q (sq, hq, d), k and v (sk, hk, d), grad_out like q or None,
+    grad_lse (hq, sq) or None."""
+    (sq, hq, _), (sk, hk, _) = q.shape, k.shape
+    compute = lse_dtype(q.dtype)
+    mask = pattern.token_mask(sq, sk).to(q.device)
+    mask = mask.repeat_interleave(hq // mask.shape[0], dim=0)
+    qf = q.to(compute).transpose(0, 1)
+    kf, vf = (t.to(compute).transpose(0, 1).repeat_interleave(hq // hk, dim=0) for t in (k, v))
+    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0))
+    d_out = torch.zeros_like(qf) if grad_out is None else grad_out.to(compute).transpose(0, 1)
+    d_scores = probs * (d_out @ vf.transpose(-1, -2) - (d_out * (probs @ vf)).sum(-1, True))
+    if grad_lse is not None:
+        d_scores = d_scores + probs * grad_lse.to(compute)[..., None]  # d lse / d scores = probs
+    dq = (d_scores @ kf * scale).transpose(0, 1)
+    # Query heads of one GQA group add into their KV head.
+    dk = (d_scores.transpose(-1, -2) @ qf * scale).unflatten(0, (hk, -1)).sum(1).transpose(0, 1)
+    dv = (probs.transpose(-1, -2) @ d_out).unflatten(0, (hk, -1)).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(grad_out, grad_lse, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ------------------------------------------------------------------------------- the autograd
+_NON_TENSOR_ARGS = 7  # pattern_key through max_seqlen_k: passed on to the backward as they came
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = args
+    # Keeps the pattern alive until the backward (eager autograd; a compiled graph relies on
+    # its owner, see the module docstring).
+    ctx.pattern = _PATTERNS.get(args[0])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * _NON_TENSOR_ARGS
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

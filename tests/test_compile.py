@@ -1,0 +1,252 @@
+"""torch.compile: the registered operators pass ``opcheck``, compiled code traces the attention
+call with no graph break, agrees with the reference, and recompiles only for a new pattern.
+
+Tests about tracing run the operators' reference path (the Triton predicate patched off), which
+is fast; the kernels' path runs under the interpreter on the smallest shapes. Compiled functions
+use the ``aot_eager`` backend: it runs the fake implementations and the registered autograd as
+Inductor would, without compiling C++.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, DTYPES, assert_close, skip_without_gpu
+from torch import nn
+
+import s2attn
+from s2attn.custom_ops import attention_backward, attention_forward, pattern_key
+from s2attn.ops import dispatch
+
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """The operators (and eager calls) on the dense-mask reference, as on a CPU without Triton."""
+    monkeypatch.setattr(dispatch, "supports_triton", lambda device: False)
+
+
+def _inputs(seed, batch, seq, heads, kv_heads, dim, dtype, grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, dim, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(batch, seq, kv_heads, dim, generator=gen).to(DEVICE, dtype) for _ in "kv")
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _reference_grads(q, k, v, pattern, upstream, **kwargs):
+    """(out, lse) and the q/k/v gradients of the float32 reference, for ``upstream`` (out, lse)."""
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out, lse = s2attn.attention_reference(*leaves, pattern, return_lse=True, **kwargs)
+    grads = torch.autograd.grad((out, lse), leaves, (upstream[0].float(), upstream[1]))
+    return out, lse, grads
+
+
+# ------------------------------------------------------------------------------------ opcheck
+def _op_args(pattern, varlen, dtype, grad=True):
+    q, k, v = _inputs(1, 2, 64, 2, 1, 16, dtype, grad)
+    if varlen:
+        q, k, v = (t.detach().reshape(128, *t.shape[2:]).requires_grad_(grad) for t in (q, k, v))
+        cu = torch.tensor([0, 40, 128], dtype=torch.int32, device=DEVICE)
+        return (q, k, v, pattern_key(pattern), 0.25, 2, cu, cu, 88, 88)
+    # q as a permuted dense tensor: the fake must give the strides the kernels allocate.
+    q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(grad)
+    return (q, k, v, pattern_key(pattern), 0.25, 2, None, None, None, None)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernels"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_opcheck(request, path, varlen):
+    if path == "reference":
+        request.getfixturevalue("reference_ops")
+    elif not dispatch.supports_triton(torch.device(DEVICE)):
+        pytest.skip("no Triton backend here")
+    pattern = s2attn.local_stride_pattern(1, 128, 16, 1, 2)
+    dtype = DTYPES[0]
+    args = _op_args(pattern, varlen, dtype)
+    torch.library.opcheck(attention_forward, args)
+    out, lse = attention_forward(*(a.detach() if torch.is_tensor(a) else a for a in args))
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    q, k, v, *rest = (a.detach() if torch.is_tensor(a) else a for a in args)
+    for grads in ((grad_out, grad_lse), (grad_out, None), (None, grad_lse)):
+        torch.library.opcheck(attention_backward, (*grads, q, k, v, out, lse, *rest))
+
+
+def test_opcheck_catches_a_wrong_fake(reference_ops, monkeypatch):
+    """The check above can fail: an operator whose LSE disagrees with its fake's dtype."""
+    from s2attn import custom_ops
+
+    reference = custom_ops._reference
+
+    def float64_lse(*args):
+        out, lse = reference(*args)
+        return out, lse.double()
+
+    monkeypatch.setattr(custom_ops, "_reference", float64_lse)
+    pattern = s2attn.local_stride_pattern(1, 128, 16, 1, 2)
+    with pytest.raises(Exception, match="test_faketensor failed"):
+        torch.library.opcheck(
+            attention_forward, _op_args(pattern, False, torch.float32), test_utils="test_faketensor"
+        )
+
+
+# -------------------------------------------------------------------------------- graph breaks
+class _TinyBlock(nn.Module):
+    def __init__(self, pattern, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.attn = s2attn.SparseAttention(pattern)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).unbind(2)
+        return x + self.proj(self.attn(q, k, v).reshape(b, s, -1))
+
+
+def test_no_graph_break(reference_ops):
+    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    model = nn.Sequential(_TinyBlock(pattern, 32, 2), _TinyBlock(pattern, 32, 2))
+    x = torch.randn(1, 64, 32)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+    q, k, v = _inputs(2, 1, 64, 2, 2, 16, torch.float32)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+
+    def with_lse(q, k, v):
+        out, lse = s2attn.sparse_attention(q, k, v, pattern, return_lse=True)
+        packed = s2attn.sparse_attention(
+            q[0], k[0], v[0], pattern, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34
+        )
+        qkv = torch.stack((q, k, v), dim=2)
+        return out * 2 + packed + s2attn.sparse_attention_qkvpacked(qkv, pattern), lse
+
+    explained = torch._dynamo.explain(with_lse)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes]
+    assert ops.count("s2attn.forward.default") == 3
+
+
+# ------------------------------------------------------------------ compiled against reference
+@pytest.mark.parametrize("path", ["reference", "kernels"])
+@pytest.mark.parametrize("form", ["batched", "varlen", "qkvpacked"])
+def test_compiled_matches_reference(request, path, form):
+    if path == "reference":
+        request.getfixturevalue("reference_ops")
+    elif not dispatch.supports_triton(torch.device(DEVICE)):
+        pytest.skip("no Triton backend here")
+    dtype = DTYPES[-1]
+    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    q, k, v = _inputs(3, 2, 64, 2, 2, 16, dtype)
+    kwargs = {}
+    if form == "varlen":
+        q, k, v = (t.detach().reshape(128, 2, 16).requires_grad_() for t in (q, k, v))
+        cu = torch.tensor([0, 50, 110, 128], dtype=torch.int32, device=DEVICE)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+    def call(q, k, v):
+        if form == "qkvpacked":
+            qkv = torch.stack((q, k, v), dim=2)
+            return s2attn.sparse_attention_qkvpacked(qkv, pattern, return_lse=True)
+        return s2attn.sparse_attention(q, k, v, pattern, return_lse=True, **kwargs)
+
+    out, lse = torch.compile(call, backend=BACKEND, fullgraph=True)(q, k, v)
+    gen = torch.Generator().manual_seed(4)
+    upstream = (torch.randn(out.shape, generator=gen).to(DEVICE, dtype), torch.randn(lse.shape))
+    grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
+    ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, pattern, upstream, **kwargs)
+    assert_close(out, ref_out, dtype, f"{path} {form} out")
+    assert_close(lse, ref_lse, torch.float32, f"{path} {form} lse")
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert_close(got, want, dtype, f"{path} {form} d{name}")
+
+
+def test_compiled_under_autocast(reference_ops):
+    """The boundary cast traces: float32 inputs under a bfloat16 region give a bfloat16 output
+    and float32 gradients, as eager does."""
+    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    q, k, v = _inputs(5, 1, 64, 2, 2, 16, torch.float32)
+
+    def call(q, k, v):
+        with torch.autocast(q.device.type, dtype=torch.bfloat16):
+            return s2attn.sparse_attention(q, k, v, pattern)
+
+    explained = torch._dynamo.explain(call)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    out = torch.compile(call, backend=BACKEND, fullgraph=True)(q, k, v)
+    eager = call(q, k, v)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, eager.float(), torch.bfloat16, "compiled vs eager under autocast")
+    (dq,) = torch.autograd.grad(out.float().sum(), (q,))
+    assert dq.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------- recompilations
+def test_recompiles_only_for_a_new_pattern(reference_ops):
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    first = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    second = s2attn.local_stride_pattern(2, 64, 16, 1, 2, head_offset=1)
+    attn = s2attn.SparseAttention(first)
+    compiled = torch.compile(attn, backend=counting_backend, fullgraph=True)
+    q, k, v = _inputs(6, 1, 64, 2, 2, 16, torch.float32, grad=False)
+    outs = [compiled(q, k, v) for _ in range(3)]
+    assert len(graphs) == 1
+    attn.pattern = second
+    out_second = compiled(q, k, v)
+    assert len(graphs) == 2
+    compiled(q, k, v)
+    attn.pattern = first
+    compiled(q, k, v)  # the first graph is still cached
+    assert len(graphs) == 2
+    assert_close(outs[-1], s2attn.attention_reference(q, k, v, first), torch.float32, "first")
+    ref = s2attn.attention_reference(q, k, v, second)
+    assert_close(out_second, ref, torch.float32, "second pattern")
+
+
+def test_a_collected_pattern_is_reported():
+    from s2attn.custom_ops import pattern_for_key
+
+    key = pattern_key(s2attn.local_stride_pattern(1, 64, 16, 1, 2))
+    with pytest.raises(RuntimeError, match="garbage-collected"):
+        pattern_for_key(key)
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_inductor_on_gpu(mode):
+    """Inductor compiles a block around the operators (CUDA graphs under reduce-overhead); the
+    kernels' results and gradients match the reference."""
+    dtype = torch.bfloat16
+    pattern = s2attn.local_stride_pattern(4, 1024, 64, 4, 4)
+    model = _TinyBlock(pattern, 256, 4).to(DEVICE, dtype)
+    x = torch.randn(2, 1024, 256, device=DEVICE, dtype=dtype, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, mode=mode)
+    for _ in range(3):  # CUDA graphs record on a later call
+        out = compiled(x)
+    (dx,) = torch.autograd.grad(out.float().square().sum(), (x,))
+    with torch.no_grad():
+        q, k, v = model.qkv(x).view(2, 1024, 3, 4, -1).unbind(2)
+    want = model(x)
+    (want_dx,) = torch.autograd.grad(want.float().square().sum(), (x,))
+    assert_close(out, want.float(), dtype, f"{mode} out vs eager")
+    assert_close(dx, want_dx, dtype, f"{mode} dx vs eager")
+    ref = s2attn.attention_reference(q.float(), k.float(), v.float(), pattern)
+    got = model.attn(q, k, v)
+    assert_close(got, ref, dtype, f"{mode} attention vs reference")
