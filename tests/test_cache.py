@@ -175,7 +175,7 @@ def test_pages_freed_by_one_sequence_serve_another():
     cache = make_cache(pattern, 2, 1, num_pages=10)
     k, v = rand_kv(100, 1, 16)
     cu = torch.tensor([0, 100, 100], device=DEVICE).to(torch.int32)
-    cache.append(k, v, cu_seqlens=cu)
+    cache.append(k, v, cu_seqlens=cu, keep_from=[0, 0])  # its own queries read it: kept whole
     assert cache.live_pages == 7
     owners: dict[int, set[int]] = {}
     for step in range(MAX_LEN - 100):
@@ -281,7 +281,7 @@ def test_crop_and_reset():
     k, v = rand_kv(50, 2, 16)
     cache.append(torch.stack([k, k]), torch.stack([v, v]), keep_from=[50, 50])
     pages = cache.live_pages
-    cache.append(*[x.new_zeros(2, 20, 2, 16) for x in (k, v)])  # decode-style: keep from 50
+    cache.append(*[x.new_zeros(2, 20, 2, 16) for x in (k, v)], keep_from=[50, 50])
     cache.crop(20)
     assert cache.lengths == [50, 50] and cache.live_pages == pages
     assert cache.seq_lens.tolist() == [50, 50]

@@ -137,3 +137,73 @@ def test_misuse_is_reported():
         s2hf.configure(config, dense_layers=[5])
     with pytest.raises(ValueError, match="configure"):
         s2hf.S2Cache(config)
+
+
+def beam_search(model, ids, mask, num_beams, new_tokens=8, **kwargs):
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            num_beams=num_beams,
+            num_return_sequences=num_beams,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **kwargs,
+        )
+    return out.sequences, out.sequences_scores
+
+
+@pytest.mark.parametrize("num_beams, padded", [(2, False), (3, True)])
+def test_beam_search_with_s2_cache_matches_reference(num_beams, padded):
+    """Beams share their common past's pages and copy a shared page before writing into it: the
+    beams, their order and scores are those of transformers' DynamicCache on the reference."""
+    model, reference = tiny_llama(num_layers=2)
+    batch = 2 if padded else 1
+    ids = torch.randint(2, 128, (batch, 40), device=DEVICE)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :13] = 0
+        ids[1, :13] = 0
+    cache = s2hf.S2Cache(model.config)
+    tokens, scores = beam_search(model, ids, mask, num_beams, past_key_values=cache)
+    ref_tokens, ref_scores = beam_search(reference, ids, mask, num_beams)
+    print(f"beams {tokens[:, ids.shape[1] :].tolist()}, scores {scores.tolist()}")
+    assert torch.equal(tokens, ref_tokens), "beams differ from the reference attention"
+    assert torch.allclose(scores, ref_scores, rtol=1e-4, atol=1e-5)
+    for layer in cache.layers:  # every page held is counted, every other page is free
+        paged = layer.paged
+        table = paged._table[paged._table >= 0].long()
+        counts = torch.bincount(table, minlength=paged.num_pages)
+        assert torch.equal(counts.to(torch.int32), paged._refs)
+        assert paged.live_pages == int((counts > 0).sum())
+
+
+def test_cache_reuse_crop_reset_and_two_caches_match_reference():
+    """Continuing a request in its cache, after a crop (rejected tokens), after a reset (a new
+    request) and with two caches used alternately gives the reference's tokens each time; a crop
+    past what the cache still holds raises and leaves it as it was."""
+    model, reference = tiny_llama(num_layers=2)
+    ids = torch.randint(2, 128, (2, 36), device=DEVICE)
+    mask = torch.ones_like(ids)
+    first, second = s2hf.S2Cache(model.config), s2hf.S2Cache(model.config)
+    a, _ = generate(model, ids, mask, new_tokens=4, past_key_values=first)
+    b, _ = generate(model, ids[:1], mask[:1], new_tokens=2, past_key_values=second)
+    a, _ = generate(model, a, torch.ones_like(a), new_tokens=3, past_key_values=first)
+    b, _ = generate(model, b, torch.ones_like(b), new_tokens=2, past_key_values=second)
+    assert torch.equal(a, generate(reference, ids, mask, new_tokens=7)[0])
+    assert torch.equal(b, generate(reference, ids[:1], mask[:1], new_tokens=4)[0])
+    # Crop the last 5 tokens and continue from the 3 tokens before the end of `a`.
+    first.crop(-5)
+    assert first.get_seq_length() == a.shape[1] - 1 - 5
+    c, _ = generate(model, a[:, :-3], torch.ones_like(a[:, :-3]), new_tokens=3,
+                    past_key_values=first)  # fmt: skip
+    assert torch.equal(c, generate(reference, a[:, :-3], torch.ones_like(a[:, :-3]), 3)[0])
+    before = [(layer.paged.lengths, layer.paged.live_pages) for layer in first.layers]
+    with pytest.raises(ValueError, match="already evicted"):  # in the S2 layer, not the dense one
+        first.crop(-(c.shape[1] - 2))
+    assert [(layer.paged.lengths, layer.paged.live_pages) for layer in first.layers] == before
+    first.reset()
+    d, _ = generate(model, ids[:, 5:], mask[:, 5:], new_tokens=3, past_key_values=first)
+    assert torch.equal(d, generate(reference, ids[:, 5:], mask[:, 5:], new_tokens=3)[0])

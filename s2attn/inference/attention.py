@@ -29,12 +29,12 @@ from ..ops.triton import decode as triton_decode
 from ..pattern import BlockPattern, dense_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..validation import check_cu_seqlens, check_softmax_scale, check_tensor
-from .cache import PagedKVCache
+from .cache import DECODE_STEP_TOKENS, PagedKVCache
 
 __all__ = ["MAX_DECODE_TOKENS", "sparse_attention_with_kvcache"]
 
 # New tokens per sequence the decode kernel takes: they then span at most two query blocks.
-MAX_DECODE_TOKENS = 16
+MAX_DECODE_TOKENS = DECODE_STEP_TOKENS  # the cache keeps such steps' blocks for their own queries
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,6 +11,15 @@ which stored blocks no such query reads (their pages are freed) and which new bl
 (they are never stored). For S2 patterns what stays is what the pattern still needs, within one
 block per head.
 
+Beam search. :meth:`PagedKVCache.select_sequences` makes sequences copies of others (a reorder,
+a repeat, a selection) that share their pages: each page counts the table entries that hold it
+and returns to the free list when the count drops to zero, and a sequence about to write into a
+shared page gets its own copy of it first.
+
+Pool size. The default pool holds what the pattern keeps for every sequence at once, however the
+cache is filled (decode steps, one long append, a prefill of the whole length); an append that a
+smaller pool cannot hold raises before changing anything, naming the pages it needs.
+
 Bookkeeping (lengths, page table, free list) lives on the host and is mirrored to the device
 only when it changes, i.e. when a sequence enters a new block: a decode step within a block costs
 no host-device synchronisation.
@@ -30,13 +39,16 @@ from ..pattern import BlockPattern
 from ..validation import check_cu_seqlens, check_int, check_tensor
 from .eviction import EvictionSchedule
 
-__all__ = ["ModelKVCache", "PagedKVCache"]
+__all__ = ["DECODE_STEP_TOKENS", "ModelKVCache", "PagedKVCache"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Appends of more (token, KV head) rows than this are prefills: they filter unstored rows.
 _FILTER_WRITES_ABOVE = 4096
 # Batched appends of at most this many tokens per sequence (decode steps) write with one kernel.
 _KERNEL_WRITES_UP_TO = 16
+# Appends of at most this many tokens per sequence are decode steps: by default their own queries
+# read the cache (sparse_attention_with_kvcache's decode path takes up to as many).
+DECODE_STEP_TOKENS = 16
 
 
 class PagedKVCache:
@@ -53,8 +65,9 @@ class PagedKVCache:
         block_size: tokens per page; the pattern's block size (required when dense).
         num_pages: pages in the pool (per K and per V). Defaults to the most the pattern ever
             needs at once for ``batch_size`` sequences, plus one page per (sequence, KV head) for
-            a block being entered; a dense layer gets every block. Give fewer when sequences are
-            known to be short: pages are shared across the batch.
+            a block being entered (:meth:`default_num_pages`); a dense layer gets every block.
+            Give fewer when sequences are known to be short: pages are shared across the batch.
+            An append the pool cannot hold raises, naming the pages it needs.
 
     Attributes read by the kernels: ``k_pages``/``v_pages`` (num_pages + 1, block_size, head_dim),
     whose last page absorbs writes that are not stored; ``page_table`` int32 (batch, kv_heads,
@@ -134,7 +147,7 @@ class PagedKVCache:
         self.eviction = EvictionSchedule(pattern, num_kv_heads, nb)
 
         if num_pages is None:
-            num_pages = batch_size * self.eviction.peak_blocks_per_sequence()
+            num_pages = self.default_num_pages()
         check_int("num_pages", num_pages)
         self.num_pages = num_pages
         # One extra page at the end takes the writes of blocks that are not stored.
@@ -148,6 +161,10 @@ class PagedKVCache:
         self._table = torch.full((batch_size, num_kv_heads, nb), -1, dtype=torch.int32)
         self._free = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)  # a stack
         self._num_free = num_pages
+        # Sequences share pages after a reorder (beam search): each page counts its table entries,
+        # and returns to the free list when the count drops to zero.
+        self._refs = torch.zeros(num_pages, dtype=torch.int32)
+        self._shared = False  # whether any page may be shared: only then is copy-on-write checked
         self._lengths = [0] * batch_size
         # Per sequence: the query block from which on its queries still read the cache.
         self._keep_block = [0] * batch_size
@@ -269,9 +286,15 @@ class PagedKVCache:
             cu_seqlens: (batch + 1,) offsets of each sequence's new tokens in packed k/v.
             keep_from: per sequence, the first position whose queries will still read the cache.
                 Pages no such query reads are freed, and new blocks none reads are not stored.
-                Defaults to each sequence's first new position (its new tokens' queries read the
-                cache: decoding). A prefill that attends over the new keys directly passes the
-                end of each sequence, so the cache never holds the whole prompt.
+                Defaults to each sequence's first new position for a decode step (at most
+                ``DECODE_STEP_TOKENS`` new tokens per sequence, whose queries then read the
+                cache), and to each sequence's new end for a longer append (filling the cache:
+                only later queries read it), so one append of ``max_seq_len`` tokens fits the
+                default pool. Pass each sequence's first new position to keep a long append
+                whole for its own queries; the pool must then hold it.
+
+        Raises ``RuntimeError`` naming the pages needed when the pool cannot hold what the append
+        keeps; the cache is then left as it was.
         """
         counts = self._new_token_counts(k, v, cu_seqlens)
         old = self._lengths
@@ -283,7 +306,7 @@ class PagedKVCache:
                     f"{self.max_seq_len}"
                 )
         if keep_from is None:
-            keep_from = old
+            keep_from = old if max(counts) <= DECODE_STEP_TOKENS else new
         elif len(keep_from) != self.batch_size:
             raise ValueError(f"keep_from needs one position per sequence, got {len(keep_from)}")
         keep_block = []
@@ -295,9 +318,34 @@ class PagedKVCache:
                 )
             keep_block.append(max(pos // self.block_size, self._keep_block[b]))
 
+        # Plan everything before changing anything, so a pool too small leaves the cache as it was.
+        evicted = self._evictions(keep_block)
+        seq, heads, blk = self._allocations(old, new, keep_block)
+        released = torch.cat([pages for *_, pages in evicted]) if evicted else None
+        freed = self._would_free(released).numel() if released is not None else 0
+        copies = self._copies_on_write(old, new, released)
+        needed = seq.numel() + copies[0].numel()
+        if needed > self._num_free + freed:
+            after = self.live_pages - freed + needed
+            raise RuntimeError(
+                f"the KV page pool is exhausted: this append keeps {after} pages, but "
+                f"num_pages={self.num_pages}; build the cache with num_pages >= {after} (the "
+                f"default, {self.default_num_pages()}, holds what the pattern keeps for "
+                f"{self.batch_size} sequences of up to {self.max_seq_len} tokens)"
+            )
         changed: list[torch.Tensor] = []  # flat page-table indices whose entry changed
-        self._evict(keep_block, changed)
-        self._allocate(old, new, keep_block, changed)
+        h, nb = self.num_kv_heads, self.max_blocks
+        for b, evict_heads, evict_blocks, pages in evicted:
+            self._release(pages)
+            self._table[b, evict_heads, evict_blocks] = -1
+            changed.append((b * h + evict_heads) * nb + evict_blocks)
+        if copies[0].numel():
+            self._copy_pages(*copies, changed)
+        if seq.numel():
+            pages = self._pop_free(seq.numel())
+            self._table[seq, heads, blk] = pages
+            self._refs[pages.long()] = 1
+            changed.append((seq * h + heads) * nb + blk)
         if changed:
             idx = torch.cat(changed)
             self.page_table.view(-1)[idx.to(self.device)] = self._table.view(-1)[idx].to(
@@ -311,30 +359,31 @@ class PagedKVCache:
         else:
             self.seq_lens += torch.tensor(counts, dtype=torch.int32).to(self.device)
 
-    def _evict(self, keep_block: list[int], changed: list[torch.Tensor]) -> None:
-        """Free the pages of blocks whose last reader lies before each sequence's keep block."""
+    def _evictions(
+        self, keep_block: list[int]
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(sequence, heads, blocks, pages) of the pages whose block's last reader lies before
+        the sequence's keep block."""
         if not self.eviction.evicts:
-            return
-        h, nb = self.num_kv_heads, self.max_blocks
+            return []
+        out = []
         for b, q0 in enumerate(keep_block):
             if q0 <= self._keep_block[b]:
                 continue
             # A stored block j has last use >= j, so only blocks before q0 can go.
             table = self._table[b, :, :q0]
             drop = (table >= 0) & ~self.eviction.read_from(q0, slice(0, q0))
-            if not drop.any():
-                continue
-            heads, blocks = drop.nonzero(as_tuple=True)
-            self._push_free(table[heads, blocks])
-            table[heads, blocks] = -1
-            changed.append((b * h + heads) * nb + blocks)
+            if drop.any():
+                heads, blocks = drop.nonzero(as_tuple=True)
+                out.append((b, heads, blocks, table[heads, blocks].clone()))
+        return out
 
-    def _allocate(
-        self, old: list[int], new: list[int], keep_block: list[int], changed: list[torch.Tensor]
-    ) -> None:
-        """Give a page to every block the new tokens enter that some query from the keep block
-        on reads."""
-        bs, h, nb = self.block_size, self.num_kv_heads, self.max_blocks
+    def _allocations(
+        self, old: list[int], new: list[int], keep_block: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sequence, head, block) of every block the new tokens enter that some query from the
+        keep block on reads: each needs a page."""
+        bs = self.block_size
         seqs, blocks = [], []
         for b, (a, n) in enumerate(zip(old, new)):
             if n == a:
@@ -346,24 +395,80 @@ class PagedKVCache:
                 seqs.append(torch.full((last - first + 1,), b, dtype=torch.int64))
                 blocks.append(torch.arange(first, last + 1))
         if not seqs:
-            return
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty, empty
         seq, blk = torch.cat(seqs), torch.cat(blocks)
         keep = torch.tensor(keep_block, dtype=torch.int64)[seq]
         want = self.eviction.read_from(keep, blk).T  # (entries, kv_heads)
         want &= self._table[seq, :, blk] < 0
         rows, heads = want.nonzero(as_tuple=True)
-        if rows.numel() == 0:
+        return seq[rows], heads, blk[rows]
+
+    def default_num_pages(self) -> int:
+        """The default pool: the most the pattern keeps at once for ``batch_size`` sequences of
+        up to ``max_seq_len`` tokens, decoded or filled by appends of any length."""
+        return self.batch_size * self.eviction.peak_blocks_per_sequence()
+
+    def _would_free(self, pages: torch.Tensor) -> torch.Tensor:
+        """The pages among ``pages`` (with repeats) whose count dropping by one per mention
+        frees them."""
+        if not self._shared:  # each page has one holder: skip the host work on the decode path
+            return pages.long()
+        unique, mentions = pages.long().unique(return_counts=True)
+        return unique[self._refs[unique] == mentions]
+
+    def _release(self, pages: torch.Tensor) -> None:
+        """Drop one reference per mention in ``pages``; free those no sequence holds any more."""
+        if pages.numel() == 0:
             return
-        pages = self._pop_free(rows.numel())
-        self._table[seq[rows], heads, blk[rows]] = pages
-        changed.append((seq[rows] * h + heads) * nb + blk[rows])
+        gone = self._would_free(pages)
+        self._refs.index_add_(0, pages.long(), torch.full_like(pages, -1))
+        self._push_free(gone.to(torch.int32))
+
+    def _copies_on_write(
+        self, old: list[int], new: list[int], released: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sequence, head, block) of the shared pages the new tokens write into (the block
+        holding each sequence's old end), counted after this append's evictions."""
+        empty = torch.zeros(0, dtype=torch.int64)
+        if not self._shared:
+            return empty, empty, empty
+        refs = self._refs.clone()
+        if released is not None:
+            refs.index_add_(0, released.long(), torch.full_like(released, -1))
+        seqs = [b for b, (a, n) in enumerate(zip(old, new)) if n > a and a % self.block_size]
+        if not seqs:
+            return empty, empty, empty
+        seq = torch.tensor(seqs, dtype=torch.int64)
+        blk = torch.tensor([old[b] // self.block_size for b in seqs], dtype=torch.int64)
+        pages = self._table[seq, :, blk].long()  # (sequences, kv_heads)
+        rows, heads = ((pages >= 0) & (refs[pages.clamp(min=0)] > 1)).nonzero(as_tuple=True)
+        # When every holder of a page writes into it, the last one keeps it.
+        writers = pages[rows, heads]
+        copy = torch.ones(rows.numel(), dtype=torch.bool)
+        seen: dict[int, int] = {}
+        for r, page in enumerate(writers.tolist()):
+            seen[page] = seen.get(page, 0) + 1
+            if seen[page] == refs[page]:
+                copy[r] = False
+        rows, heads = rows[copy], heads[copy]
+        return seq[rows], heads, blk[rows]
+
+    def _copy_pages(
+        self, seq: torch.Tensor, heads: torch.Tensor, blk: torch.Tensor, changed: list
+    ) -> None:
+        """Give each (sequence, head, block) its own copy of the shared page it holds there."""
+        src = self._table[seq, heads, blk]
+        dst = self._pop_free(seq.numel())
+        self._refs.index_add_(0, src.long(), torch.full_like(src, -1))
+        self._refs[dst.long()] = 1
+        self._table[seq, heads, blk] = dst
+        s, d = src.long().to(self.device), dst.long().to(self.device)
+        self.k_pages[d] = self.k_pages[s]
+        self.v_pages[d] = self.v_pages[s]
+        changed.append((seq * self.num_kv_heads + heads) * self.max_blocks + blk)
 
     def _pop_free(self, n: int) -> torch.Tensor:
-        if n > self._num_free:
-            raise RuntimeError(
-                f"the KV page pool is exhausted: {n} pages needed, {self._num_free} of "
-                f"{self.num_pages} free; build the cache with a larger num_pages"
-            )
         self._num_free -= n
         return self._free[self._num_free : self._num_free + n].clone()
 
@@ -462,28 +567,42 @@ class PagedKVCache:
         return k, v, cu
 
     # ------------------------------------------------------------------------- rewinds
+    def check_crop(self, num_tokens: int) -> None:
+        """Raise ``ValueError`` unless :meth:`crop` of ``num_tokens`` would succeed."""
+        check_int("num_tokens", num_tokens, 0)
+        if num_tokens > min(self._lengths):
+            raise ValueError(
+                f"num_tokens={num_tokens} exceeds the shortest sequence's "
+                f"{min(self._lengths)} tokens"
+            )
+        if not self.eviction.evicts:
+            return  # every block is held to the end
+        bs = self.block_size
+        for b, n in enumerate(self._lengths):
+            if n - num_tokens < self._keep_block[b] * bs:
+                raise ValueError(
+                    f"cannot crop sequence {b} to {n - num_tokens} tokens: blocks its queries "
+                    f"there read are already evicted (it can be cropped to "
+                    f"{self._keep_block[b] * bs} tokens or more)"
+                )
+
     def crop(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens of every sequence (rejected speculative tokens).
 
-        Tokens past the point eviction has reached cannot come back: cropping below the
-        first position whose queries still read the cache raises.
+        Works wherever the blocks a query at the cropped-to position reads are still held:
+        back to the start of the oldest query block the cache still serves. Cropping further
+        raises ``ValueError`` and leaves the cache as it was.
         """
-        check_int("num_tokens", num_tokens, 0)
+        self.check_crop(num_tokens)
         bs, h, nb = self.block_size, self.num_kv_heads, self.max_blocks
         new = [n - num_tokens for n in self._lengths]
-        for b, n in enumerate(new):
-            if n < self._keep_block[b] * bs:
-                raise ValueError(
-                    f"cannot crop sequence {b} to {n} tokens: blocks its queries there read are "
-                    "already evicted"
-                )
         changed = []
         for b, n in enumerate(new):
             first_gone = math.ceil(n / bs)
             table = self._table[b, :, first_gone:]
             heads, blocks = (table >= 0).nonzero(as_tuple=True)
             if heads.numel():
-                self._push_free(table[heads, blocks])
+                self._release(table[heads, blocks].clone())
                 table[heads, blocks] = -1
                 changed.append((b * h + heads) * nb + blocks + first_gone)
         if changed:
@@ -492,12 +611,60 @@ class PagedKVCache:
         self._lengths = new
         self.seq_lens -= num_tokens
 
+    def select_sequences(self, indices: Sequence[int] | torch.Tensor) -> None:
+        """Make sequence ``i`` a copy of sequence ``indices[i]``, for every ``i``: beam search's
+        reorder (``indices`` a permutation with repeats), a repeat (each index several times) or a
+        selection (fewer). The batch size becomes ``len(indices)``; the pool stays.
+
+        Copies share their pages (each page counts its holders); a sequence that then writes into
+        a shared page gets its own copy of it first, and pages no sequence holds any more are
+        freed. Raises ``ValueError`` and changes nothing when an index is out of range.
+        """
+        if isinstance(indices, torch.Tensor):
+            if indices.dim() != 1 or indices.dtype.is_floating_point or indices.is_complex():
+                raise ValueError(
+                    f"indices must be a 1-D integer tensor, got {indices.dtype} of shape "
+                    f"{tuple(indices.shape)}"
+                )
+            indices = indices.tolist()
+        indices = list(indices)
+        if not indices or any(
+            not isinstance(i, int) or not 0 <= i < self.batch_size for i in indices
+        ):
+            raise ValueError(
+                f"indices must be a non-empty list of sequences in [0, {self.batch_size}), "
+                f"got {indices}"
+            )
+        idx = torch.tensor(indices, dtype=torch.int64)
+        table = self._table[idx].contiguous()
+        held = table[table >= 0].long()
+        refs = torch.bincount(held, minlength=self.num_pages).to(torch.int32)
+        free = (refs == 0).nonzero().squeeze(1).flip(0).to(torch.int32)
+        self._refs = refs
+        self._shared = bool((refs > 1).any())
+        self._free[: free.numel()] = free
+        self._num_free = free.numel()
+        self._table = table
+        self._lengths = [self._lengths[i] for i in indices]
+        self._keep_block = [self._keep_block[i] for i in indices]
+        lengths = torch.tensor(self._lengths, dtype=torch.int32)
+        if len(indices) == self.batch_size:
+            # In place: the device tensors keep their storage (a captured graph stays valid).
+            self.page_table.copy_(table.to(self.device))
+            self.seq_lens.copy_(lengths.to(self.device))
+        else:
+            self.batch_size = len(indices)
+            self.page_table = table.to(self.device)
+            self.seq_lens = lengths.to(self.device)
+
     def reset(self) -> None:
         """Empty every sequence and return every page to the pool."""
         self._table.fill_(-1)
         self.page_table.fill_(-1)
         self._free = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int32)
         self._num_free = self.num_pages
+        self._refs.zero_()
+        self._shared = False
         self._lengths = [0] * self.batch_size
         self._keep_block = [0] * self.batch_size
         self.seq_lens.zero_()
@@ -584,6 +751,9 @@ class ModelKVCache:
         return total
 
     def crop(self, num_tokens: int) -> None:
+        """Every layer's :meth:`PagedKVCache.crop`; when one layer cannot, none is cropped."""
+        for layer in self.layers:
+            layer.check_crop(num_tokens)
         for layer in self.layers:
             layer.crop(num_tokens)
 

@@ -28,7 +28,8 @@ Example::
 
 Works with models whose attention modules carry ``config`` and ``layer_idx``, call
 ``past_key_values.update(key, value, layer_idx)`` and then the registered attention function
-(Llama, Mistral, Qwen2 and the like). Beam search (reordering the cache) is not supported.
+(Llama, Mistral, Qwen2 and the like). Beam search works: beams share the pages of their common past
+(counted per page) and copy a shared page before writing into it.
 """
 
 from __future__ import annotations
@@ -464,24 +465,52 @@ class S2CacheLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove ``-tokens_to_remove`` tokens (or, when positive, keep that many: the legacy
         form), e.g. rejected tokens of assisted generation."""
+        remove = self._tokens_to_crop(tokens_to_remove)
+        if remove > 0:
+            self.paged.crop(remove)
+
+    def _tokens_to_crop(self, tokens_to_remove: int) -> int:
+        """Tokens ``crop(tokens_to_remove)`` removes; raises ``ValueError`` when it cannot."""
         if not self.is_initialized:
-            return
+            return 0
         length = self.get_seq_length()
         remove = length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        remove = min(max(remove, 0), min(self.paged.lengths))
         if remove > 0:
-            self.paged.crop(min(remove, length))
+            self.paged.check_crop(remove)
+        return remove
 
     def reset(self) -> None:
         if self.is_initialized:
             self.paged.reset()
         self._pending = False
 
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError(
-            "S2Cache does not reorder or repeat sequences (beam search); use greedy or sampling"
-        )
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: sequence ``i`` continues sequence ``beam_idx[i]``. Beams share the pages
+        of their common past; a beam writing into a shared page copies it first."""
+        if self.is_initialized:
+            self.paged.select_sequences(beam_idx.cpu())
+            self.batch_size = self.paged.batch_size
 
-    reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times (sharing its pages)."""
+        if self.is_initialized:
+            self.paged.select_sequences(
+                torch.arange(self.paged.batch_size).repeat_interleave(repeats)
+            )
+            self.batch_size = self.paged.batch_size
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the sequences ``indices``."""
+        if self.is_initialized:
+            if isinstance(indices, torch.Tensor) and indices.dtype == torch.bool:
+                indices = indices.nonzero().squeeze(1)
+            self.paged.select_sequences(torch.as_tensor(indices).cpu())
+            self.batch_size = self.paged.batch_size
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("S2Cache keeps its pages on one device: no offloading")
+
     offload = prefetch = _unsupported
 
 
@@ -525,6 +554,14 @@ class S2Cache(Cache):
             for i in range(text.num_hidden_layers)
         ]
         super().__init__(layers=layers)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Every layer's crop (see :meth:`S2CacheLayer.crop`); when the tokens cannot come back
+        in some layer (its pattern already evicted what queries there read), raises
+        ``ValueError`` and crops none."""
+        for layer in self.layers:
+            layer._tokens_to_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def memory_report(self) -> dict[str, int]:
         """Live, needed, dense-equivalent and pool bytes (and pages) summed over the layers."""
