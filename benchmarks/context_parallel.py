@@ -1,0 +1,184 @@
+"""Context parallelism: exactness against one GPU, time per rank, bytes moved, strong scaling.
+
+Every rank builds the same full q, k, v and output gradient, takes its shard with
+``s2attn.distributed.shard``, runs ``context_parallel_attention`` forward and backward, and
+checks the unsharded output and dq/dk/dv against one-device ``sparse_attention`` on the whole
+sequence (relative error under 1e-2 in bf16, 2e-3 in fp16, 1e-4 in fp32). Then it times forward
+and forward+backward (median of ``--iters`` after a barrier; the slowest rank is reported) and
+the one-device call on the whole sequence, and reports strong-scaling efficiency
+(one-device time / (W x time per rank)) and the K/V bytes each rank receives.
+
+    python benchmarks/context_parallel.py                          # world size 1
+    torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --seq 512 --heads 4 --kv-heads 2 \
+        --dim 32 --block-size 16 --local-blocks 2 --stride 4 --dtype float32   # CPU smoke, gloo
+
+On a CPU (gloo, the dense-mask reference, host timers) it checks the wiring only.
+
+The exit status is 1 when a check fails; rank 0 writes markdown and JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from run_info import environment, parser, result_stem, table, versions_line, write_results
+
+import s2attn
+from s2attn.distributed import communication_bytes, context_parallel_attention, shard, unshard
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def timed_ms(fn, iters: int) -> float:
+    """Median ms of ``fn`` over ``iters`` runs, each started together on every rank; the slowest
+    rank's."""
+    on_gpu = torch.cuda.is_available()
+    times = []
+    for i in range(iters + 2):
+        dist.barrier()
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+        if i >= 2:  # the first two warm up (compilation, layouts)
+            times.append((time.perf_counter() - t0) * 1e3)
+    mine = torch.tensor([statistics.median(times)], device="cuda" if on_gpu else "cpu")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.item()
+
+
+def main() -> int:
+    ap = parser(__doc__)
+    for flag, default in (
+        ("--seq", 32768),
+        ("--heads", 32),
+        ("--kv-heads", 8),
+        ("--dim", 128),
+        ("--block-size", 64),
+        ("--local-blocks", 16),
+        ("--stride", 16),
+        ("--iters", 10),
+    ):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = ap.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if "RANK" not in os.environ:  # plain python: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = getattr(torch, args.dtype)
+
+    pattern = s2attn.local_stride_pattern(
+        args.heads, args.seq, args.block_size, args.local_blocks, args.stride,
+        num_kv_heads=args.kv_heads,
+    )  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(0)
+    shape_q = (1, args.seq, args.heads, args.dim)
+    shape_kv = (1, args.seq, args.kv_heads, args.dim)
+    q, k, v = (
+        torch.randn(s, device=device, dtype=dtype, generator=g)
+        for s in (shape_q, shape_kv, shape_kv)
+    )
+    grad = torch.randn(shape_q, device=device, dtype=dtype, generator=g)
+
+    # Exactness: the sharded call, unsharded, against one device on the whole sequence.
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(ql, kl, vl, pattern)
+    out.backward(shard(grad))
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = s2attn.sparse_attention(qf, kf, vf, pattern)
+    ref.backward(grad)
+    with torch.no_grad():
+        errors = {
+            "out": rel_err(unshard(out), ref),
+            "dq": rel_err(unshard(ql.grad), qf.grad),
+            "dk": rel_err(unshard(kl.grad), kf.grad),
+            "dv": rel_err(unshard(vl.grad), vf.grad),
+        }
+    ok = all(e < TOL[dtype] for e in errors.values())
+
+    def cp_fwd():
+        with torch.no_grad():
+            context_parallel_attention(ql, kl, vl, pattern)
+
+    def cp_fwd_bwd():
+        context_parallel_attention(ql, kl, vl, pattern).backward(shard(grad))
+
+    def one_fwd():
+        with torch.no_grad():
+            s2attn.sparse_attention(qf, kf, vf, pattern)
+
+    def one_fwd_bwd():
+        s2attn.sparse_attention(qf, kf, vf, pattern).backward(grad)
+
+    rows = []
+    moved = communication_bytes(1, args.seq, args.kv_heads, args.dim, dtype, world)
+    for name, cp, one, bytes_moved in (
+        ("fwd", cp_fwd, one_fwd, moved),
+        ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved),
+    ):
+        t_cp, t_one = timed_ms(cp, args.iters), timed_ms(one, args.iters)
+        rows.append(
+            dict(
+                pass_=name, world=world, seq=args.seq, cp_ms=t_cp, one_device_ms=t_one,
+                efficiency=t_one / (world * t_cp), mib_per_rank=bytes_moved / 2**20,
+            )
+        )  # fmt: skip
+    if rank == 0:
+        env = environment()
+        lines = [
+            f"# Context parallelism — {world} x {env['device']}",
+            "",
+            versions_line(env),
+            "",
+            f"seq {args.seq}, {args.heads} query / {args.kv_heads} KV heads of {args.dim}, "
+            f"{args.dtype}, block {args.block_size}, local {args.local_blocks}, stride "
+            f"{args.stride}. Relative errors against one device: "
+            + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+            + f" ({'ok' if ok else 'FAILED'}).",
+            "",
+            *table(
+                ["pass", "ranks", "ms per rank", "one device ms", "efficiency", "MiB in / rank"],
+                [
+                    [
+                        r["pass_"],
+                        world,
+                        f"{r['cp_ms']:.2f}",
+                        f"{r['one_device_ms']:.2f}",
+                        f"{r['efficiency']:.2f}",
+                        f"{r['mib_per_rank']:.1f}",
+                    ]
+                    for r in rows
+                ],
+            ),  # fmt: skip
+            "",
+        ]
+        stem = result_stem(env, f"context_parallel_w{world}{'_' + args.tag if args.tag else ''}")
+        payload = dict(env=env, args=vars(args) | {"out_dir": str(args.out_dir)}, errors=errors,
+                       rows=rows)  # fmt: skip
+        write_results(args.out_dir, stem, "\n".join(lines), payload)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Context parallelism over gloo: 1, 2 and 4 CPU processes against the one-process reference."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import assert_close
+
+import s2attn
+from s2attn.distributed import communication_bytes, context_parallel_attention, shard, unshard
+
+DTYPE = torch.float32
+# Bounds every collective and the whole test, so a bug that hangs a rank fails instead.
+TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, errors, kernels: bool, body, args) -> None:
+    try:
+        # Most runs take the dense-mask reference instead of the (slow) interpreted kernels: what
+        # they test is the split, the collectives and the merge; one case runs the kernels.
+        if not kernels:
+            from s2attn.ops import dispatch
+
+            dispatch.supports_triton = lambda device: False
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )
+        try:
+            body(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def _spawn(world: int, body, *args, kernels: bool = False) -> None:
+    """Run ``body(rank, world, *args)`` on ``world`` gloo ranks; fail with every rank's error.
+
+    ``kernels``: sparse_attention takes its Triton kernels where it can (the interpreter on the
+    CPU); otherwise the workers use the dense-mask reference."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, errors, kernels, body, args))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIMEOUT_S + 30
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    if hung or messages or any(p.exitcode != 0 for p in procs):
+        raise AssertionError(f"ranks hung: {hung}\n" + "\n".join(messages))
+
+
+def _inputs(batch, seq, heads, kv_heads, dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, dim, generator=g, dtype=DTYPE)
+    k = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=DTYPE)
+    v = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=DTYPE)
+    grad = torch.randn(batch, seq, heads, dim, generator=g, dtype=DTYPE)
+    return q, k, v, grad
+
+
+def _compare_body(rank, world, pattern, shape, expected):
+    """Forward, LSE and gradients of the sharded call, unsharded, against the one-process ones."""
+    q, k, v, grad = _inputs(*shape)
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    out, lse = context_parallel_attention(ql, kl, vl, pattern, return_lse=True)
+    out.backward(shard(grad))
+    exp_out, exp_lse, exp_dq, exp_dk, exp_dv = expected
+    with torch.no_grad():
+        assert_close(unshard(out), exp_out, DTYPE, f"rank {rank} out")
+        assert_close(unshard(lse, seq_dim=2), exp_lse, DTYPE, f"rank {rank} lse")
+        assert_close(unshard(ql.grad), exp_dq, DTYPE, f"rank {rank} dq")
+        assert_close(unshard(kl.grad), exp_dk, DTYPE, f"rank {rank} dk")
+        assert_close(unshard(vl.grad), exp_dv, DTYPE, f"rank {rank} dv")
+
+
+def _expected(pattern, shape):
+    """The whole sequence in one process, by the dense-mask reference (the ground truth)."""
+    q, k, v, grad = _inputs(*shape)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = s2attn.attention_reference(q, k, v, pattern, return_lse=True)
+    out.backward(grad)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize(
+    "world, heads, kv_heads, dense_heads, kernels",
+    [(2, 4, 4, 0, True), (4, 4, 2, 0, False), (2, 4, 2, 2, False)],
+    ids=["2ranks-kernels", "4ranks-gqa", "2ranks-gqa-dense-heads"],
+)
+def test_matches_one_process(world, heads, kv_heads, dense_heads, kernels):
+    # seq 96 is not a multiple of the block (16) per chunk with 4 ranks (12 tokens): chunks need
+    # not align to blocks. A dense head next to sparse ones reads far more blocks than they do.
+    seq = 96 if world == 4 else 128
+    pattern = s2attn.local_stride_pattern(
+        heads, 128, 16, local_blocks=2, vert_stride=3, num_kv_heads=kv_heads,
+        num_dense_heads=dense_heads,
+    )  # fmt: skip
+    shape = (2, seq, heads, kv_heads, 16)
+    _spawn(world, _compare_body, pattern, shape, _expected(pattern, shape), kernels=kernels)
+
+
+def _one_rank_body(rank, world, pattern, shape):
+    q, k, v, _ = _inputs(*shape)
+    out = context_parallel_attention(q, k, v, pattern, softmax_scale=0.3)
+    assert torch.equal(out, s2attn.sparse_attention(q, k, v, pattern, softmax_scale=0.3))
+    assert torch.equal(shard(q), q) and torch.equal(unshard(q), q)
+
+
+def test_group_of_one_is_sparse_attention():
+    pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
+    _spawn(1, _one_rank_body, pattern, (1, 64, 2, 2, 16))
+
+
+def _errors_body(rank, world, pattern):
+    q, k, v, _ = _inputs(1, 64, 2, 2, 16)
+    with pytest.raises(ValueError, match=r"must divide by 2 \* world size = 4"):
+        shard(q[:, :62])
+    ql, kl, vl = (shard(t) for t in (q, k, v))
+    # Rank 1 alone passes a shorter shard: every rank must raise, none may hang.
+    bad_q = ql[:, :8] if rank == 1 else ql
+    bad_kv = (kl[:, :8], vl[:, :8]) if rank == 1 else (kl, vl)
+    with pytest.raises(ValueError, match=r"ranks \[1\] disagree with rank 0"):
+        context_parallel_attention(bad_q, *bad_kv, pattern)
+    # Rank 0 alone gives a bad dtype: every rank hears of it, with rank 0's reason.
+    bad_v = vl.double() if rank == 0 else vl
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0\].*one dtype"):
+        context_parallel_attention(ql, kl, bad_v, pattern)
+    with pytest.raises(ValueError, match="exceeds the pattern's max_seq_len 32"):
+        context_parallel_attention(ql, kl, vl, pattern.crop(2))
+    bidirectional = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2,
+                                                causal=False)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="causal patterns only"):
+        context_parallel_attention(ql, kl, vl, bidirectional)
+    # After all that the group still works.
+    context_parallel_attention(ql, kl, vl, pattern)
+
+
+def test_bad_input_raises_on_every_rank():
+    pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
+    _spawn(2, _errors_body, pattern)
+
+
+def test_communication_bytes():
+    # K and V, fp16, 3 of the 4 ranks' quarters received.
+    assert communication_bytes(1, 1024, 2, 64, torch.float16, 4) == 2 * 1024 * 2 * 64 * 2 * 3 // 4
+    assert communication_bytes(1, 1024, 2, 64, torch.float16, 1) == 0
