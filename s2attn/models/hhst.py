@@ -88,15 +88,26 @@ PRESETS: dict[str, Preset] = {
 
 def _local_blocks_at_density(preset: Preset, heads: int, kv_heads: int, seq_len: int,
                              target: float) -> int:
-    """The local window (in blocks) whose density at ``seq_len`` is closest to ``target``."""
-    nb = -(-seq_len // preset.block_size)
-    best, best_gap = 1, float("inf")
-    for blocks in range(1, nb + 1):
-        pattern = _local_only(heads, kv_heads, seq_len, preset.block_size, blocks)
-        gap = abs(pattern.density() - target)
-        if gap < best_gap:
-            best, best_gap = blocks, gap
-    return best
+    """The local window (in blocks) whose density at ``seq_len`` is closest to ``target``.
+
+    A wider window keeps more pairs, so the density rises with the window: bisect for the
+    narrowest window at or above ``target`` and take it or the one below, whichever is closer
+    (the narrower on a tie). Each density costs a pattern of (heads, blocks, blocks): a scan of
+    every width would build thousands of them at long lengths."""
+
+    def density(blocks: int) -> float:
+        return _local_only(heads, kv_heads, seq_len, preset.block_size, blocks).density()
+
+    lo, hi = 1, -(-seq_len // preset.block_size)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if density(mid) < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo > 1 and abs(density(lo - 1) - target) <= abs(density(lo) - target):
+        return lo - 1
+    return lo
 
 
 def _local_only(heads: int, kv_heads: int, seq_len: int, block_size: int, local_blocks: int):
