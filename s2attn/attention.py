@@ -151,6 +151,31 @@ def _traced_call(
     )
 
 
+def _traced_or_reference(
+    q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k, return_lse
+):
+    """The result of a validated call that does not take the eager autograd Functions: under
+    torch.compile the registered operator, and where no Triton backend runs (a CPU without the
+    interpreter) the dense-mask reference, which is exact. None when the kernels run eagerly."""
+    if torch.compiler.is_compiling():
+        out, lse = _traced_call(
+            q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k
+        )
+        return (out, lse) if return_lse else out
+    if not dispatch.supports_triton(q.device):
+        return attention_reference(
+            q,
+            k,
+            v,
+            pattern,
+            softmax_scale=scale,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            return_lse=return_lse,
+        )
+    return None
+
+
 class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: _AttentionPlan):
@@ -261,33 +286,22 @@ def sparse_attention(
     varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    if torch.compiler.is_compiling():
-        out, lse = _traced_call(
-            q,
-            k,
-            v,
-            pattern,
-            scale,
-            q_heads_per_pattern_head,
-            varlen,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-        )
-        return (out, lse) if return_lse else out
-    if not dispatch.supports_triton(q.device):
-        # No Triton backend here (CPU without the interpreter): the dense-mask reference is exact.
-        return attention_reference(
-            q,
-            k,
-            v,
-            pattern,
-            softmax_scale=scale,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k,
-            return_lse=return_lse,
-        )
+    result = _traced_or_reference(
+        q,
+        k,
+        v,
+        pattern,
+        scale,
+        q_heads_per_pattern_head,
+        varlen,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        return_lse,
+    )
+    if result is not None:
+        return result
     plan = _AttentionPlan(
         pattern,
         scale,
@@ -354,34 +368,24 @@ def sparse_attention_qkvpacked(
     varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
     )
-    if torch.compiler.is_compiling():
-        # The gradient comes back as three tensors that autograd stacks into qkv's (a copy the
-        # eager path's slice-by-slice writes avoid).
-        out, lse = _traced_call(
-            q,
-            k,
-            v,
-            pattern,
-            scale,
-            q_heads_per_pattern_head,
-            varlen,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
-        )
-        return (out, lse) if return_lse else out
-    if not dispatch.supports_triton(qkv.device):
-        return attention_reference(
-            q,
-            k,
-            v,
-            pattern,
-            softmax_scale=scale,
-            cu_seqlens_q=cu_seqlens,
-            cu_seqlens_k=cu_seqlens,
-            return_lse=return_lse,
-        )
+    # Traced, the gradient comes back as three tensors that autograd stacks into qkv's (a copy
+    # the eager path's slice-by-slice writes avoid).
+    result = _traced_or_reference(
+        q,
+        k,
+        v,
+        pattern,
+        scale,
+        q_heads_per_pattern_head,
+        varlen,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        return_lse,
+    )
+    if result is not None:
+        return result
     plan = _AttentionPlan(
         pattern, scale, q_heads_per_pattern_head, cu_seqlens, cu_seqlens, max(lens_q), max(lens_k)
     )
