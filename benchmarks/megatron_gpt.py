@@ -9,7 +9,9 @@ and checks:
 * the loss falls: the mean of the last 5 steps is below 0.9x the mean of the first 5;
 * one S2 layer's and one dense layer's core attention: the rank's pattern equals the head range of
   the full pattern built independently, and its output and q/k/v gradients on the inputs Megatron
-  hands it equal ``s2attn.attention_reference`` (relative error under 1e-2 in bf16);
+  hands it equal ``s2attn.attention_reference`` in float32 (relative error under 1e-2 in bf16, or
+  under twice the error of the same reference computed in bf16, whichever is larger: a trained
+  layer's sharp softmax leaves dq and dk ill-conditioned in bf16 whoever computes them);
 * packed sequences: a pack of two sequences (``PackedSeqParams``, thd) gives the logits of each
   sequence run alone (relative error under 2e-2 in bf16).
 
@@ -55,6 +57,9 @@ with warnings.catch_warnings():  # megatron warns at import that Apex and TE are
     from s2attn.integrations import megatron as s2mc
 
 ATTENTION_TOL, LOGITS_TOL, LOSS_RATIO = 1e-2, 2e-2, 0.9
+# A gradient whose float32 reference bf16 itself misses by more than ATTENTION_TOL passes when
+# s2attn lands within this factor of the bf16 reference's own error (FlashAttention's test rule).
+BASELINE_FACTOR = 2.0
 WARMUP_STEPS = 5
 
 
@@ -202,14 +207,29 @@ def check_layer(model, args, layer: int, ids, pos, rank: int, tp: int) -> dict:
         ).transpose(0, 1)
         ref = ref.reshape(out.shape)
         ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
+        # The same reference computed in bf16 shows how far bf16 itself lands from float32 on
+        # these activations: a trained layer's sharp softmax makes dq and dk ill-conditioned
+        # (dS = P * (dP - delta) cancels), so their error is judged against this one's.
+        # Megatron may hand float32 q/k/v that bf16 autocast casts on the way in: the same here.
+        low_dtype = out.dtype
+        qb, kb, vb = (t.detach().to(low_dtype).requires_grad_() for t in (q, k, v))
+        low = s2attn.attention_reference(
+            qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), expected,
+            compute_dtype=low_dtype,
+        ).transpose(0, 1).reshape(out.shape)  # fmt: skip
+        low_grads = torch.autograd.grad(low, (qb, kb, vb), grad)
     errors = {"out": rel(out, ref)}
     errors.update({f"d{n}": rel(g, r) for n, g, r in zip("qkv", grads, ref_grads)})
     errors = {name: worst(e) for name, e in errors.items()}
+    baseline = {"out": rel(low, ref)}
+    baseline.update({f"d{n}": rel(g, r) for n, g, r in zip("qkv", low_grads, ref_grads)})
+    baseline = {name: worst(e) for name, e in baseline.items()}
     same_pattern = worst(0.0 if same_pattern else 1.0) == 0.0
+    within = all(e < max(ATTENTION_TOL, BASELINE_FACTOR * baseline[n]) for n, e in errors.items())
     return dict(
         layer=layer, kind="dense" if dense else "s2", density=expected.density(args.seq),
-        same_pattern=same_pattern, errors=errors,
-        passed=same_pattern and max(errors.values()) < ATTENTION_TOL,
+        same_pattern=same_pattern, errors=errors, baseline_errors=baseline,
+        passed=same_pattern and within,
     )  # fmt: skip
 
 
@@ -303,10 +323,11 @@ def _main() -> int:
         rows = [["loss, mean of first 5 -> last 5 steps", f"{first:.3f} -> {last:.3f}",
                  f"< {LOSS_RATIO}x", loss_check["passed"]]]  # fmt: skip
         for c in layers:
-            errs = ", ".join(f"{n} {e:.1e}" for n, e in c["errors"].items())
+            errs = ", ".join(f"{n} {e:.1e} (same-dtype ref {c['baseline_errors'][n]:.1e})"
+                             for n, e in c["errors"].items())
             rows.append([f"layer {c['layer']} ({c['kind']}, density {c['density']:.3f}) vs "
                          f"reference; pattern = head range of full: {c['same_pattern']}", errs,
-                         f"< {ATTENTION_TOL:.0e}", c["passed"]])  # fmt: skip
+                         f"< max({ATTENTION_TOL:.0e}, {BASELINE_FACTOR:g}x same-dtype ref)", c["passed"]])  # fmt: skip
         rows.append([f"packed thd {packed['lengths']} vs alone, logits", f"{packed['error']:.1e}",
                      f"< {LOGITS_TOL:.0e}", packed["passed"]])  # fmt: skip
         tokens_per_s = args.batch * args.seq / step_ms * 1e3

@@ -12,12 +12,12 @@ them) and the forward's autograd registered through the library. Each runs the k
 Triton backend runs (a GPU, or the CPU under the interpreter) and the dense-mask reference
 elsewhere.
 
-A pattern is not a tensor: the operators take an integer key (:func:`pattern_key`) naming it in a
-process-wide registry of live patterns. ``torch.compile`` computes the key while tracing, bakes it
-into the graph as a constant and guards on the pattern object's identity, so a compiled graph is
-reused for as long as the same pattern comes back and recompiled once when another does. The
-registry holds patterns weakly (a 128k pattern and its layouts are large): a compiled graph runs
-only while its pattern is alive, which a module attribute or a global ensures.
+A pattern is not a tensor: the operators take an integer key (:func:`pattern_key`, the pattern's
+``op_key``, given at construction) naming it among the process's live patterns. ``torch.compile``
+reads the key while tracing, bakes it into the graph as a constant and guards on its value, so a
+compiled graph is reused for as long as the same pattern comes back and recompiled once when
+another does. Patterns are held weakly (a 128k pattern and its layouts are large): a compiled
+graph runs only while its pattern is alive, which a module attribute or a global ensures.
 
 The per-call plan (:class:`_AttentionPlan`) fetches the layouts, cached per pattern as
 ``s2attn.layout`` does, and launches through ``s2attn.ops.dispatch``.
@@ -25,9 +25,7 @@ The per-call plan (:class:`_AttentionPlan`) fetches the layouts, cached per patt
 
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,31 +39,17 @@ from .reference import attention_reference
 
 __all__ = ["pattern_for_key", "pattern_key"]
 
-# --------------------------------------------------------------------------- pattern registry
-_KEY_ATTR = "_s2attn_op_key"
-_PATTERNS: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
-_NEXT_KEY = itertools.count(1)
-
-
-@torch.compiler.assume_constant_result
+# --------------------------------------------------------------------------- pattern keys
 def pattern_key(pattern: BlockPattern) -> int:
-    """The integer that names ``pattern`` in the operators' arguments (registering it on first
-    use). Under ``torch.compile`` it runs at trace time: the key becomes a constant of the graph,
-    guarded on the pattern's identity."""
-    key = pattern.__dict__.get(_KEY_ATTR)
-    if key is None:
-        key = next(_NEXT_KEY)
-        # A copied pattern (copy.deepcopy of a model) carries its original's key: same content,
-        # so either serves; re-register it so the key outlives the original.
-        pattern.__dict__[_KEY_ATTR] = key
-    if _PATTERNS.get(key) is None:
-        _PATTERNS[key] = pattern
-    return key
+    """The integer that names ``pattern`` in the operators' arguments. Under ``torch.compile`` it
+    is an int attribute read at trace time: a constant of the graph, guarded on its value, so a
+    new pattern recompiles and the same one reuses the graph."""
+    return pattern.op_key
 
 
 def pattern_for_key(key: int) -> BlockPattern:
     """The live pattern registered under ``key``."""
-    pattern = _PATTERNS.get(key)
+    pattern = BlockPattern.for_op_key(key)
     if pattern is None:
         raise RuntimeError(
             f"s2attn: no live BlockPattern has key {key}: the pattern a compiled graph was traced "
@@ -335,7 +319,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.args = args
     # Keeps the pattern alive until the backward (eager autograd; a compiled graph relies on
     # its owner, see the module docstring).
-    ctx.pattern = _PATTERNS.get(args[0])
+    ctx.pattern = BlockPattern.for_op_key(args[0])
     ctx.set_materialize_grads(False)
 
 

@@ -11,11 +11,16 @@ absolute position ``t + seq_k - seq_q``, so the last query sees the last key. A 
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 
 import torch
 
 __all__ = ["BlockPattern", "dense_pattern", "local_stride_pattern"]
+
+_OP_KEYS = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
 
 
 def _check_block_size(block_size: int) -> None:
@@ -72,6 +77,32 @@ class BlockPattern:
         self.mask = mask.detach().to("cpu", copy=True).contiguous()
         self.block_size = block_size
         self.causal = causal
+        self._register()
+
+    # ------------------------------------------------------------------ identity
+    # Every live pattern has a process-unique integer key, by which the torch.library operators
+    # (s2attn.custom_ops) name it: a pattern is not a tensor. The key is set here, eagerly, so
+    # that torch.compile reads it as a plain int attribute (guarded on its value) and never runs
+    # registration code while tracing, which torch 2.11 cannot do for an object argument.
+    def _register(self) -> None:
+        self.op_key = next(_OP_KEYS)
+        _LIVE[self.op_key] = self
+
+    # A copy or an unpickled pattern (deepcopy of a model, another process) is a new live object:
+    # it gets its own key, never its original's, which may name another pattern here.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("op_key", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._register()
+
+    @staticmethod
+    def for_op_key(key: int) -> BlockPattern | None:
+        """The live pattern whose ``op_key`` is ``key``, or None once it has been freed."""
+        return _LIVE.get(key)
 
     # ------------------------------------------------------------------ shape
     @property

@@ -22,6 +22,14 @@ import torch
 
 __all__ = ["autocast_dtype", "cast_inputs"]
 
+# Device types that have autocast, asked once here: torch.compile (torch 2.11) cannot trace
+# torch.amp.is_autocast_available, while a lookup in a constant set traces to nothing.
+_AUTOCAST_DEVICE_TYPES = frozenset(
+    d
+    for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu", "privateuseone")
+    if torch.amp.is_autocast_available(d)
+)
+
 
 def autocast_dtype(x: object) -> torch.dtype | None:
     """The dtype of the enabled autocast region for tensor ``x``'s device type, else None (also
@@ -30,7 +38,10 @@ def autocast_dtype(x: object) -> torch.dtype | None:
         return None
     device_type = x.device.type
     # Devices without autocast (meta, for one) make torch.is_autocast_enabled raise.
-    if not torch.amp.is_autocast_available(device_type):
+    # Any other device type (a renamed privateuseone backend) is asked directly.
+    if device_type not in _AUTOCAST_DEVICE_TYPES and (
+        device_type in ("meta", "lazy") or not torch.amp.is_autocast_available(device_type)
+    ):
         return None
     if not torch.is_autocast_enabled(device_type):
         return None

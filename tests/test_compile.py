@@ -226,6 +226,26 @@ def test_a_collected_pattern_is_reported():
         pattern_for_key(key)
 
 
+def test_copies_get_their_own_key():
+    """A deep copy or an unpickled pattern is a new live object with a new key (its original's
+    key may name another pattern, e.g. in another process), and runs through the operator."""
+    import copy
+    import pickle
+
+    from s2attn.custom_ops import pattern_for_key
+
+    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    copies = [copy.deepcopy(pattern), pickle.loads(pickle.dumps(pattern))]
+    keys = {pattern_key(pattern)} | {pattern_key(c) for c in copies}
+    assert len(keys) == 3
+    for c in copies:
+        assert pattern_for_key(pattern_key(c)) is c
+        assert torch.equal(c.mask, pattern.mask)
+    q, k, v = (torch.randn(1, 64, 2, 16) for _ in range(3))
+    out, _ = attention_forward(q, k, v, pattern_key(copies[1]), 0.25, 1, None, None, None, None)
+    assert_close(out, s2attn.attention_reference(q, k, v, pattern), torch.float32, "copy")
+
+
 # ------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @skip_without_gpu
