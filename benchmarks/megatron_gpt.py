@@ -323,11 +323,14 @@ def _main() -> int:
         rows = [["loss, mean of first 5 -> last 5 steps", f"{first:.3f} -> {last:.3f}",
                  f"< {LOSS_RATIO}x", loss_check["passed"]]]  # fmt: skip
         for c in layers:
-            errs = ", ".join(f"{n} {e:.1e} (same-dtype ref {c['baseline_errors'][n]:.1e})"
-                             for n, e in c["errors"].items())
+            errs = ", ".join(
+                f"{n} {e:.1e} (same-dtype ref {c['baseline_errors'][n]:.1e})"
+                for n, e in c["errors"].items()
+            )
             rows.append([f"layer {c['layer']} ({c['kind']}, density {c['density']:.3f}) vs "
                          f"reference; pattern = head range of full: {c['same_pattern']}", errs,
-                         f"< max({ATTENTION_TOL:.0e}, {BASELINE_FACTOR:g}x same-dtype ref)", c["passed"]])  # fmt: skip
+                         f"< max({ATTENTION_TOL:.0e}, {BASELINE_FACTOR:g}x same-dtype ref)",
+                         c["passed"]])  # fmt: skip
         rows.append([f"packed thd {packed['lengths']} vs alone, logits", f"{packed['error']:.1e}",
                      f"< {LOGITS_TOL:.0e}", packed["passed"]])  # fmt: skip
         tokens_per_s = args.batch * args.seq / step_ms * 1e3

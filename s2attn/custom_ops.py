@@ -39,6 +39,7 @@ from .reference import attention_reference
 
 __all__ = ["pattern_for_key", "pattern_key"]
 
+
 # --------------------------------------------------------------------------- pattern keys
 def pattern_key(pattern: BlockPattern) -> int:
     """The integer that names ``pattern`` in the operators' arguments. Under ``torch.compile`` it

@@ -162,7 +162,10 @@ def test_compiled_matches_reference(request, path, form):
 
     out, lse = torch.compile(call, backend=BACKEND, fullgraph=True)(q, k, v)
     gen = torch.Generator().manual_seed(4)
-    upstream = (torch.randn(out.shape, generator=gen).to(DEVICE, dtype), torch.randn(lse.shape))
+    upstream = (
+        torch.randn(out.shape, generator=gen).to(DEVICE, dtype),
+        torch.randn(lse.shape, generator=gen).to(DEVICE),
+    )
     grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
     ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, pattern, upstream, **kwargs)
     assert_close(out, ref_out, dtype, f"{path} {form} out")
@@ -249,7 +252,21 @@ def test_copies_get_their_own_key():
 # ------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @skip_without_gpu
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        None,
+        pytest.param(
+            "reduce-overhead",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 20, open: CUDA-graph trees warm up inside the graph's memory pool, "
+                "so the layouts s2attn builds and caches on first use land in it and are "
+                "reported as untracked live allocations (H100, torch 2.11, 2026-11-24)",
+            ),
+        ),
+    ],
+)
 def test_inductor_on_gpu(mode):
     """Inductor compiles a block around the operators (CUDA graphs under reduce-overhead); the
     kernels' results and gradients match the reference."""

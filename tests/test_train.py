@@ -246,6 +246,8 @@ def _snapshot(path: Path) -> dict | None:
         ("foreign_dir", [], "holds no run.json"),
         ("other_run", ["--steps", "31"], r"holds a different run \(steps: saved 30, now 31\)"),
         ("same_run", [], "already holds this run; pass --resume"),
+        ("init_nothing", ["--init-from", "."], "no model.safetensors there"),
+        ("init_other_shape", ["--init-from", "TRAINED", "--variant", "dense"], None),
     ],
 )
 def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_root, trained):
@@ -259,6 +261,13 @@ def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_r
         (out / "results.csv").write_text("a,b\n")
     elif case in ("other_run", "same_run"):
         out, extra = trained, [*TRAINED, *extra]
+    elif case == "init_nothing":
+        extra = ["--init-from", str(tmp_path)]
+    elif case == "init_other_shape":
+        # Another preset's weights: tiny's trained run into a model of other width.
+        extra = ["--init-from", str(trained), "--preset", "small", "--seq-len", "64",
+                 "--batch-size", "1"]  # fmt: skip
+        message = "its weights do not fit this model"
     before = _snapshot(out)
     with pytest.raises(ValueError, match=message) as info:
         train.run(_args(out, root, *extra))
@@ -309,3 +318,26 @@ def test_answer_weight_changes_only_the_objective(tmp_path, corpus_root):
     assert _rows(plain)[-1]["loss"] != pytest.approx(_rows(weighted)[-1]["loss"], rel=1e-6)
     with pytest.raises(ValueError, match="--answer-weight"):
         train.run(_args(tmp_path / "bad", corpus_root, *opts, "--answer-weight", "-1"))
+
+
+def test_init_from_starts_at_the_saved_weights(tmp_path, corpus_root, trained):
+    """--init-from loads a saved model's weights (here into a run at twice the length): with a
+    vanishing learning rate, one step leaves them where they were, and the run's first loss
+    is the trained model's, far below a fresh model's."""
+    out = tmp_path / "longer"
+    args = _args(out, corpus_root, "--init-from", str(trained), "--seq-len", "128", "--steps",
+                 "1", "--lr", "1e-12", "--warmup-steps", "0", "--log-every", "1")  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        _s2_layers_on_reference(mp)
+        assert train.run(args) == 0
+    saved, now = (
+        load_file(str(trained / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
+    assert saved.keys() == now.keys()
+    for name in saved:
+        torch.testing.assert_close(now[name], saved[name], rtol=0, atol=1e-6)
+    fresh_loss, trained_loss = _rows(trained)[0]["loss"], _rows(trained)[-1]["loss"]
+    first = _rows(out)[0]["loss"]
+    print(f"first loss {first:.3f}; trained run's first {fresh_loss:.3f}, last {trained_loss:.3f}")
+    assert first < (fresh_loss + trained_loss) / 2

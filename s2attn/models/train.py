@@ -107,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the run in --out from its last checkpoint (same options)",
     )
     add("--steps", type=int, help="optimizer steps")
+    add(
+        "--init-from",
+        type=Path,
+        help="start from the weights of a model this command saved (same preset and variant; "
+        "e.g. one trained at a shorter --seq-len), with a fresh optimizer and schedule",
+    )
     add("--seq-len", type=int, help="training context length in tokens")
     add(
         "--max-seq-len",
@@ -146,10 +152,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="initial weights, batch order and validation data (default 0)",
     )
     add("--needle-fraction", type=float, help="share of training rows that are retrieval samples")
-    add("--needles-per-sample", type=int,
-        help="needles planted in each retrieval row, each asked for at its end")
-    add("--answer-weight", type=float,
-        help="weight of the needle answers' tokens in the training loss (1: plain LM loss)")
+    add(
+        "--needles-per-sample",
+        type=int,
+        help="needles planted in each retrieval row, each asked for at its end",
+    )
+    add(
+        "--answer-weight",
+        type=float,
+        help="weight of the needle answers' tokens in the training loss (1: plain LM loss)",
+    )
     add(
         "--data-root",
         action="append",
@@ -206,6 +218,7 @@ class _Plan:
     val_batches: list[torch.Tensor]
     val_needles: list[NeedleSample]
     resume_from: Path | None
+    initial_weights: dict | None
     fresh: bool
     stop_at: int | None
     time_limit: float | None
@@ -258,6 +271,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),
         needles_per_sample=pick(args.needles_per_sample, preset.needles_per_sample),
         answer_weight=float(pick(args.answer_weight, preset.answer_weight)),
+        init_from=None if args.init_from is None else str(Path(args.init_from).resolve()),
         data_root=None,  # filled in once the corpus has resolved the roots
         val_fraction=float(args.val_fraction),
         val_every=pick(args.val_every, preset.val_every),
@@ -361,6 +375,9 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         _train_stream(options, train_corpus)
     except ValueError as exc:
         raise ValueError(f"--needle-fraction / --seq-len: {exc}") from None
+    initial = None
+    if options["init_from"] is not None:
+        initial = _initial_weights(options["init_from"], config)
     out = Path(args.out)
     resume_from, fresh = _check_out_dir(out, options, args.resume)
     seed = options["seed"]
@@ -382,9 +399,32 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         options=options, preset=preset, config=config, out=out,
         device=torch.device(options["device"]), train_corpus=train_corpus,
         val_corpus=val_corpus, val_batches=batches, val_needles=needles,
-        resume_from=resume_from, fresh=fresh, stop_at=args.stop_at,
+        resume_from=resume_from, initial_weights=initial, fresh=fresh, stop_at=args.stop_at,
         time_limit=args.time_limit, progress=not args.no_progress,
     )  # fmt: skip
+
+
+def _initial_weights(path: str, config) -> dict:
+    """The state dict saved in ``path`` (by ``save_pretrained``), checked against a model of
+    ``config``: the same parameter names and shapes (a tied output head may be absent)."""
+    from safetensors.torch import load_file
+
+    weights = Path(path) / "model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"--init-from {path!r}: no model.safetensors there (a directory this "
+                         "command saved its final model into)")  # fmt: skip
+    state = load_file(str(weights))
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in hhst.build_model(config).state_dict().items()}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(set(expected) - set(state) - optional)
+    extra = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k])
+    if missing or extra or wrong:
+        raise ValueError(f"--init-from {path!r}: its weights do not fit this model (missing "
+                         f"{missing[:3]}, unexpected {extra[:3]}, other shapes {wrong[:3]}); "
+                         "use the same --preset")  # fmt: skip
+    return state
 
 
 def _train_stream(options: dict, corpus: SourceCorpus) -> TokenStream:
@@ -618,6 +658,10 @@ def _train(plan: _Plan, started: float) -> int:
     torch.manual_seed(opts["seed"])
     random.seed(opts["seed"])
     model = hhst.build_model(plan.config, seed=opts["seed"])
+    if plan.initial_weights is not None and plan.resume_from is None:
+        # Every S2 setting lives in the config, so the weights carry over between lengths and
+        # between variants of one preset; the tied head is the embedding, loaded with it.
+        model.load_state_dict(plan.initial_weights, strict=False)
     if opts["precision"] == "bf16":
         model.to(torch.bfloat16)
     model.to(device)
@@ -683,9 +727,12 @@ def _train(plan: _Plan, started: float) -> int:
                     # The answers are a few tokens in thousands: weighting them is what lets a
                     # small model learn retrieval within a short run.
                     extra = answers[:, 1:].flatten().to(device, non_blocking=True)
-                    objective = loss + (opts["answer_weight"] - 1) * (
-                        token_loss * extra
-                    ).sum() / token_loss.numel()
+                    objective = (
+                        loss
+                        + (opts["answer_weight"] - 1)
+                        * (token_loss * extra).sum()
+                        / token_loss.numel()
+                    )
                 (objective / opts["grad_accum"]).backward()
                 row_loss += loss.detach() / opts["grad_accum"]
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _CLIP_NORM)
