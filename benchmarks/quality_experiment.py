@@ -6,6 +6,8 @@ each with ``python -m s2attn eval`` (validation bits per byte, needle retrieval 
 lengths and depths), and writes one table, the validation curves and the needle heat maps.
 
     python benchmarks/quality_experiment.py --preset small --steps 1500 --runs runs/quality
+    python benchmarks/quality_experiment.py --preset small --short-len 1024 --short-steps 3000 \
+        --steps 1500 --runs runs/quality                     # 1k first: retrieval forms sooner
     python benchmarks/quality_experiment.py --preset tiny --steps 20 --runs /tmp/q --smoke   # CPU
 
 Variants (name: train arguments): see ``VARIANTS``; ``--only`` picks some. Writes
@@ -27,11 +29,12 @@ from run_info import environment, result_stem, versions_line
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# name -> extra arguments of `s2attn train`; the preset's dense layers are layer 0.
+# name -> extra arguments of `s2attn train`. "hhst", local and homo take the preset's dense
+# layer (small: layer 3 of 6, the middle); the others place theirs explicitly.
 VARIANTS: dict[str, list[str]] = {
     "dense": ["--variant", "dense"],
     "hhst": ["--variant", "hhst"],
-    "hhst-mid": ["--variant", "hhst", "--dense-layers", "3"],
+    "hhst-first": ["--variant", "hhst", "--dense-layers", "0"],
     "hhst2-first": ["--variant", "hhst", "--dense-layers", "0,1"],
     "hhst2-spread": ["--variant", "hhst", "--dense-layers", "0,3"],
     "s2": ["--variant", "s2"],
@@ -40,30 +43,48 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
-def launch(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+def launch(cmd: list[str], log: Path, env: dict, append: bool = False) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        cmd, stdout=log.open("a" if append else "w"), stderr=subprocess.STDOUT, env=env
+    )
 
 
-def run_all(jobs: dict[str, list[str]], runs: Path, parallel: int, env: dict) -> dict[str, int]:
-    """Run ``jobs`` (name -> command), at most ``parallel`` at once; return their exit codes."""
+def run_all(jobs: dict[str, list[list[str]]], runs: Path, parallel: int, env: dict) -> dict:
+    """Run ``jobs`` (name -> commands, run one after another while they succeed), at most
+    ``parallel`` jobs at once; return each job's exit code (its first failing command's)."""
     pending, running, codes = list(jobs.items()), {}, {}
     while pending or running:
         while pending and len(running) < parallel:
-            name, cmd = pending.pop(0)
-            running[name] = launch(cmd, runs / f"{name}.log", env)
+            name, (first, *rest) = pending.pop(0)
+            running[name] = (launch(first, runs / f"{name}.log", env), rest)
         time.sleep(2)
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                codes[name] = proc.returncode
-                del running[name]
-                status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
-                print(f"  {name}: {status}", flush=True)
+        for name, (proc, rest) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            if proc.returncode == 0 and rest:
+                running[name] = (launch(rest[0], runs / f"{name}.log", env, True), rest[1:])
+                continue
+            codes[name] = proc.returncode
+            del running[name]
+            status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
+            print(f"  {name}: {status}", flush=True)
     return codes
 
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def short_run(runs: Path, name: str) -> Path:
+    """Where a variant's first, shorter-context phase trains (``--short-len``)."""
+    return runs / f"{name}.short"
+
+
+def short_tokens(runs: Path, name: str) -> int:
+    """Tokens of the variant's short phase, 0 without one."""
+    path = short_run(runs, name) / "metrics.jsonl"
+    return read_metrics(path)[-1]["tokens"] if path.exists() else 0
 
 
 def summarize(names: list[str], runs: Path, train_len: int) -> list[dict]:
@@ -72,13 +93,15 @@ def summarize(names: list[str], runs: Path, train_len: int) -> list[dict]:
         run = runs / name
         metrics = read_metrics(run / "metrics.jsonl")
         val = [m for m in metrics if "val_loss" in m]
+        first = short_tokens(runs, name)
         needle = json.loads((run / "needle.json").read_text())
         grid = needle["accuracy"]
         at_train = grid.get(str(train_len), {})
         rows.append(
             dict(
                 variant=name,
-                tokens=metrics[-1]["tokens"],
+                tokens=first + metrics[-1]["tokens"],
+                short_tokens=first,
                 val_bpb=val[-1]["val_loss"] if val else None,
                 eval_bpb=needle.get("val_bpb"),
                 needle_mean=sum(v for cells in grid.values() for v in cells.values())
@@ -101,7 +124,8 @@ def markdown(rows: list[dict], env: dict, args, summary: dict) -> str:
         f"{env['device']} · {versions_line(env)}",
         "",
         f"Preset `{args.preset}` ({summary.get('parameters', '?'):,} parameters each), "
-        f"{args.steps} steps, seed {args.seed}, trained at {args.train_len} tokens; "
+        + (f"{args.short_steps} steps at {args.short_len} tokens then " if args.short_len else "")
+        + f"{args.steps} steps at {args.train_len} tokens, seed {args.seed}; "
         f"`python benchmarks/quality_experiment.py {' '.join(sys.argv[1:])}`. Needle: accuracy "
         f"of the whole answer, {args.samples} samples per cell, lengths {args.lengths}, "
         f"depths {args.depths}.",
@@ -128,19 +152,32 @@ def plot_curves(names: list[str], runs: Path, path: Path, title: str) -> None:
 
     fig, (ax_loss, ax_needle) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in names:
-        metrics = read_metrics(runs / name / "metrics.jsonl")
-        val = [m for m in metrics if "val_loss" in m]
-        tokens = [m["tokens"] / 1e6 for m in val]
-        ax_loss.plot(tokens, [m["val_loss"] for m in val], marker=".", label=name)
-        if any("val_needle" in m for m in val):
-            ax_needle.plot(
-                tokens, [m.get("val_needle", float("nan")) for m in val], marker=".", label=name
-            )
+        # A short phase is drawn dashed (validated at its own, shorter length), the main phase
+        # solid, after the short phase's tokens.
+        offset = short_tokens(runs, name)
+        phases = [(runs / name, offset, "-")]
+        if offset:
+            phases.insert(0, (short_run(runs, name), 0, "--"))
+        color = None
+        for run, start, style in phases:
+            val = [m for m in read_metrics(run / "metrics.jsonl") if "val_loss" in m]
+            tokens = [(start + m["tokens"]) / 1e6 for m in val]
+            (line,) = ax_loss.plot(
+                tokens, [m["val_loss"] for m in val], style, marker=".", color=color,
+                label=name if style == "-" else None,
+            )  # fmt: skip
+            color = line.get_color()
+            if any("val_needle" in m for m in val):
+                ax_needle.plot(
+                    tokens, [m.get("val_needle", float("nan")) for m in val], style, marker=".",
+                    color=color, label=name if style == "-" else None,
+                )  # fmt: skip
     ax_loss.set(xlabel="training tokens (M)", ylabel="validation bits per byte", title=title)
     ax_needle.set(
         xlabel="training tokens (M)", ylabel="needle accuracy (validation set)", ylim=(-0.02, 1.02)
     )
     ax_loss.legend(fontsize=8)
+    ax_needle.legend(fontsize=8)
     ax_loss.grid(alpha=0.3)
     ax_needle.grid(alpha=0.3)
     fig.tight_layout()
@@ -176,6 +213,15 @@ def main() -> int:
     ap.add_argument("--depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--train-args", default="", help="extra arguments for every train run")
+    ap.add_argument(
+        "--short-len",
+        type=int,
+        default=None,
+        help="train each variant first at this shorter length (same tokens per step), then "
+        "--steps at --train-len from its weights (--init-from): retrieval forms far sooner on "
+        "short rows",
+    )
+    ap.add_argument("--short-steps", type=int, default=None, help="steps of the short phase")
     ap.add_argument("--skip-train", action="store_true", help="evaluate existing runs only")
     ap.add_argument(
         "--report-only",
@@ -194,6 +240,12 @@ def main() -> int:
 
     preset = PRESETS[args.preset]
     args.train_len = args.train_len or preset.seq_len
+    if (args.short_len is None) != (args.short_steps is None):
+        ap.error("--short-len and --short-steps go together")
+    if args.short_len is not None and not 0 < args.short_len < args.train_len:
+        ap.error(f"--short-len must be below --train-len ({args.train_len})")
+    if args.short_len is not None and (preset.batch_size * args.train_len) % args.short_len:
+        ap.error("--short-len must divide batch size x --train-len (same tokens per step)")
     if args.lengths is None:
         args.lengths = ",".join(str(args.train_len * k // 4) for k in (1, 2, 4))
     summary = model_summary(model_config(preset, "dense", seq_len=args.train_len))
@@ -203,27 +255,32 @@ def main() -> int:
 
     if not (args.skip_train or args.report_only):
         print(f"training {len(args.only)} variants, {args.parallel} at once", flush=True)
-        jobs = {
-            name: [
-                *python,
-                "train",
-                "--preset",
-                args.preset,
-                *VARIANTS[name],
-                "--steps",
-                str(args.steps),
-                "--seed",
-                str(args.seed),
-                "--seq-len",
-                str(args.train_len),
-                "--out",
-                str(args.runs / name),
-                "--no-progress",
-                *device,
-                *args.train_args.split(),
-            ]
-            for name in args.only
-        }
+        common = [*python, "train", "--preset", args.preset, "--no-progress", *device]
+        jobs = {}
+        for name in args.only:
+
+            def main_phase(seed: int, *extra: str, name=name) -> list[str]:
+                return [
+                    *common, *VARIANTS[name], "--steps", str(args.steps), "--seed", str(seed),
+                    "--seq-len", str(args.train_len), "--out", str(args.runs / name), *extra,
+                    *args.train_args.split(),
+                ]  # fmt: skip
+
+            jobs[name] = [main_phase(args.seed)]
+            if args.short_len:
+                short = short_run(args.runs, name)
+                batch = preset.batch_size * args.train_len // args.short_len
+                jobs[name] = [
+                    [
+                        *common, *VARIANTS[name], "--steps", str(args.short_steps), "--seed",
+                        str(args.seed), "--seq-len", str(args.short_len), "--max-seq-len",
+                        str(args.train_len), "--batch-size", str(batch), "--out", str(short),
+                        *args.train_args.split(),
+                    ],
+                    # Another seed for the main phase: other documents, not the short phase's
+                    # again.
+                    main_phase(args.seed + 1, "--init-from", str(short)),
+                ]  # fmt: skip
         codes = run_all(jobs, args.runs, args.parallel, env)
         if any(codes.values()):
             print("some runs failed; see their logs in", args.runs)
@@ -232,7 +289,7 @@ def main() -> int:
         trained = [n for n in args.only if (args.runs / n / "run.json").exists()]
     print(f"evaluating {0 if args.report_only else len(trained)} models", flush=True)
     jobs = {
-        f"{name}.eval": [
+        f"{name}.eval": [[
             *python,
             "eval",
             str(args.runs / name),
@@ -248,9 +305,9 @@ def main() -> int:
             "--out",
             str(args.runs / name / "needle.json"),
             *device,
-        ]
+        ]]
         for name in trained
-    }
+    }  # fmt: skip
     if not args.report_only:
         run_all(jobs, args.runs, args.parallel, env)
     done = [n for n in trained if (args.runs / n / "needle.json").exists()]
@@ -268,6 +325,8 @@ def main() -> int:
                 environment=result_env,
                 preset=args.preset,
                 steps=args.steps,
+                short_len=args.short_len,
+                short_steps=args.short_steps,
                 seed=args.seed,
                 train_len=args.train_len,
                 lengths=args.lengths,
@@ -283,7 +342,9 @@ def main() -> int:
         done,
         args.runs,
         args.out_dir / f"{stem}_curves.png",
-        f"{args.preset}, {args.steps} steps at {args.train_len} tokens",
+        f"{args.preset}, "
+        + (f"{args.short_steps} steps at {args.short_len} then " if args.short_len else "")
+        + f"{args.steps} steps at {args.train_len} tokens",
     )
     from s2attn.models.evaluate import plot_needle_heatmaps
 

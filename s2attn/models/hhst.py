@@ -67,27 +67,59 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # Trains on a CPU in well under two minutes (S2 layers through the exact reference there).
     "tiny": Preset(
-        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=176,
-        seq_len=256, block_size=16, local_blocks=2, vert_stride=2, dense_layers=(0,),
-        batch_size=8, steps=60, lr=3e-3, warmup_steps=10, val_every=20, val_batches=2,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=176,
+        seq_len=256,
+        block_size=16,
+        local_blocks=2,
+        vert_stride=2,
+        dense_layers=(0,),
+        batch_size=8,
+        steps=60,
+        lr=3e-3,
+        warmup_steps=10,
+        val_every=20,
+        val_batches=2,
         needle_fraction=0.25,
     ),
     # The quality experiment on one H100: 6 layers (1 dense = 1/6), 4k tokens, 64-token blocks,
     # a 256-token window and every 8th block, staggered over the 8 KV heads, so each S2 layer's
     # heads together cover every block while each keeps 22% of the pairs at 4k (a local window
-    # at that density spans 512 tokens). ~19M parameters. Half the rows are retrieval samples:
-    # with a quarter, no variant had begun to retrieve after 400 steps (13M tokens).
+    # at that density spans 512 tokens). ~19M parameters. Half the rows are retrieval samples,
+    # one needle each, its answer weighted 10x. The dense layer is the middle one (3): with it
+    # first, HHST had not begun to retrieve after a 1k -> 4k curriculum on which the middle
+    # placement retrieved 97% at 4k (H100, 2026-11-24): copying needs a previous-token head
+    # below the layer that copies, and only a dense layer copies from anywhere.
     "small": Preset(
-        num_layers=6, hidden_size=512, num_heads=8, num_kv_heads=8, intermediate_size=1408,
-        seq_len=4096, block_size=64, local_blocks=4, vert_stride=8, dense_layers=(0,),
-        batch_size=8, steps=2000, lr=1e-3, warmup_steps=100, val_every=250, val_batches=8,
+        num_layers=6,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=8,
+        intermediate_size=1408,
+        seq_len=4096,
+        block_size=64,
+        local_blocks=4,
+        vert_stride=8,
+        dense_layers=(3,),
+        batch_size=8,
+        steps=2000,
+        lr=1e-3,
+        warmup_steps=100,
+        val_every=250,
+        val_batches=8,
         needle_fraction=0.5,
+        needles_per_sample=1,
+        answer_weight=10.0,
     ),
 }
 
 
-def _local_blocks_at_density(preset: Preset, heads: int, kv_heads: int, seq_len: int,
-                             target: float) -> int:
+def _local_blocks_at_density(
+    preset: Preset, heads: int, kv_heads: int, seq_len: int, target: float
+) -> int:
     """The local window (in blocks) whose density at ``seq_len`` is closest to ``target``.
 
     A wider window keeps more pairs, so the density rises with the window: bisect for the
@@ -114,8 +146,16 @@ def _local_only(heads: int, kv_heads: int, seq_len: int, block_size: int, local_
     # A stride longer than the sequence, shifted so that no stripe lands on a block: the window
     # alone is left.
     nb = -(-seq_len // block_size)
-    return local_stride_pattern(heads, seq_len, block_size, local_blocks, nb + 1,
-                                num_kv_heads=kv_heads, homo_head=True, head_offset=1)
+    return local_stride_pattern(
+        heads,
+        seq_len,
+        block_size,
+        local_blocks,
+        nb + 1,
+        num_kv_heads=kv_heads,
+        homo_head=True,
+        head_offset=1,
+    )
 
 
 def model_config(
@@ -175,22 +215,35 @@ def model_config(
     )
     if variant == "dense":
         return config
-    pattern = dict(block_size=preset.block_size, local_blocks=preset.local_blocks,
-                   vert_stride=preset.vert_stride)
+    pattern = dict(
+        block_size=preset.block_size,
+        local_blocks=preset.local_blocks,
+        vert_stride=preset.vert_stride,
+    )
     if variant == "s2":
         dense = ()
     elif variant == "homo":
         pattern["homo_head"] = True
     elif variant == "local":
         s2_density = local_stride_pattern(
-            preset.num_heads, seq_len, preset.block_size, preset.local_blocks,
-            preset.vert_stride, num_kv_heads=preset.num_kv_heads,
+            preset.num_heads,
+            seq_len,
+            preset.block_size,
+            preset.local_blocks,
+            preset.vert_stride,
+            num_kv_heads=preset.num_kv_heads,
         ).density()
-        blocks = _local_blocks_at_density(preset, preset.num_heads, preset.num_kv_heads,
-                                          seq_len, s2_density)
+        blocks = _local_blocks_at_density(
+            preset, preset.num_heads, preset.num_kv_heads, seq_len, s2_density
+        )
         nb = -(-max_seq_len // preset.block_size)
-        pattern = dict(block_size=preset.block_size, local_blocks=blocks, vert_stride=nb + 1,
-                       homo_head=True, head_offset=1)
+        pattern = dict(
+            block_size=preset.block_size,
+            local_blocks=blocks,
+            vert_stride=nb + 1,
+            homo_head=True,
+            head_offset=1,
+        )
     s2hf.configure(config, dense_layers=list(dense), max_seq_len=max_seq_len, **pattern)
     return config
 
