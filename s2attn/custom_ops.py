@@ -320,7 +320,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.args = args
     # Keeps the pattern alive until the backward (eager autograd; a compiled graph relies on
     # its owner, see the module docstring).
-    ctx.pattern = BlockPattern.for_op_key(args[0])
+    ctx.pattern = BlockPattern.for_op_key(args[0]) if isinstance(args[0], int) else None
     ctx.set_materialize_grads(False)
 
 

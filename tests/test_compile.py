@@ -287,3 +287,39 @@ def test_inductor_on_gpu(mode):
     ref = s2attn.attention_reference(q.float(), k.float(), v.float(), pattern)
     got = model.attn(q, k, v)
     assert_close(got, ref, dtype, f"{mode} attention vs reference")
+
+
+# -------------------------------------------------------------------- through transformers
+@pytest.mark.parametrize("loaded", [False, True], ids=["configured", "from_pretrained"])
+def test_transformers_model_compiles_whole(loaded, reference_ops, tmp_path):
+    """A Llama with S2 and dense layers through the "s2attn" attention function traces as one
+    graph (a model loaded from disk after ``prepare``), and the compiled logits and gradients
+    equal eager ones."""
+    from transformers import LlamaForCausalLM
+
+    from s2attn.integrations import transformers as s2hf
+    from s2attn.models import hhst
+
+    model = hhst.build_model(hhst.model_config("tiny", "hhst", seq_len=128))
+    if loaded:
+        s2hf._PATTERNS.clear()  # as in a new process: nothing built before the load
+        model.save_pretrained(tmp_path)
+        model = LlamaForCausalLM.from_pretrained(tmp_path)
+        s2hf.prepare(model)
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(3))
+
+    def logits(ids):
+        return model(input_ids=ids, use_cache=False).logits
+
+    explained = torch._dynamo.explain(logits)(ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes]
+    assert ops.count("s2attn.forward.default") == model.config.num_hidden_layers
+
+    eager = logits(ids)
+    eager_grads = torch.autograd.grad(eager.square().mean(), list(model.parameters()))
+    compiled = torch.compile(logits, backend=BACKEND, fullgraph=True)(ids)
+    grads = torch.autograd.grad(compiled.square().mean(), list(model.parameters()))
+    assert_close(compiled, eager, torch.float32, "compiled logits")
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

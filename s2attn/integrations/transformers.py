@@ -64,6 +64,7 @@ __all__ = [
     "attention_forward",
     "configure",
     "layer_pattern",
+    "prepare",
     "reference_attention_forward",
 ]
 
@@ -135,7 +136,12 @@ def configure(
         head_offset=head_offset,
         layer_types=["dense" if i in dense else "s2" for i in range(num_layers)],
     )
-    _build_pattern(*_pattern_key(text, settings))  # validate now, not at the first forward
+    # Built now, not at the first forward: it validates the settings, and a compiled forward
+    # finds the patterns ready (see _PATTERNS).
+    heads, kv_heads, *_ = key = _pattern_key(text, settings)
+    _build_pattern(*key)
+    if dense:
+        _dense(kv_heads, settings["max_seq_len"], block_size)
     setattr(text, _CONFIG_KEY, settings)
     text._attn_implementation = attn_implementation
     return config
@@ -157,7 +163,23 @@ def _pattern_key(config, settings: dict) -> tuple:
     )
 
 
-@functools.lru_cache(maxsize=16)
+# One pattern object per configuration: every layer of a kind shares it, and with it its
+# layouts. A plain dict, not functools.lru_cache: torch.compile reads an entry of a global dict as
+# a guarded constant, where it cannot trace into lru_cache; configure() fills it, so a compiled
+# forward only ever reads it. The oldest entries go beyond _MAX_PATTERNS.
+_PATTERNS: dict[tuple, BlockPattern] = {}
+_MAX_PATTERNS = 16
+
+
+def _cached(key: tuple, build) -> BlockPattern:
+    pattern = _PATTERNS.get(key)
+    if pattern is None:
+        while len(_PATTERNS) >= _MAX_PATTERNS:
+            del _PATTERNS[next(iter(_PATTERNS))]
+        pattern = _PATTERNS[key] = build()
+    return pattern
+
+
 def _build_pattern(
     heads,
     kv_heads,
@@ -169,23 +191,21 @@ def _build_pattern(
     homo_head,
     head_offset,
 ) -> BlockPattern:
-    # One pattern object per configuration: every S2 layer shares it, and with it its layouts.
-    return local_stride_pattern(
-        heads,
-        max_seq_len,
-        block_size,
-        local_blocks,
-        vert_stride,
-        num_kv_heads=kv_heads,
-        num_dense_heads=num_dense_heads,
-        homo_head=homo_head,
-        head_offset=head_offset,
-    )
+    return _cached(
+        ("s2", heads, kv_heads, max_seq_len, block_size, local_blocks, vert_stride,
+         num_dense_heads, homo_head, head_offset),
+        lambda: local_stride_pattern(
+            heads, max_seq_len, block_size, local_blocks, vert_stride, num_kv_heads=kv_heads,
+            num_dense_heads=num_dense_heads, homo_head=homo_head, head_offset=head_offset,
+        ),
+    )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=16)
 def _dense(kv_heads: int, max_seq_len: int, block_size: int) -> BlockPattern:
-    return dense_pattern(kv_heads, max_seq_len, block_size)
+    return _cached(
+        ("dense", kv_heads, max_seq_len, block_size),
+        lambda: dense_pattern(kv_heads, max_seq_len, block_size),
+    )
 
 
 def _settings(config) -> dict:
@@ -207,6 +227,19 @@ def layer_pattern(config, layer_idx: int) -> BlockPattern | None:
     if types[layer_idx] == "dense":
         return None
     return _build_pattern(*_pattern_key(config, settings))
+
+
+def prepare(model_or_config) -> None:
+    """Build every layer's pattern now, so that ``torch.compile(model, fullgraph=True)`` only
+    reads them (building one is Python work the compiler cannot trace).
+
+    :func:`configure` already builds them; a config restored by ``from_pretrained`` gets them on
+    its first forward, or here. Takes a model or its config.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config(decoder=True)
+    for layer in range(len(_settings(text)["layer_types"])):
+        _attention_pattern(text, layer)
 
 
 def _attention_pattern(config, layer_idx: int) -> BlockPattern:
