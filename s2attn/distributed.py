@@ -17,9 +17,14 @@ This first version is exact and simple: every rank all-gathers the whole K and V
 reduce-scatters dK and dV back to their owners), so each rank receives ``(W - 1) / W`` of the
 global K and V: ``2 * batch * seq * kv_heads * dim * itemsize * (W - 1) / W`` bytes, the same as
 an all-gather (see :func:`communication_bytes`). Receiving only the KV blocks a rank's queries
-read, overlapped with compute, is for a later version. Causal patterns only (others raise
-NotImplementedError): a bidirectional query chunk in the middle of the sequence cannot be expressed
-by the kernel's bottom-right alignment.
+read, overlapped with compute, is for a later version.
+
+Bidirectional patterns. The kernels align queries bottom-right to the keys, so a causal chunk is
+computed against the keys up to its end and sits at its absolute position. A bidirectional chunk
+reads keys on both sides: it is computed against all the keys with a *shifted* pattern, whose last
+rows are the chunk's rows of the given pattern. That needs chunks of whole blocks (``local_seq /
+2`` a multiple of the block size); a shifted pattern costs as much host memory as the pattern's
+own rows up to the sequence length, once per chunk, cached.
 """
 
 from __future__ import annotations
@@ -38,11 +43,6 @@ from .pattern import BlockPattern
 __all__ = ["communication_bytes", "context_parallel_attention", "shard", "unshard"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-_BIDIRECTIONAL = (
-    "pattern: context_parallel_attention supports causal patterns only (pattern.causal is False); "
-    "bidirectional context parallelism is not implemented yet"
-)
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -186,8 +186,6 @@ def _local_problem(q, k, v, pattern, world: int, softmax_scale) -> str | None:
             return f"{name} must be (batch, local_seq, heads, dim), got shape {tuple(t.shape)}"
     if not isinstance(pattern, BlockPattern):
         return f"pattern must be a BlockPattern, got {type(pattern).__name__}"
-    if not pattern.causal:
-        return _BIDIRECTIONAL
     if k.device != q.device or v.device != q.device:
         return f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -202,6 +200,11 @@ def _local_problem(q, k, v, pattern, world: int, softmax_scale) -> str | None:
     local = q.shape[1]
     if local % 2 != 0:
         return f"the local sequence ({local}) must be even: a shard holds two equal chunks"
+    if not pattern.causal and (local // 2) % pattern.block_size:
+        return (
+            f"a bidirectional pattern needs chunks of whole blocks: local_seq / 2 = {local // 2} "
+            f"is not a multiple of the block size {pattern.block_size}"
+        )
     if local * world > pattern.max_seq_len:
         return (
             f"the global sequence ({local} x {world} ranks = {local * world}) exceeds the "
@@ -249,10 +252,7 @@ def _check_agreement(q, k, v, pattern, softmax_scale, group) -> None:
         problems = [None] * world
         dist.all_gather_object(problems, problem, group=group)
         detail = "; ".join(f"rank {r}: {problems[r]}" for r in bad)
-        unsupported = all(problems[r] == _BIDIRECTIONAL for r in bad)
-        raise (NotImplementedError if unsupported else ValueError)(
-            f"context_parallel_attention: bad arguments on rank(s) {bad}: {detail}"
-        )
+        raise ValueError(f"context_parallel_attention: bad arguments on rank(s) {bad}: {detail}")
     differ = (everyone != everyone[0]).any(dim=1).nonzero().flatten().tolist()
     if differ:
         names = (
@@ -264,6 +264,25 @@ def _check_agreement(q, k, v, pattern, softmax_scale, group) -> None:
             f"dtype, pattern or softmax_scale (this is rank {rank}); ({names}) per rank: "
             f"{everyone.tolist()}"
         )
+
+
+# (start, chunk, seq) -> shifted pattern, per pattern (see the module docstring).
+_SHIFTED: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
+
+
+def _shifted(pattern: BlockPattern, start: int, chunk: int, seq: int) -> BlockPattern:
+    """A bidirectional pattern over ``seq`` tokens whose last ``chunk / block`` query rows are
+    ``pattern``'s rows for the queries ``[start, start + chunk)`` (all block-aligned): with the
+    chunk's queries aligned bottom-right to all ``seq`` keys, each query reads its own row."""
+    cache = _SHIFTED.setdefault(pattern, {})
+    key = (start, chunk, seq)
+    if key not in cache:
+        b = pattern.block_size
+        blocks, rows, first = -(-seq // b), chunk // b, start // b
+        mask = torch.zeros(pattern.num_heads, blocks, blocks, dtype=torch.bool)
+        mask[:, blocks - rows :] = pattern.mask[:, first : first + rows, :blocks]
+        cache[key] = BlockPattern(mask, b, causal=False)
+    return cache[key]
 
 
 def context_parallel_attention(
@@ -282,7 +301,8 @@ def context_parallel_attention(
         q: this rank's shard (batch, local_seq, heads, dim), laid out by :func:`shard`; the global
             sequence is ``local_seq * W`` for W ranks, and ``local_seq`` must be even.
         k, v: this rank's shards (batch, local_seq, kv_heads, dim); same dtype and device as q.
-        pattern: a causal :class:`s2attn.BlockPattern` covering the global sequence.
+        pattern: a :class:`s2attn.BlockPattern` covering the global sequence; a bidirectional
+            one needs ``local_seq / 2`` to be a multiple of its block size.
         group: the process group (default: the world). Every rank must call with the same shapes,
             dtype, pattern and ``softmax_scale``; otherwise every rank raises a ValueError (one
             all-gather of a few integers per call checks it).
@@ -290,10 +310,11 @@ def context_parallel_attention(
         return_lse: also return the float32 LSE (batch, heads, local_seq) of this rank's rows.
 
     Every rank all-gathers the whole K and V (see :func:`communication_bytes`) and computes its
-    two query chunks with :func:`s2attn.sparse_attention`, each against the keys up to the chunk's
-    end (the kernel aligns queries bottom-right, so the chunk sits at its absolute position). The
-    backward reduce-scatters dK and dV to their owners. A group of one rank calls
-    :func:`s2attn.sparse_attention` directly.
+    two query chunks with :func:`s2attn.sparse_attention`: under a causal pattern each against the
+    keys up to the chunk's end (the kernel aligns queries bottom-right, so the chunk sits at its
+    absolute position), under a bidirectional one against all keys with the chunk's rows of the
+    pattern shifted to the end. The backward reduce-scatters dK and dV to their owners. A group of
+    one rank calls :func:`s2attn.sparse_attention` directly.
 
     Returns:
         ``out`` (batch, local_seq, heads, dim), this rank's shard of the output; with
@@ -316,13 +337,17 @@ def context_parallel_attention(
     v_full = _gather_sequence(v, group, 1)
     chunk = q.shape[1] // 2
     outs, lses = [], []
+    seq = k_full.shape[1]
     for part, index in enumerate((rank, 2 * world - 1 - rank)):
         end = (index + 1) * chunk
+        keys, chunk_pattern = end, pattern
+        if not pattern.causal:
+            keys, chunk_pattern = seq, _shifted(pattern, index * chunk, chunk, seq)
         result = sparse_attention(
             q[:, part * chunk : (part + 1) * chunk],
-            k_full[:, :end],
-            v_full[:, :end],
-            pattern,
+            k_full[:, :keys],
+            v_full[:, :keys],
+            chunk_pattern,
             softmax_scale=softmax_scale,
             return_lse=return_lse,
         )

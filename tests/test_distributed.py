@@ -114,17 +114,25 @@ def _expected(pattern, shape):
 
 
 @pytest.mark.parametrize(
-    "world, heads, kv_heads, dense_heads, kernels",
-    [(2, 4, 4, 0, True), (4, 4, 2, 0, False), (2, 4, 2, 2, False)],
-    ids=["2ranks-kernels", "4ranks-gqa", "2ranks-gqa-dense-heads"],
-)
-def test_matches_one_process(world, heads, kv_heads, dense_heads, kernels):
-    # seq 96 is not a multiple of the block (16) per chunk with 4 ranks (12 tokens): chunks need
-    # not align to blocks. A dense head next to sparse ones reads far more blocks than they do.
-    seq = 96 if world == 4 else 128
+    "world, heads, kv_heads, dense_heads, kernels, causal",
+    [
+        (2, 4, 4, 0, True, True),
+        (4, 4, 2, 0, False, True),
+        (2, 4, 2, 2, False, True),
+        (2, 4, 2, 0, True, False),
+        (4, 4, 2, 2, False, False),
+    ],
+    ids=["2ranks-kernels", "4ranks-gqa", "2ranks-gqa-dense-heads", "2ranks-bidir-kernels",
+         "4ranks-bidir-dense-head"],
+)  # fmt: skip
+def test_matches_one_process(world, heads, kv_heads, dense_heads, kernels, causal):
+    # seq 96 is not a multiple of the block (16) per chunk with 4 ranks (12 tokens): causal
+    # chunks need not align to blocks (bidirectional ones must: 128 tokens, chunks of 16). A dense
+    # head next to sparse ones reads far more blocks than they do.
+    seq = 96 if world == 4 and causal else 128
     pattern = s2attn.local_stride_pattern(
         heads, 128, 16, local_blocks=2, vert_stride=3, num_kv_heads=kv_heads,
-        num_dense_heads=dense_heads,
+        num_dense_heads=dense_heads, causal=causal,
     )  # fmt: skip
     shape = (2, seq, heads, kv_heads, 16)
     _spawn(world, _compare_body, pattern, shape, _expected(pattern, shape), kernels=kernels)
@@ -160,8 +168,8 @@ def _errors_body(rank, world, pattern):
         context_parallel_attention(ql, kl, vl, pattern.crop(2))
     bidirectional = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2,
                                                 causal=False)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="causal patterns only"):
-        context_parallel_attention(ql, kl, vl, bidirectional)
+    with pytest.raises(ValueError, match="bidirectional pattern needs chunks of whole blocks"):
+        context_parallel_attention(ql[:, :12], kl[:, :12], vl[:, :12], bidirectional)
     # After all that the group still works.
     context_parallel_attention(ql, kl, vl, pattern)
 
