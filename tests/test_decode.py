@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, assert_close
+from helpers import DEVICE, DTYPES, assert_close, skip_without_gpu
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
@@ -135,6 +135,42 @@ def test_consecutive_steps_with_eviction():
     for i, num_new in enumerate([3, 3, 3, 1, 2]):
         check_step(cache, ks, vs, heads, num_new, dtype, f"step {i}")
         assert cache.live_pages < cache.num_pages
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.parametrize("kind", ["s2", "dense"])
+def test_decode_steps_never_synchronize(kind):
+    """Decode steps, across block boundaries (new pages, evictions, page-table uploads), queue
+    their work without waiting for the GPU: under sync debug mode "error" any host-device
+    synchronization raises. Outputs are checked against the reference afterwards."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, dtype = 4, 2, 64, torch.float16
+    pattern = make_pattern(kind, heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype)
+    assert cache.decode_layout is not None  # built here: its construction may synchronize
+    steps = [step(cache, heads, 1, dtype) for _ in range(24)]  # crosses a block boundary
+    for q, k, v in steps[:2]:  # warm-up: kernels compiled, host caches filled
+        sparse_attention_with_kvcache(q, cache, k, v)
+    for b in range(cache.batch_size):
+        ks[b] = torch.cat([ks[b], *(k[b] for _, k, _ in steps[:2])])
+        vs[b] = torch.cat([vs[b], *(v[b] for _, _, v in steps[:2])])
+    outs = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for q, k, v in steps[2:]:
+            outs.append(sparse_attention_with_kvcache(q, cache, k, v, return_lse=True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = reference_pattern(cache.pattern, cache.num_kv_heads)
+    for i, ((q, k, v), (out, lse)) in enumerate(zip(steps[2:], outs)):
+        ref_out, ref_lse = reference_step(q, ks, vs, k, v, ref)
+        assert_close(out, ref_out, dtype, f"step {i} out")
+        assert_close(lse, ref_lse.float(), torch.float32, f"step {i} lse")
+        for b in range(cache.batch_size):
+            ks[b] = torch.cat([ks[b], k[b]])
+            vs[b] = torch.cat([vs[b], v[b]])
 
 
 def test_new_tokens_already_in_the_cache():

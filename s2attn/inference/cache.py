@@ -348,16 +348,23 @@ class PagedKVCache:
             changed.append((seq * h + heads) * nb + blk)
         if changed:
             idx = torch.cat(changed)
-            self.page_table.view(-1)[idx.to(self.device)] = self._table.view(-1)[idx].to(
-                self.device
-            )
+            self.page_table.view(-1)[self._upload(idx)] = self._upload(self._table.view(-1)[idx])
         self._write(k, v, counts, cu_seqlens)
         self._lengths = new
         self._keep_block = keep_block
         if cu_seqlens is None:
             self.seq_lens += counts[0]
         else:
-            self.seq_lens += torch.tensor(counts, dtype=torch.int32).to(self.device)
+            self.seq_lens += self._upload(torch.tensor(counts, dtype=torch.int32))
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the cache's device without stalling the host: a copy from pageable
+        memory waits for the GPU to finish all queued work (every new block of a decode step
+        would stall the pipeline), one from pinned memory is queued like a kernel. The pinned
+        buffer comes from PyTorch's caching host allocator, which keeps it until the copy ran."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _evictions(
         self, keep_block: list[int]
@@ -463,7 +470,7 @@ class PagedKVCache:
         self._refs.index_add_(0, src.long(), torch.full_like(src, -1))
         self._refs[dst.long()] = 1
         self._table[seq, heads, blk] = dst
-        s, d = src.long().to(self.device), dst.long().to(self.device)
+        s, d = self._upload(src.long()), self._upload(dst.long())
         self.k_pages[d] = self.k_pages[s]
         self.v_pages[d] = self.v_pages[s]
         changed.append((seq * self.num_kv_heads + heads) * self.max_blocks + blk)
@@ -607,7 +614,7 @@ class PagedKVCache:
                 changed.append((b * h + heads) * nb + blocks + first_gone)
         if changed:
             idx = torch.cat(changed)
-            self.page_table.view(-1)[idx.to(self.device)] = -1
+            self.page_table.view(-1)[self._upload(idx)] = -1
         self._lengths = new
         self.seq_lens -= num_tokens
 
