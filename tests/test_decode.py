@@ -78,9 +78,16 @@ def step(cache, heads, num_new, dtype):
 
 
 def check_step(cache, ks, vs, heads, num_new, dtype, what, num_splits=None):
-    pattern = reference_pattern(cache.pattern, cache.num_kv_heads)
     q, k, v = step(cache, heads, num_new, dtype)
     out, lse = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True, num_splits=num_splits)
+    check_against_reference(cache, ks, vs, (q, k, v), (out, lse), dtype, what)
+
+
+def check_against_reference(cache, ks, vs, inputs, result, dtype, what):
+    """One step's (out, lse) against the reference over the past ``ks``/``vs`` and the step's
+    new tokens, which are then appended to ``ks``/``vs``."""
+    (q, k, v), (out, lse) = inputs, result
+    pattern = reference_pattern(cache.pattern, cache.num_kv_heads)
     ref_out, ref_lse = reference_step(q, ks, vs, k, v, pattern)
     assert_close(out, ref_out, dtype, f"{what} out")
     assert_close(lse, ref_lse.float(), torch.float32, f"{what} lse")
@@ -163,14 +170,8 @@ def test_decode_steps_never_synchronize(kind):
             outs.append(sparse_attention_with_kvcache(q, cache, k, v, return_lse=True))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    ref = reference_pattern(cache.pattern, cache.num_kv_heads)
-    for i, ((q, k, v), (out, lse)) in enumerate(zip(steps[2:], outs)):
-        ref_out, ref_lse = reference_step(q, ks, vs, k, v, ref)
-        assert_close(out, ref_out, dtype, f"step {i} out")
-        assert_close(lse, ref_lse.float(), torch.float32, f"step {i} lse")
-        for b in range(cache.batch_size):
-            ks[b] = torch.cat([ks[b], k[b]])
-            vs[b] = torch.cat([vs[b], v[b]])
+    for i, (inputs, result) in enumerate(zip(steps[2:], outs)):
+        check_against_reference(cache, ks, vs, inputs, result, dtype, f"step {i}")
 
 
 def test_new_tokens_already_in_the_cache():
