@@ -30,7 +30,13 @@ import torch.distributed as dist
 from run_info import environment, parser, result_stem, table, versions_line, write_results
 
 import s2attn
-from s2attn.distributed import communication_bytes, context_parallel_attention, shard, unshard
+from s2attn.distributed import (
+    communication_bytes,
+    context_parallel_attention,
+    context_parallel_bytes,
+    shard,
+    unshard,
+)
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
@@ -131,7 +137,9 @@ def main() -> int:
         s2attn.sparse_attention(qf, kf, vf, pattern).backward(grad)
 
     rows = []
-    moved = communication_bytes(1, args.seq, args.kv_heads, args.dim, dtype, world)
+    # The busiest rank's bytes, and an all-gather's for comparison.
+    moved = max(context_parallel_bytes(pattern, 1, args.seq, args.kv_heads, args.dim, dtype, world))
+    gather = communication_bytes(1, args.seq, args.kv_heads, args.dim, dtype, world)
     for name, cp, one, bytes_moved in (
         ("fwd", cp_fwd, one_fwd, moved),
         ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved),
@@ -141,6 +149,7 @@ def main() -> int:
             dict(
                 pass_=name, world=world, seq=args.seq, cp_ms=t_cp, one_device_ms=t_one,
                 efficiency=t_one / (world * t_cp), mib_per_rank=bytes_moved / 2**20,
+                all_gather_mib=(gather if name == "fwd" else 2 * gather) / 2**20,
             )
         )  # fmt: skip
     if rank == 0:
@@ -157,7 +166,8 @@ def main() -> int:
             + f" ({'ok' if ok else 'FAILED'}).",
             "",
             *table(
-                ["pass", "ranks", "ms per rank", "one device ms", "efficiency", "MiB in / rank"],
+                ["pass", "ranks", "ms per rank", "one device ms", "efficiency",
+                 "MiB in, busiest rank", "all-gather MiB"],
                 [
                     [
                         r["pass_"],
@@ -166,6 +176,7 @@ def main() -> int:
                         f"{r['one_device_ms']:.2f}",
                         f"{r['efficiency']:.2f}",
                         f"{r['mib_per_rank']:.1f}",
+                        f"{r['all_gather_mib']:.1f}",
                     ]
                     for r in rows
                 ],

@@ -13,11 +13,14 @@ on S2 patterns (128k tokens, 32 heads, block 64, local 16, stride 16 or 64, W = 
 busiest rank's kept blocks are within 0.2% of the mean, against 26-71% above it for contiguous
 shards.
 
-This first version is exact and simple: every rank all-gathers the whole K and V (and the backward
-reduce-scatters dK and dV back to their owners), so each rank receives ``(W - 1) / W`` of the
-global K and V: ``2 * batch * seq * kv_heads * dim * itemsize * (W - 1) / W`` bytes, the same as
-an all-gather (see :func:`communication_bytes`). Receiving only the KV blocks a rank's queries
-read, overlapped with compute, is for a later version.
+Communication. A rank receives only the K/V tokens its queries read, per KV head (the blocks
+its two chunks' query blocks keep under that head's pattern heads, up to each chunk's end under a
+causal pattern), in one ``all_to_all_single`` each for K and V; the backward sends each received
+token's gradient back to its owner the same way. Under a strided S2 pattern that is a few percent
+of an all-gather's ``(W - 1) / W`` of the sequence (:func:`context_parallel_bytes` against
+:func:`communication_bytes`). Each rank still lays K and V out over the whole sequence (zeros
+where nothing is read), so its memory is an all-gather's; overlapping the exchange with compute is
+for a later version.
 
 Bidirectional patterns. The kernels align queries bottom-right to the keys, so a causal chunk is
 computed against the keys up to its end and sits at its absolute position. A bidirectional chunk
@@ -33,6 +36,7 @@ import math
 import struct
 import weakref
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,7 +44,13 @@ import torch.distributed as dist
 from .attention import sparse_attention
 from .pattern import BlockPattern
 
-__all__ = ["communication_bytes", "context_parallel_attention", "shard", "unshard"]
+__all__ = [
+    "communication_bytes",
+    "context_parallel_attention",
+    "context_parallel_bytes",
+    "shard",
+    "unshard",
+]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -137,6 +147,171 @@ def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, seq_dim: 
     return torch.cat(parts, dim=seq_dim)
 
 
+# ----------------------------------------------------------------- moving only what is read
+@dataclass(frozen=True)
+class _ExchangePlan:
+    """Which K/V tokens one rank sends to and receives from each rank, per KV head.
+
+    ``send[d][g]``: indices into this rank's shard of the tokens rank ``d`` reads for KV head
+    ``g``; ``recv[s][g]``: the global positions of the tokens this rank reads from rank ``s``'s
+    shard, in the same order as ``s`` sends them (ascending position). Nothing to or from itself:
+    a rank holds its own shard. ``own``: the global positions of this rank's shard."""
+
+    seq: int
+    send: list[list[torch.Tensor]]
+    recv: list[list[torch.Tensor]]
+    own: torch.Tensor
+
+    def tokens_received(self) -> int:
+        """Token rows (one KV head each) this rank receives, K or V alone."""
+        return sum(int(i.numel()) for per_head in self.recv for i in per_head)
+
+
+def _owners(seq: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every global position: the rank whose shard holds it, and its index in that shard."""
+    chunk = seq // (2 * world)
+    pos = torch.arange(seq)
+    c = pos // chunk
+    late = c >= world
+    owner = torch.where(late, 2 * world - 1 - c, c)
+    local = pos - c * chunk + late.long() * chunk
+    return owner, local
+
+
+def _tokens_read(pattern: BlockPattern, seq: int, world: int, kv_heads: int) -> torch.Tensor:
+    """(world, kv_heads, seq) bool: the key positions each rank's queries read, per KV head: for
+    each of its two chunks, the blocks its query blocks keep under the KV head's pattern heads,
+    and under a causal pattern only the positions up to the chunk's end (a pattern's mask may
+    keep blocks past the diagonal, as the dense pattern does, that causality never reads)."""
+    b, chunk = pattern.block_size, seq // (2 * world)
+    nb = -(-seq // b)
+    mask = pattern.mask[:, :nb, :nb]
+    # Pattern heads per KV head: the KV heads themselves, or each KV head's query heads.
+    per_kv = mask.view(kv_heads, -1, nb, nb).any(dim=1) if mask.shape[0] != kv_heads else mask
+    out = torch.zeros(world, kv_heads, seq, dtype=torch.bool)
+    for r in range(world):
+        for c in (r, 2 * world - 1 - r):
+            start, end = c * chunk, (c + 1) * chunk
+            blocks = per_kv[:, start // b : (end - 1) // b + 1].any(dim=1)  # (kv_heads, nb)
+            read = blocks.repeat_interleave(b, dim=1)[:, :seq]
+            if pattern.causal:
+                read[:, end:] = False
+            out[r] |= read
+    return out
+
+
+_PLANS: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
+
+
+def _exchange_plan(
+    pattern: BlockPattern, seq: int, world: int, rank: int, kv_heads: int
+) -> _ExchangePlan:
+    plans = _PLANS.setdefault(pattern, {})
+    key = (seq, world, rank, kv_heads)
+    if key not in plans:
+        read = _tokens_read(pattern, seq, world, kv_heads)
+        owner, local = _owners(seq, world)
+        mine = owner == rank
+        send = [
+            [local[read[d, g] & mine] if d != rank else local[:0] for g in range(kv_heads)]
+            for d in range(world)
+        ]
+        recv = [
+            [
+                (read[rank, g] & (owner == s)).nonzero().flatten() if s != rank else local[:0]
+                for g in range(kv_heads)
+            ]
+            for s in range(world)
+        ]
+        own = mine.nonzero().flatten()
+        own = own[local[own].argsort()]  # in shard order
+        plans[key] = _ExchangePlan(seq, send, recv, own)
+    return plans[key]
+
+
+def _pieces(x: torch.Tensor, index: list[list[torch.Tensor]], dim_size: int) -> list[torch.Tensor]:
+    """x (batch, n, kv_heads, dim) rows ``index[r][g]`` of head g, flat, one tensor per rank."""
+    return [
+        torch.cat([x[:, i.to(x.device), g].reshape(-1) for g, i in enumerate(per_head)])
+        if any(i.numel() for i in per_head)
+        else x.new_empty(0)
+        for per_head in index
+    ]
+
+
+def _sizes(index: list[list[torch.Tensor]], batch: int, dim: int) -> list[int]:
+    return [batch * dim * sum(int(i.numel()) for i in per_head) for per_head in index]
+
+
+def _all_to_all(pieces: list[torch.Tensor], out_sizes: list[int], group) -> list[torch.Tensor]:
+    send = torch.cat(pieces)
+    recv = send.new_empty(sum(out_sizes))
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=out_sizes,
+        input_split_sizes=[p.numel() for p in pieces], group=group,
+    )  # fmt: skip
+    return list(recv.split(out_sizes))
+
+
+class _ExchangeKV(torch.autograd.Function):
+    """A rank's shard (batch, local_seq, kv_heads, dim) -> the whole sequence (batch, seq,
+    kv_heads, dim) holding the rank's own tokens and those its queries read, zeros elsewhere
+    (which its pattern never reads). The backward sends each received token's gradient back to
+    its owner, which adds it to its own."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: _ExchangePlan, group) -> torch.Tensor:
+        ctx.plan, ctx.group = plan, group
+        batch, _, kv_heads, dim = x.shape
+        x = x.contiguous()
+        full = x.new_zeros(batch, plan.seq, kv_heads, dim)
+        full[:, plan.own.to(x.device)] = x
+        received = _all_to_all(_pieces(x, plan.send, dim), _sizes(plan.recv, batch, dim), group)
+        for flat, per_head in zip(received, plan.recv):
+            start = 0
+            for g, positions in enumerate(per_head):
+                n = batch * int(positions.numel()) * dim
+                full[:, positions.to(x.device), g] = flat[start : start + n].view(batch, -1, dim)
+                start += n
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        plan, group = ctx.plan, ctx.group
+        batch, _, kv_heads, dim = grad.shape
+        grad = grad.contiguous()
+        local = grad[:, plan.own.to(grad.device)].clone()
+        returned = _all_to_all(_pieces(grad, plan.recv, dim), _sizes(plan.send, batch, dim), group)
+        for flat, per_head in zip(returned, plan.send):
+            start = 0
+            for g, index in enumerate(per_head):
+                n = batch * int(index.numel()) * dim
+                piece = flat[start : start + n].view(batch, -1, dim)
+                local[:, :, g].index_add_(1, index.to(grad.device), piece)
+                start += n
+        return local, None, None
+
+
+def context_parallel_bytes(
+    pattern: BlockPattern,
+    batch: int,
+    seq: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    world_size: int,
+) -> list[int]:
+    """Bytes of K and V each rank receives in one forward of :func:`context_parallel_attention`
+    (the backward sends as many back): only the tokens its queries read, per KV head. Compare
+    with :func:`communication_bytes`, an all-gather's."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return [
+        2 * batch * dim * itemsize
+        * _exchange_plan(pattern, seq, world_size, r, kv_heads).tokens_received()
+        for r in range(world_size)
+    ]  # fmt: skip
+
+
 def unshard(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, *, seq_dim: int = 1
 ) -> torch.Tensor:
@@ -164,7 +339,8 @@ def unshard(
 def communication_bytes(
     batch: int, seq: int, kv_heads: int, dim: int, dtype: torch.dtype, world_size: int
 ) -> int:
-    """Bytes each rank receives for K and V in one forward (the backward sends as many back)."""
+    """Bytes each rank would receive for K and V in one forward from an all-gather of the whole
+    sequence; :func:`context_parallel_bytes` gives what it does receive."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * batch * seq * kv_heads * dim * itemsize * (world_size - 1) // world_size
 
@@ -309,12 +485,13 @@ def context_parallel_attention(
         softmax_scale: defaults to ``1 / sqrt(dim)``.
         return_lse: also return the float32 LSE (batch, heads, local_seq) of this rank's rows.
 
-    Every rank all-gathers the whole K and V (see :func:`communication_bytes`) and computes its
-    two query chunks with :func:`s2attn.sparse_attention`: under a causal pattern each against the
-    keys up to the chunk's end (the kernel aligns queries bottom-right, so the chunk sits at its
-    absolute position), under a bidirectional one against all keys with the chunk's rows of the
-    pattern shifted to the end. The backward reduce-scatters dK and dV to their owners. A group of
-    one rank calls :func:`s2attn.sparse_attention` directly.
+    Every rank receives the K and V tokens its queries read (see :func:`context_parallel_bytes`)
+    and computes its two query chunks with :func:`s2attn.sparse_attention`: under a causal
+    pattern each against the keys up to the chunk's end (the kernel aligns queries bottom-right,
+    so the chunk sits at its absolute position), under a bidirectional one against all keys with
+    the chunk's rows of the pattern shifted to the end. The backward returns the received
+    tokens' gradients to their owners. A group of one rank calls :func:`s2attn.sparse_attention`
+    directly.
 
     Returns:
         ``out`` (batch, local_seq, heads, dim), this rank's shard of the output; with
@@ -333,8 +510,9 @@ def context_parallel_attention(
         return sparse_attention(
             q, k, v, pattern, softmax_scale=softmax_scale, return_lse=return_lse
         )
-    k_full = _gather_sequence(k, group, 1)
-    v_full = _gather_sequence(v, group, 1)
+    plan = _exchange_plan(pattern, q.shape[1] * world, world, rank, k.shape[2])
+    k_full = _ExchangeKV.apply(k, plan, group)
+    v_full = _ExchangeKV.apply(v, plan, group)
     chunk = q.shape[1] // 2
     outs, lses = [], []
     seq = k_full.shape[1]

@@ -14,7 +14,13 @@ import torch.multiprocessing as mp
 from helpers import assert_close
 
 import s2attn
-from s2attn.distributed import communication_bytes, context_parallel_attention, shard, unshard
+from s2attn.distributed import (
+    communication_bytes,
+    context_parallel_attention,
+    context_parallel_bytes,
+    shard,
+    unshard,
+)
 
 DTYPE = torch.float32
 # Bounds every collective and the whole test, so a bug that hangs a rank fails instead.
@@ -177,6 +183,24 @@ def _errors_body(rank, world, pattern):
 def test_bad_input_raises_on_every_rank():
     pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
     _spawn(2, _errors_body, pattern)
+
+
+def test_only_the_tokens_read_move():
+    """Each rank receives only the K/V tokens its queries read, per KV head: a few percent of an
+    all-gather under a strided S2 pattern, every earlier token under a dense causal one (the
+    last chunk's owner, rank 0, needs all; rank W-1 only the chunks before W), and everything
+    under a dense bidirectional one."""
+    seq, world, kv, dim = 2048, 4, 4, 16
+    full = communication_bytes(1, seq, kv, dim, torch.float16, world)
+    s2 = s2attn.local_stride_pattern(8, seq, 16, 4, 16, num_kv_heads=kv)
+    got = context_parallel_bytes(s2, 1, seq, kv, dim, torch.float16, world)
+    print("S2 / all-gather per rank:", [round(b / full, 3) for b in got])
+    assert max(got) <= full / 8
+    causal = s2attn.dense_pattern(kv, seq, 16)
+    got = context_parallel_bytes(causal, 1, seq, kv, dim, torch.float16, world)
+    assert [b / full for b in got] == pytest.approx([1, 5 / 6, 4 / 6, 3 / 6])
+    bidir = s2attn.dense_pattern(kv, seq, 16, causal=False)
+    assert context_parallel_bytes(bidir, 1, seq, kv, dim, torch.float16, world) == [full] * world
 
 
 def test_communication_bytes():
