@@ -204,10 +204,24 @@ _PLANS: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionar
 
 
 def _exchange_plan(
-    pattern: BlockPattern, seq: int, world: int, rank: int, kv_heads: int
+    pattern: BlockPattern,
+    seq: int,
+    world: int,
+    rank: int,
+    kv_heads: int,
+    device: torch.device | None = None,
 ) -> _ExchangePlan:
+    """The plan, its index tensors on ``device`` (moved once, not on every call)."""
     plans = _PLANS.setdefault(pattern, {})
-    key = (seq, world, rank, kv_heads)
+    key = (seq, world, rank, kv_heads, None if device is None else str(device))
+    if key not in plans and device is not None:
+        cpu = _exchange_plan(pattern, seq, world, rank, kv_heads)
+        plans[key] = _ExchangePlan(
+            seq,
+            [[i.to(device) for i in per_head] for per_head in cpu.send],
+            [[i.to(device) for i in per_head] for per_head in cpu.recv],
+            cpu.own.to(device),
+        )
     if key not in plans:
         read = _tokens_read(pattern, seq, world, kv_heads)
         owner, local = _owners(seq, world)
@@ -232,7 +246,7 @@ def _exchange_plan(
 def _pieces(x: torch.Tensor, index: list[list[torch.Tensor]], dim_size: int) -> list[torch.Tensor]:
     """x (batch, n, kv_heads, dim) rows ``index[r][g]`` of head g, flat, one tensor per rank."""
     return [
-        torch.cat([x[:, i.to(x.device), g].reshape(-1) for g, i in enumerate(per_head)])
+        torch.cat([x[:, i, g].reshape(-1) for g, i in enumerate(per_head)])
         if any(i.numel() for i in per_head)
         else x.new_empty(0)
         for per_head in index
@@ -265,13 +279,13 @@ class _ExchangeKV(torch.autograd.Function):
         batch, _, kv_heads, dim = x.shape
         x = x.contiguous()
         full = x.new_zeros(batch, plan.seq, kv_heads, dim)
-        full[:, plan.own.to(x.device)] = x
+        full[:, plan.own] = x
         received = _all_to_all(_pieces(x, plan.send, dim), _sizes(plan.recv, batch, dim), group)
         for flat, per_head in zip(received, plan.recv):
             start = 0
             for g, positions in enumerate(per_head):
                 n = batch * int(positions.numel()) * dim
-                full[:, positions.to(x.device), g] = flat[start : start + n].view(batch, -1, dim)
+                full[:, positions, g] = flat[start : start + n].view(batch, -1, dim)
                 start += n
         return full
 
@@ -280,14 +294,14 @@ class _ExchangeKV(torch.autograd.Function):
         plan, group = ctx.plan, ctx.group
         batch, _, kv_heads, dim = grad.shape
         grad = grad.contiguous()
-        local = grad[:, plan.own.to(grad.device)].clone()
+        local = grad[:, plan.own].clone()
         returned = _all_to_all(_pieces(grad, plan.recv, dim), _sizes(plan.send, batch, dim), group)
         for flat, per_head in zip(returned, plan.send):
             start = 0
             for g, index in enumerate(per_head):
                 n = batch * int(index.numel()) * dim
                 piece = flat[start : start + n].view(batch, -1, dim)
-                local[:, :, g].index_add_(1, index.to(grad.device), piece)
+                local[:, :, g].index_add_(1, index, piece)
                 start += n
         return local, None, None
 
@@ -510,7 +524,7 @@ def context_parallel_attention(
         return sparse_attention(
             q, k, v, pattern, softmax_scale=softmax_scale, return_lse=return_lse
         )
-    plan = _exchange_plan(pattern, q.shape[1] * world, world, rank, k.shape[2])
+    plan = _exchange_plan(pattern, q.shape[1] * world, world, rank, k.shape[2], k.device)
     k_full = _ExchangeKV.apply(k, plan, group)
     v_full = _ExchangeKV.apply(v, plan, group)
     chunk = q.shape[1] // 2
