@@ -17,7 +17,13 @@ import weakref
 
 import torch
 
-__all__ = ["BlockPattern", "dense_pattern", "local_stride_pattern"]
+__all__ = [
+    "BlockPattern",
+    "dense_pattern",
+    "local_stride_pattern",
+    "shared_dense_pattern",
+    "shared_pattern",
+]
 
 _OP_KEYS = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
@@ -275,6 +281,33 @@ def dense_pattern(
     _check_block_size(block_size)
     nb = math.ceil(max_seq_len / block_size)
     return BlockPattern(torch.ones(num_heads, nb, nb, dtype=torch.bool), block_size, causal)
+
+
+# Patterns shared by every layer and caller of one configuration, so that their layouts are
+# built once. A plain dict, not a functools cache: torch.compile reads an entry of a global dict
+# as a guarded constant, where it cannot trace into functools.lru_cache. The oldest entries go
+# beyond _MAX_SHARED.
+_SHARED: dict[tuple, BlockPattern] = {}
+_MAX_SHARED = 16
+
+
+def shared_pattern(key: tuple, build) -> BlockPattern:
+    """The pattern cached under ``key``, built by ``build()`` the first time."""
+    pattern = _SHARED.get(key)
+    if pattern is None:
+        while len(_SHARED) >= _MAX_SHARED:
+            del _SHARED[next(iter(_SHARED))]
+        pattern = _SHARED[key] = build()
+    return pattern
+
+
+def shared_dense_pattern(num_heads: int, max_seq_len: int, block_size: int) -> BlockPattern:
+    """The causal :func:`dense_pattern` of this shape, one object per process (see
+    :func:`shared_pattern`): the dense layers of a model share it with their KV caches."""
+    return shared_pattern(
+        ("dense", num_heads, max_seq_len, block_size),
+        lambda: dense_pattern(num_heads, max_seq_len, block_size),
+    )
 
 
 def local_stride_pattern(

@@ -302,7 +302,7 @@ def test_transformers_model_compiles_whole(loaded, reference_ops, tmp_path):
 
     model = hhst.build_model(hhst.model_config("tiny", "hhst", seq_len=128))
     if loaded:
-        s2hf._PATTERNS.clear()  # as in a new process: nothing built before the load
+        s2attn.pattern._SHARED.clear()  # as in a new process: nothing built before the load
         model.save_pretrained(tmp_path)
         model = LlamaForCausalLM.from_pretrained(tmp_path)
         s2hf.prepare(model)

@@ -19,14 +19,12 @@ tokens sit at the end of each sequence). The path depends on the step:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..attention import sparse_attention
 from ..ops.dispatch import supports_triton
 from ..ops.triton import decode as triton_decode
-from ..pattern import BlockPattern, dense_pattern
+from ..pattern import BlockPattern, shared_dense_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..validation import check_cu_seqlens, check_softmax_scale, check_tensor
 from .cache import DECODE_STEP_TOKENS, PagedKVCache
@@ -37,16 +35,10 @@ __all__ = ["MAX_DECODE_TOKENS", "sparse_attention_with_kvcache"]
 MAX_DECODE_TOKENS = DECODE_STEP_TOKENS  # the cache keeps such steps' blocks for their own queries
 
 
-@functools.lru_cache(maxsize=8)
-def _dense_pattern(num_heads: int, max_seq_len: int, block_size: int) -> BlockPattern:
-    # Shared by every dense layer of one shape, so their forward layouts are built once.
-    return dense_pattern(num_heads, max_seq_len, block_size)
-
-
 def _layer_pattern(cache: PagedKVCache) -> BlockPattern:
     if cache.pattern is not None:
         return cache.pattern
-    return _dense_pattern(cache.num_kv_heads, cache.max_seq_len, cache.block_size)
+    return shared_dense_pattern(cache.num_kv_heads, cache.max_seq_len, cache.block_size)
 
 
 def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> tuple[float, list[int]]:

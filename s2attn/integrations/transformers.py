@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..attention import sparse_attention
 from ..inference import PagedKVCache, sparse_attention_with_kvcache
-from ..pattern import BlockPattern, dense_pattern, local_stride_pattern
+from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..reference import attention_reference
 
@@ -137,11 +137,11 @@ def configure(
         layer_types=["dense" if i in dense else "s2" for i in range(num_layers)],
     )
     # Built now, not at the first forward: it validates the settings, and a compiled forward
-    # finds the patterns ready (see _PATTERNS).
+    # finds the patterns ready (see s2attn.pattern.shared_pattern).
     heads, kv_heads, *_ = key = _pattern_key(text, settings)
     _build_pattern(*key)
     if dense:
-        _dense(kv_heads, settings["max_seq_len"], block_size)
+        shared_dense_pattern(kv_heads, settings["max_seq_len"], block_size)
     setattr(text, _CONFIG_KEY, settings)
     text._attn_implementation = attn_implementation
     return config
@@ -163,23 +163,6 @@ def _pattern_key(config, settings: dict) -> tuple:
     )
 
 
-# One pattern object per configuration: every layer of a kind shares it, and with it its
-# layouts. A plain dict, not functools.lru_cache: torch.compile reads an entry of a global dict as
-# a guarded constant, where it cannot trace into lru_cache; configure() fills it, so a compiled
-# forward only ever reads it. The oldest entries go beyond _MAX_PATTERNS.
-_PATTERNS: dict[tuple, BlockPattern] = {}
-_MAX_PATTERNS = 16
-
-
-def _cached(key: tuple, build) -> BlockPattern:
-    pattern = _PATTERNS.get(key)
-    if pattern is None:
-        while len(_PATTERNS) >= _MAX_PATTERNS:
-            del _PATTERNS[next(iter(_PATTERNS))]
-        pattern = _PATTERNS[key] = build()
-    return pattern
-
-
 def _build_pattern(
     heads,
     kv_heads,
@@ -191,7 +174,9 @@ def _build_pattern(
     homo_head,
     head_offset,
 ) -> BlockPattern:
-    return _cached(
+    # One object per configuration, shared by every S2 layer and read by compiled code (see
+    # s2attn.pattern.shared_pattern); configure() builds it.
+    return shared_pattern(
         ("s2", heads, kv_heads, max_seq_len, block_size, local_blocks, vert_stride,
          num_dense_heads, homo_head, head_offset),
         lambda: local_stride_pattern(
@@ -199,13 +184,6 @@ def _build_pattern(
             num_dense_heads=num_dense_heads, homo_head=homo_head, head_offset=head_offset,
         ),
     )  # fmt: skip
-
-
-def _dense(kv_heads: int, max_seq_len: int, block_size: int) -> BlockPattern:
-    return _cached(
-        ("dense", kv_heads, max_seq_len, block_size),
-        lambda: dense_pattern(kv_heads, max_seq_len, block_size),
-    )
 
 
 def _settings(config) -> dict:
@@ -249,7 +227,7 @@ def _attention_pattern(config, layer_idx: int) -> BlockPattern:
         return pattern
     settings = _settings(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return _dense(kv_heads, settings["max_seq_len"], settings["block_size"])
+    return shared_dense_pattern(kv_heads, settings["max_seq_len"], settings["block_size"])
 
 
 # ------------------------------------------------------------------------------ padding
