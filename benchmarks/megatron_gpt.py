@@ -198,32 +198,30 @@ def check_layer(model, args, layer: int, ids, pos, rank: int, tp: int) -> dict:
     out = core(q, k, v, None)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
-    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    # The reference in float32: main runs under bf16 autocast, which would otherwise compute the
-    # reference's matmuls, and its backward's, in bf16 as well.
-    with torch.autocast(q.device.type, enabled=False):
-        ref = s2attn.attention_reference(
-            qf.transpose(0, 1), kf.transpose(0, 1), vf.transpose(0, 1), expected
-        ).transpose(0, 1)
-        ref = ref.reshape(out.shape)
-        ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
-        # The same reference computed in bf16 shows how far bf16 itself lands from float32 on
-        # these activations: a trained layer's sharp softmax makes dq and dk ill-conditioned
-        # (dS = P * (dP - delta) cancels), so their error is judged against this one's.
-        # Megatron may hand float32 q/k/v that bf16 autocast casts on the way in: the same here.
-        low_dtype = out.dtype
-        qb, kb, vb = (t.detach().to(low_dtype).requires_grad_() for t in (q, k, v))
-        low = s2attn.attention_reference(
-            qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), expected,
-            compute_dtype=low_dtype,
-        ).transpose(0, 1).reshape(out.shape)  # fmt: skip
-        low_grads = torch.autograd.grad(low, (qb, kb, vb), grad)
-    errors = {"out": rel(out, ref)}
-    errors.update({f"d{n}": rel(g, r) for n, g, r in zip("qkv", grads, ref_grads)})
-    errors = {name: worst(e) for name, e in errors.items()}
-    baseline = {"out": rel(low, ref)}
-    baseline.update({f"d{n}": rel(g, r) for n, g, r in zip("qkv", low_grads, ref_grads)})
-    baseline = {name: worst(e) for name, e in baseline.items()}
+
+    def reference(dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The dense-mask reference's output and q/k/v gradients, computed in ``dtype`` on
+        copies of the inputs cast to it (outside autocast, which would compute its matmuls in
+        bf16 whatever ``dtype`` says)."""
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        with torch.autocast(q.device.type, enabled=False):
+            ref = s2attn.attention_reference(
+                *(t.transpose(0, 1) for t in leaves), expected, compute_dtype=dtype
+            ).transpose(0, 1).reshape(out.shape)  # fmt: skip
+            return ref, torch.autograd.grad(ref, leaves, grad.to(dtype))
+
+    def errors_against(result, result_grads) -> dict[str, float]:
+        found = {"out": rel(result, ref)}
+        found.update({f"d{n}": rel(g, r) for n, g, r in zip("qkv", result_grads, ref_grads)})
+        return {name: worst(e) for name, e in found.items()}
+
+    ref, ref_grads = reference(torch.float32)
+    errors = errors_against(out, grads)
+    # The same reference computed in bf16 (the dtype autocast hands the layer, whatever Megatron
+    # passes in) shows how far bf16 itself lands from float32 on these activations: a trained
+    # layer's sharp softmax makes dq and dk ill-conditioned (dS = P * (dP - delta) cancels), so
+    # their error is judged against this one's.
+    baseline = errors_against(*reference(out.dtype))
     same_pattern = worst(0.0 if same_pattern else 1.0) == 0.0
     within = all(e < max(ATTENTION_TOL, BASELINE_FACTOR * baseline[n]) for n, e in errors.items())
     return dict(
