@@ -255,31 +255,27 @@ def main() -> int:
 
     if not (args.skip_train or args.report_only):
         print(f"training {len(args.only)} variants, {args.parallel} at once", flush=True)
-        common = [*python, "train", "--preset", args.preset, "--no-progress", *device]
+        def train(name: str, steps: int, seed: int, seq_len: int, out: Path, *extra: str):
+            return [
+                *python, "train", "--preset", args.preset, "--no-progress", *device,
+                *VARIANTS[name], "--steps", str(steps), "--seed", str(seed), "--seq-len",
+                str(seq_len), "--out", str(out), *extra, *args.train_args.split(),
+            ]  # fmt: skip
+
         jobs = {}
         for name in args.only:
-
-            def main_phase(seed: int, *extra: str, name=name) -> list[str]:
-                return [
-                    *common, *VARIANTS[name], "--steps", str(args.steps), "--seed", str(seed),
-                    "--seq-len", str(args.train_len), "--out", str(args.runs / name), *extra,
-                    *args.train_args.split(),
-                ]  # fmt: skip
-
-            jobs[name] = [main_phase(args.seed)]
+            main = args.runs / name
+            jobs[name] = [train(name, args.steps, args.seed, args.train_len, main)]
             if args.short_len:
                 short = short_run(args.runs, name)
                 batch = preset.batch_size * args.train_len // args.short_len
                 jobs[name] = [
-                    [
-                        *common, *VARIANTS[name], "--steps", str(args.short_steps), "--seed",
-                        str(args.seed), "--seq-len", str(args.short_len), "--max-seq-len",
-                        str(args.train_len), "--batch-size", str(batch), "--out", str(short),
-                        *args.train_args.split(),
-                    ],
+                    train(name, args.short_steps, args.seed, args.short_len, short,
+                          "--max-seq-len", str(args.train_len), "--batch-size", str(batch)),
                     # Another seed for the main phase: other documents, not the short phase's
                     # again.
-                    main_phase(args.seed + 1, "--init-from", str(short)),
+                    train(name, args.steps, args.seed + 1, args.train_len, main,
+                          "--init-from", str(short)),
                 ]  # fmt: skip
         codes = run_all(jobs, args.runs, args.parallel, env)
         if any(codes.values()):
