@@ -43,6 +43,17 @@ MODEL = dict(
     vocab_size=32000,
     rope_theta=500000.0,
 )
+# The shape the compile measurement asks for: 8 layers, hidden 1024.
+SMALL_MODEL = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=32000,
+    rope_theta=500000.0,
+)
 SMOKE_MODEL = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -65,12 +76,14 @@ def floor_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
+    """The model of ``variant``; a ``+compile`` suffix compiles it with ``torch.compile``."""
     import transformers
 
     from s2attn.integrations import transformers as s2hf
 
+    variant, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
     transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
-    shape = SMOKE_MODEL if args.smoke else MODEL
+    shape = model_shape(args)
     impl = {"floor": FLOOR_IMPLEMENTATION}.get(variant, "sdpa")
     config = transformers.LlamaConfig(
         **shape,
@@ -96,9 +109,12 @@ def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(dtype)
-    model.gradient_checkpointing_enable()
+    if args.checkpointing:
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
+    if compiled:
+        model.compile()  # in place; the warm-up steps pay the compilation
     return model
 
 
@@ -110,7 +126,7 @@ def sdpa_backend(variant: str):
     backend = {
         "dense-flash": SDPBackend.FLASH_ATTENTION,
         "dense-cudnn": SDPBackend.CUDNN_ATTENTION,
-    }.get(variant)
+    }.get(variant.removesuffix("+compile"))
     return nullcontext() if backend is None else sdpa_kernel(backend)
 
 
@@ -161,14 +177,25 @@ def measure(variant: str, seq: int, args, device: str) -> dict:
     )
 
 
+def model_shape(args) -> dict:
+    return SMOKE_MODEL if args.smoke else SMALL_MODEL if args.model == "small" else MODEL
+
+
 def markdown(rows: list[dict], env: dict, args) -> str:
+    shape = model_shape(args)
     lines = [
-        "# Training step, 1.2B Llama shape: dense against HHST",
+        "# Training step: dense against HHST"
+        + ("" if args.model == "small" else ", 1.2B Llama shape"),
         "",
         f"{env['device']} · {versions_line(env)}",
         "",
-        "16 layers, hidden 2048, 16/4 heads of 128, MLP 8192, vocab 32000, bf16 weights, batch 1, "
-        f"gradient checkpointing, fused AdamW; HHST: first {args.dense_layers} layers dense, S2 "
+        f"{shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"{shape['num_attention_heads']}/{shape['num_key_value_heads']} heads of "
+        f"{shape['head_dim']}, MLP {shape['intermediate_size']}, vocab {shape['vocab_size']}, bf16 "
+        "weights, batch 1, "
+        + ("gradient checkpointing, " if args.checkpointing else "")
+        + "fused AdamW; `+compile`: `model.compile()`, its compilation in the warm-up steps; "
+        f"HHST: first {args.dense_layers} layers dense (hhst1: one), S2 "
         "block 64, local 16 blocks. Median of "
         f"{args.steps} steps after {args.warmup} warm-up. attention = step - floor.",
         "",
@@ -208,6 +235,13 @@ def main() -> int:
         default=["dense-flash", "dense-cudnn", "hhst-V64", "hhst-V16", "floor"],
     )
     ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument(
+        "--model", choices=["1b", "small"], default="1b", help="small: 8 layers, hidden 1024"
+    )
+    ap.add_argument(
+        "--no-checkpointing", dest="checkpointing", action="store_false",
+        help="no gradient checkpointing (short sequences, small models)",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script")
@@ -217,7 +251,7 @@ def main() -> int:
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.seqs, args.steps, args.warmup = [256], 2, 1
-        args.variants = ["dense", "hhst-V4", "floor"]
+        args.variants = ["dense", "hhst-V4", "hhst-V4+compile", "floor"]
     env = environment()
     rows = []
     for seq in args.seqs:
@@ -239,7 +273,7 @@ def main() -> int:
         json.dumps(
             dict(
                 environment=env,
-                model=SMOKE_MODEL if args.smoke else MODEL,
+                model=model_shape(args),
                 dense_layers=args.dense_layers,
                 rows=rows,
             ),

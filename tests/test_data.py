@@ -344,6 +344,22 @@ def test_stream_needle_rows_answer_their_keys(corpus_root):
         assert keys[n] == len(row) - n * (2 + key_len + value_len)  # questions close the row
 
 
+def test_stream_edge_fraction_plants_needles_at_the_ends(corpus_root):
+    root, _ = corpus_root
+    corpus = D.SourceCorpus([root], val_fraction=0.0)
+    needle_len = 2 + 4 + 6
+
+    def needle_starts(edge_fraction):
+        stream = D.TokenStream(corpus, seq_len=399, batch_size=16, seed=3, needle_fraction=1.0,
+                               needles_per_sample=1, edge_fraction=edge_fraction)  # fmt: skip
+        return [row.index(D.KEY) for row in stream.next_batch().tolist()]
+
+    last = 400 - 2 * needle_len  # depth 1: right before the question
+    ends = needle_starts(1.0)
+    assert set(ends) == {0, last}  # only the ends, and both of them
+    assert sum(s in (0, last) for s in needle_starts(0.0)) <= 2  # uniform: the ends are rare
+
+
 def test_needle_filler_is_deterministic(corpus_root):
     root, _ = corpus_root
     corpus = D.SourceCorpus([root], val_fraction=0.0)
@@ -362,6 +378,8 @@ def test_stream_rejects_bad_arguments(corpus_root):
         D.TokenStream(corpus, seq_len=0, batch_size=1)
     with pytest.raises(ValueError, match="needle_fraction"):
         D.TokenStream(corpus, seq_len=64, batch_size=1, needle_fraction=2.0)
+    with pytest.raises(ValueError, match="edge_fraction"):
+        D.TokenStream(corpus, seq_len=64, batch_size=1, edge_fraction=-0.1)
     with pytest.raises(ValueError, match="seq_len must be >= 95"):
         D.TokenStream(corpus, seq_len=64, batch_size=1, needle_fraction=0.5, needles_per_sample=4)
 

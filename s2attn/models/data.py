@@ -529,9 +529,9 @@ class TokenStream:
     the targets. Consecutive rows, and batches, continue the stream where the last one stopped.
     With ``needle_fraction > 0`` each row is, with that probability, a retrieval sample instead
     (see :func:`make_multi_needle_sample`): ``needles_per_sample`` needles at uniform random
-    depths in filler taken from the stream, their questions at the end. Each row's random choices
-    come from its own generator seeded by ``(seed, row number)``, so the state to resume is a few
-    counters.
+    depths (or, with ``edge_fraction``, some at the very start or end) in filler taken from the
+    stream, their questions at the end. Each row's random choices come from its own generator
+    seeded by ``(seed, row number)``, so the state to resume is a few counters.
 
     Args:
         corpus: the :class:`SourceCorpus` to read.
@@ -540,6 +540,9 @@ class TokenStream:
         seed: the seed of the file order and of the needle rows.
         needle_fraction: the probability that a row is a retrieval sample.
         needles_per_sample, key_len, value_len: the retrieval samples' shape.
+        edge_fraction: the share of needles planted at depth 0 or 1 exactly (half each) instead
+            of a uniform depth: the first tokens of a context are otherwise almost never a
+            needle's place, and models trained without them fail to retrieve from there.
 
     Example::
 
@@ -561,6 +564,7 @@ class TokenStream:
         needles_per_sample: int = 4,
         key_len: int = 4,
         value_len: int = 6,
+        edge_fraction: float = 0.0,
     ):
         if not isinstance(corpus, SourceCorpus):
             raise TypeError(f"corpus must be a SourceCorpus, got {type(corpus).__name__}")
@@ -577,6 +581,12 @@ class TokenStream:
             or not 0.0 <= needle_fraction <= 1.0
         ):
             raise ValueError(f"needle_fraction must be a number in [0, 1], got {needle_fraction!r}")
+        if (
+            isinstance(edge_fraction, bool)
+            or not isinstance(edge_fraction, (int, float))
+            or not 0.0 <= edge_fraction <= 1.0
+        ):
+            raise ValueError(f"edge_fraction must be a number in [0, 1], got {edge_fraction!r}")
         overhead = needle_overhead(needles_per_sample, key_len, value_len)
         if needle_fraction > 0 and seq_len + 1 < overhead:
             raise ValueError(
@@ -591,6 +601,7 @@ class TokenStream:
         self.needles_per_sample = needles_per_sample
         self.key_len = key_len
         self.value_len = value_len
+        self.edge_fraction = float(edge_fraction)
         self._overhead = overhead
         # Position: epoch, index into that epoch's file order, tokens of that document consumed;
         # and rows produced so far (the needle rows' seeds).
@@ -612,6 +623,8 @@ class TokenStream:
             "needles_per_sample": self.needles_per_sample,
             "key_len": self.key_len,
             "value_len": self.value_len,
+            # Only when set, so that states saved before the option existed still load.
+            **({"edge_fraction": self.edge_fraction} if self.edge_fraction else {}),
         }
 
     def describe(self) -> dict:
@@ -669,6 +682,14 @@ class TokenStream:
             filled += take
             self.offset += take
 
+    def _needle_depth(self, rng: random.Random) -> float:
+        # A uniform depth almost never puts a needle on the context's very first tokens, where
+        # attention behaves unlike anywhere else (the first position draws the "sink" weight of
+        # every query); models trained on uniform depths alone fail there, dense ones included.
+        if self.edge_fraction and rng.random() < self.edge_fraction:
+            return float(rng.random() < 0.5)
+        return rng.random()
+
     def next_batch(self) -> torch.Tensor:
         """The next ``(batch_size, seq_len + 1)`` int64 CPU tensor of token ids."""
         return self.next_batch_with_answers()[0]
@@ -686,7 +707,7 @@ class TokenStream:
             if self.needle_fraction > 0 and rng.random() < self.needle_fraction:
                 filler = np.empty(length - self._overhead, dtype=np.int64)
                 self._fill(filler)
-                depths = [rng.random() for _ in range(self.needles_per_sample)]
+                depths = [self._needle_depth(rng) for _ in range(self.needles_per_sample)]
                 sample = make_multi_needle_sample(
                     torch.from_numpy(filler), length, depths, rng, self.key_len, self.value_len
                 )

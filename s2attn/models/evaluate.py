@@ -263,7 +263,7 @@ def _depth_key(depth: float) -> str:
 
 
 def plot_needle_heatmaps(results: dict[str, dict], path: str | Path) -> Path:
-    """Draw one needle heat map per model, side by side, into the image file ``path``.
+    """Draw one needle heat map per model, side by side (rows of four), into the image ``path``.
 
     Args:
         results: ``{panel title: result}`` where ``result`` is what ``s2attn eval --needle``
@@ -296,11 +296,15 @@ def plot_needle_heatmaps(results: dict[str, dict], path: str | Path) -> Path:
             )
         grids[title] = accuracy
     panels = len(grids)
+    cols = min(panels, 4)
+    rows = -(-panels // cols)
     fig, axes = plt.subplots(
-        1, panels, figsize=(1.2 + 3.2 * panels, 3.6), squeeze=False, constrained_layout=True
+        rows, cols, figsize=(1.2 + 3.2 * cols, 3.6 * rows), squeeze=False, constrained_layout=True
     )
+    for ax in axes.flat[panels:]:
+        ax.set_axis_off()
     image = None
-    for i, (ax, (title, accuracy)) in enumerate(zip(axes[0], grids.items())):
+    for i, (ax, (title, accuracy)) in enumerate(zip(axes.flat, grids.items())):
         lengths = sorted(accuracy, key=int)
         depths = sorted({d for row in accuracy.values() for d in row}, key=float)
         values = [[accuracy[n].get(d, float("nan")) for n in lengths] for d in depths]
@@ -313,10 +317,10 @@ def plot_needle_heatmaps(results: dict[str, dict], path: str | Path) -> Path:
         ax.set_xticks(range(len(lengths)), [_length_label(int(n)) for n in lengths])
         ax.set_yticks(range(len(depths)), [_depth_key(float(d)) for d in depths])
         ax.set_xlabel("context length (tokens)")
-        if i == 0:
+        if i % cols == 0:
             ax.set_ylabel("needle depth (0 = start)")
         ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=axes[0].tolist(), label="retrieval accuracy", shrink=0.9)
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="retrieval accuracy", shrink=0.9)
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -56,6 +56,7 @@ class Preset:
     val_batches: int
     needle_fraction: float
     needles_per_sample: int = 4
+    needle_edge_fraction: float = 0.0
     answer_weight: float = 1.0
     vocab_size: int = VOCAB_SIZE
 

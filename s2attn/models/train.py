@@ -158,6 +158,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="needles planted in each retrieval row, each asked for at its end",
     )
     add(
+        "--needle-edge-fraction",
+        type=float,
+        help="share of needles planted at the very start or end of the context instead of a "
+        "uniform depth (a uniform depth almost never tests the first tokens)",
+    )
+    add(
         "--answer-weight",
         type=float,
         help="weight of the needle answers' tokens in the training loss (1: plain LM loss)",
@@ -270,6 +276,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         seed=args.seed,
         needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),
         needles_per_sample=pick(args.needles_per_sample, preset.needles_per_sample),
+        needle_edge_fraction=float(pick(args.needle_edge_fraction, preset.needle_edge_fraction)),
         answer_weight=float(pick(args.answer_weight, preset.answer_weight)),
         init_from=None if args.init_from is None else str(Path(args.init_from).resolve()),
         data_root=None,  # filled in once the corpus has resolved the roots
@@ -303,8 +310,12 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
     return options, preset
 
 
+# Options added after runs were recorded without them: the value that reproduces those runs.
+_ADDED_OPTIONS = {"needle_edge_fraction": 0.0}
+
+
 def _comparable(options: dict) -> dict:
-    return {k: v for k, v in options.items() if k not in _RESUME_FREE}
+    return {**_ADDED_OPTIONS, **{k: v for k, v in options.items() if k not in _RESUME_FREE}}
 
 
 def _check_out_dir(out: Path, options: dict, resume: bool) -> tuple[Path | None, bool]:
@@ -430,7 +441,8 @@ def _initial_weights(path: str, config) -> dict:
 def _train_stream(options: dict, corpus: SourceCorpus) -> TokenStream:
     return TokenStream(corpus, options["seq_len"], options["batch_size"], seed=options["seed"],
                        needle_fraction=options["needle_fraction"],
-                       needles_per_sample=options["needles_per_sample"])  # fmt: skip
+                       needles_per_sample=options["needles_per_sample"],
+                       edge_fraction=options["needle_edge_fraction"])  # fmt: skip
 
 
 # ------------------------------------------------------------------------- run record
