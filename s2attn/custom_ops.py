@@ -265,13 +265,15 @@ def _reference_backward(grad_out, grad_lse, q, k, v, key, scale, cu_q, cu_k):
     # No kernels here: the reference's gradients, by hand (an operator's kernel runs below the
     # autograd dispatch key, where tensors record no history to differentiate).
     pattern = pattern_for_key(key)
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
     if cu_q is None:
         spans = [((b,), (b,)) for b in range(q.shape[0])]
     else:
         cq, ck = cu_q.tolist(), cu_k.tolist()
         spans = [((slice(a, b),), (slice(c, d),)) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
     for rows, cols in spans:
+        if q[rows].shape[0] == 0 or k[cols].shape[0] == 0:
+            continue  # an empty sequence (or one with no keys): nothing flows, the zeros stand
         # The LSE is (batch, heads, seq_q), or (heads, total_q) when packed.
         gl = None if grad_lse is None else grad_lse[rows if cu_q is None else (slice(None), *rows)]
         go = None if grad_out is None else grad_out[rows]

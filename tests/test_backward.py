@@ -121,8 +121,9 @@ def test_grads_gqa(dtype, kv_heads, per_kv_head, causal):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_grads_varlen(dtype, causal):
     """Packed sequences of different lengths, several with fewer queries than keys, one with
-    keys but no queries (its dK, dV are zero)."""
-    lens_q, lens_k = [33, 1, 0, 100, 20], [33, 5, 40, 190, 64]
+    keys but no queries (its dK, dV are zero), one empty (as a left-padded row's padding is when
+    there is none)."""
+    lens_q, lens_k = [33, 1, 0, 0, 100, 20], [33, 5, 40, 0, 190, 64]
     q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, 4, 2, 32, dtype, seed=3)
     _check_grads(
         q,

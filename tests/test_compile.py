@@ -323,3 +323,32 @@ def test_transformers_model_compiles_whole(loaded, reference_ops, tmp_path):
     assert_close(compiled, eager, torch.float32, "compiled logits")
     for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_transformers_padded_batch_compiles_whole(reference_ops):
+    """A left-padded batch (training, prefill without a cache): the padding mask goes to the
+    attention as data, so the model still traces as one graph, and compiled logits and gradients
+    equal eager ones."""
+    from s2attn.models import hhst
+
+    model = hhst.build_model(hhst.model_config("tiny", "hhst", seq_len=128))
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (3, 128), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    mask[2, :127] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def logits(ids, mask, positions):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        return out.logits * mask[..., None]  # padded rows carry no meaning
+
+    explained = torch._dynamo.explain(logits)(ids, mask, positions)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    eager = logits(ids, mask, positions)
+    eager_grads = torch.autograd.grad(eager.square().mean(), list(model.parameters()))
+    compiled = torch.compile(logits, backend=BACKEND, fullgraph=True)(ids, mask, positions)
+    grads = torch.autograd.grad(compiled.square().mean(), list(model.parameters()))
+    assert_close(compiled, eager, torch.float32, "compiled logits")
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

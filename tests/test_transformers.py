@@ -99,6 +99,33 @@ def test_left_padded_batch_matches_reference():
     assert cache.layers[0].paged.lengths == held  # each sequence unpadded in the cache
 
 
+def padded_batch(lengths, seq, seed=0):
+    """Left-padded ids, mask and position ids (each sequence counts from its first real token)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 128, (len(lengths), seq), generator=gen).to(DEVICE)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, seq - n :] = 1
+        ids[b, : seq - n] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_left_padded_forward_without_cache_matches_each_sequence_alone():
+    """Training and cache-free forwards of a left-padded batch: every real token's logits equal
+    those of its sequence run alone through the reference attention; padded rows attend
+    nothing. Lengths span blocks and leave one sequence unpadded and one a single block."""
+    model, reference = tiny_llama(num_layers=3)
+    seq, lengths = 80, [80, 37, 16, 1]
+    ids, mask, positions = padded_batch(lengths, seq)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        for b, n in enumerate(lengths):
+            alone = reference(input_ids=ids[b : b + 1, seq - n :]).logits[0]
+            torch.testing.assert_close(got[b, seq - n :], alone, rtol=1e-4, atol=1e-4)
+        both = reference(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got, both, rtol=1e-4, atol=1e-4)  # the reference path agrees
+
+
 def test_transformers_dynamic_cache_through_s2attn():
     """Without S2Cache, s2attn attends over the whole context transformers' cache returns."""
     model, reference = tiny_llama(num_layers=2)

@@ -264,12 +264,51 @@ def _cu(counts: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
 
+def _padding_segments(mask: torch.Tensor, seq: int) -> torch.Tensor:
+    """int32 offsets (2 * batch + 1,) that cut a left-padded batch, flattened to (batch * seq)
+    rows, into two packed sequences per row: its padding (perhaps empty), then its real tokens.
+
+    Computed on the device with fixed shapes, so nothing waits for the GPU and a compiled graph
+    holds it; the real tokens keep their positions from their own first token, as if packed."""
+    batch = mask.shape[0]
+    starts = torch.arange(batch, dtype=torch.int32, device=mask.device) * seq
+    pads = seq - mask.sum(dim=1, dtype=torch.int32)
+    cuts = torch.stack([starts, starts + pads], dim=1).flatten()
+    return torch.cat([cuts, cuts.new_full((1,), batch * seq)])
+
+
+def _attend_padded(fn, q, k, v, pattern, mask, scale):
+    """Attention over a left-padded batch with the context's own length (training, prefill),
+    in place: no rows are gathered, and the padding's rows come back as zeros."""
+    batch, seq = q.shape[:2]
+    cu = _padding_segments(mask, seq)
+    # Bounds given, so that the packed call reads no offsets on the host (the reference reads
+    # them anyway and takes none).
+    bounds = {"max_seqlen_q": seq, "max_seqlen_k": seq} if fn is sparse_attention else {}
+    out = fn(
+        q.reshape(batch * seq, *q.shape[2:]),
+        k.reshape(batch * seq, *k.shape[2:]),
+        v.reshape(batch * seq, *v.shape[2:]),
+        pattern,
+        softmax_scale=scale,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        **bounds,
+    )
+    return out.view(q.shape) * mask[:, :, None, None].to(out.dtype)
+
+
 def _attend_context(fn, q, k, v, pattern, mask, scale):
     """Attention over explicit keys (the whole context), unpadding left-padded rows."""
+    if mask is not None and torch.compiler.is_compiling() and q.shape[1] == k.shape[1]:
+        # Nothing is read on the host while tracing: a mask is taken as padding, unchecked.
+        return _attend_padded(fn, q, k, v, pattern, mask[:, -k.shape[1] :], scale)
     q_counts = _real_counts(mask, q.shape[1])
     k_counts = _real_counts(mask, k.shape[1])
     if q_counts is None and k_counts is None:
         return fn(q, k, v, pattern, softmax_scale=scale)
+    if q.shape[1] == k.shape[1]:
+        return _attend_padded(fn, q, k, v, pattern, mask[:, -k.shape[1] :], scale)
     q_counts = q_counts or [q.shape[1]] * q.shape[0]
     k_counts = k_counts or [k.shape[1]] * k.shape[0]
     out = fn(
@@ -382,6 +421,24 @@ def _saving_attention_choice(to_dict):
     return with_attention_choice
 
 
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    *args,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """The mask hook: transformers' flash-attention one (the 2-D padding mask, or None when
+    nothing is padded), except under ``torch.compile``, where whether anything is padded is data
+    and a branch on it would break the graph: there the 2-D mask goes to the attention as is."""
+    if attention_mask is not None and torch.compiler.is_compiling():
+        return attention_mask[:, -kv_length:]
+    return flash_attention_mask(
+        batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs
+    )
+
+
 def register() -> None:
     """Register both implementations (done on import; idempotent). The padding-mask hook hands
     the attention a 2-D mask only when some token is padding. Configs made by :func:`configure`
@@ -389,8 +446,8 @@ def register() -> None:
     once this module is imported."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionInterface.register(REFERENCE_IMPLEMENTATION, reference_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
-    AttentionMaskInterface.register(REFERENCE_IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
+    AttentionMaskInterface.register(REFERENCE_IMPLEMENTATION, padding_mask)
     if not getattr(PreTrainedConfig.to_dict, "s2attn_wrapped", False):
         PreTrainedConfig.to_dict = _saving_attention_choice(PreTrainedConfig.to_dict)
 
