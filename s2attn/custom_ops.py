@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .layout import backward_layout, forward_layout
 from .ops import dispatch
@@ -76,31 +77,17 @@ class _AttentionPlan:
     max_seqlen_k: int
     options: KernelOptions = dispatch.DEFAULT_OPTIONS
 
-    def forward(self, q, k, v):
-        """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them."""
+    def forward_layout(self, q):
+        """The forward's layout (built once, then cached)."""
         block_m, block_n = dispatch.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
         # A causal tile never lists KV tiles past its queries, so one layout serves every length;
         # bidirectional tiles list everything, so crop the pattern to the longest sequence.
         num_blocks = None if self.pattern.causal else self._num_blocks
         # Gathered KV tiles pack lone stride blocks smaller than block_n.
-        layout = forward_layout(self.pattern, block_m, block_n, q.device, num_blocks, gather=True)
-        return dispatch.forward(
-            q,
-            k,
-            v,
-            layout,
-            softmax_scale=self.scale,
-            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            options=self.options,
-        )
+        return forward_layout(self.pattern, block_m, block_n, q.device, num_blocks, gather=True)
 
-    def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
-        """(dq, dk, dv), as ``s2attn.ops.dispatch.backward`` returns them; ``grad_out`` None when
-        only the LSE was used."""
+    def backward_layouts(self, q, k):
+        """The backward's (dK/dV layout, dQ layout), built once, then cached."""
         tiles = dispatch.backward_tile_sizes(q.shape[-1], q.dtype, q.device)
         (dkdv_m, dkdv_n), (dq_m, dq_n) = tiles
         # Lone blocks smaller than a KV tile go to gathered tiles, as in the forward: in dQ's
@@ -114,6 +101,28 @@ class _AttentionPlan:
         )
         num_blocks = None if self.pattern.causal else self._num_blocks
         dq_layout = forward_layout(self.pattern, dq_m, dq_n, q.device, num_blocks, gather=gather_dq)
+        return dkdv_layout, dq_layout
+
+    def forward(self, q, k, v):
+        """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them."""
+        return dispatch.forward(
+            q,
+            k,
+            v,
+            self.forward_layout(q),
+            softmax_scale=self.scale,
+            q_heads_per_pattern_head=self.q_heads_per_pattern_head,
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            options=self.options,
+        )
+
+    def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
+        """(dq, dk, dv), as ``s2attn.ops.dispatch.backward`` returns them; ``grad_out`` None when
+        only the LSE was used."""
+        dkdv_layout, dq_layout = self.backward_layouts(q, k)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         return dispatch.backward(
@@ -180,6 +189,28 @@ def _reference(q, k, v, key, scale, cu_q, cu_k) -> tuple[torch.Tensor, torch.Ten
     return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous()
 
 
+def _build_layouts_while_tracing(q, k, key, q_heads_per_pattern_head, lengths, backward):
+    """Build the layouts a traced call will use, from its fake implementation: then the first
+    real run finds them cached. Under ``mode="reduce-overhead"`` that run is CUDA-graph trees'
+    warm-up, whose allocations land in the graph's private pool, where tensors that outlive the
+    run (cached layouts) are reported as untracked and the graph is refused.
+
+    Only where the kernels run and the shapes and bounds are known numbers; otherwise the first
+    run builds them, as in eager mode."""
+    cu_q, cu_k, max_q, max_k = lengths
+    known = isinstance(key, int) and all(isinstance(n, int) for n in (*q.shape, *k.shape))
+    if cu_q is not None and (max_q is None or max_k is None):
+        known = False  # the bounds would be read from the offsets, which are fake here
+    if not known or not dispatch.supports_triton(q.device):
+        return
+    with unset_fake_temporarily():
+        plan = _plan(q, k, key, 1.0, q_heads_per_pattern_head, cu_q, cu_k, max_q, max_k)
+        if backward:
+            plan.backward_layouts(q, k)
+        else:
+            plan.forward_layout(q)
+
+
 # -------------------------------------------------------------------------------- the forward
 @torch.library.custom_op("s2attn::forward", mutates_args=())
 def attention_forward(
@@ -215,6 +246,7 @@ def attention_forward(
 
 @attention_forward.register_fake
 def _(q, k, v, pattern_key, softmax_scale, q_heads_per_pattern_head, *lengths):
+    _build_layouts_while_tracing(q, k, pattern_key, q_heads_per_pattern_head, lengths, False)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.dim() == 3:
         lse_shape = (q.shape[1], q.shape[0])
@@ -307,7 +339,8 @@ def _sequence_grads(q, k, v, grad_out, grad_lse, pattern, scale):
 
 
 @attention_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, *rest):
+def _(grad_out, grad_lse, q, k, v, out, lse, pattern_key, softmax_scale, heads_per, *lengths):
+    _build_layouts_while_tracing(q, k, pattern_key, heads_per, lengths, True)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

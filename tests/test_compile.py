@@ -137,6 +137,50 @@ def test_no_graph_break(reference_ops):
     assert ops.count("s2attn.forward.default") == 3
 
 
+# --------------------------------------------------------------------- layouts while tracing
+@pytest.mark.parametrize("form", ["batched", "varlen"])
+def test_layouts_are_built_while_tracing(form):
+    """The fake implementations build every layout the kernels will use, before any compiled code
+    runs: under ``mode="reduce-overhead"`` the first run is CUDA-graph trees' warm-up, whose
+    allocations land in the graph's private pool, where cached layouts would be refused."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from s2attn import layout
+
+    if not dispatch.supports_triton(torch.device(DEVICE)):
+        pytest.skip("no Triton backend here")
+    dtype = DTYPES[-1]
+
+    def call(pattern, q, k, v):
+        if form == "batched":
+            return s2attn.sparse_attention(q, k, v, pattern)
+        flat = (t.reshape(128, *t.shape[2:]) for t in (q, k, v))
+        cu = torch.tensor([0, 50, 128], dtype=torch.int32, device=DEVICE)
+        return s2attn.sparse_attention(
+            *flat, pattern, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=78, max_seqlen_k=78
+        )
+
+    eager_pattern = s2attn.local_stride_pattern(2, 128, 16, 2, 2)
+    q, k, v = _inputs(5, 2, 64, 2, 2, 16, dtype)
+    call(eager_pattern, q, k, v).sum().backward()
+    used = set(layout._CACHE[eager_pattern])
+    assert len(used) >= 2  # the forward's and the backward's
+
+    pattern = s2attn.local_stride_pattern(2, 128, 16, 2, 2)  # a new object: nothing cached yet
+    built = {}
+
+    def on_compile(gm, example_inputs):
+        built.setdefault("before any run", set(layout._CACHE.get(pattern, {})))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=on_compile, bw_compiler=on_compile)
+    torch.compile(lambda q, k, v: call(pattern, q, k, v), backend=backend, fullgraph=True)(
+        q, k, v
+    ).sum().backward()
+    assert built["before any run"] == used
+
+
 # ------------------------------------------------------------------ compiled against reference
 @pytest.mark.parametrize("path", ["reference", "kernels"])
 @pytest.mark.parametrize("form", ["batched", "varlen", "qkvpacked"])
@@ -252,21 +296,7 @@ def test_copies_get_their_own_key():
 # ------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @skip_without_gpu
-@pytest.mark.parametrize(
-    "mode",
-    [
-        None,
-        pytest.param(
-            "reduce-overhead",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 20, open: CUDA-graph trees warm up inside the graph's memory pool, "
-                "so the layouts s2attn builds and caches on first use land in it and are "
-                "reported as untracked live allocations (H100, torch 2.11, 2026-11-24)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_inductor_on_gpu(mode):
     """Inductor compiles a block around the operators (CUDA graphs under reduce-overhead); the
     kernels' results and gradients match the reference."""
