@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import datetime
-import socket
-import time
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import spawn
 from helpers import assert_close
 
 import s2attn
@@ -23,67 +17,6 @@ from s2attn.distributed import (
 )
 
 DTYPE = torch.float32
-# Bounds every collective and the whole test, so a bug that hangs a rank fails instead.
-TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, errors, kernels: bool, body, args) -> None:
-    try:
-        # Most runs take the dense-mask reference instead of the (slow) interpreted kernels: what
-        # they test is the split, the collectives and the merge; one case runs the kernels.
-        if not kernels:
-            from s2attn.ops import dispatch
-
-            dispatch.supports_triton = lambda device: False
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=TIMEOUT_S),
-        )
-        try:
-            body(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-
-
-def _spawn(world: int, body, *args, kernels: bool = False) -> None:
-    """Run ``body(rank, world, *args)`` on ``world`` gloo ranks; fail with every rank's error.
-
-    ``kernels``: sparse_attention takes its Triton kernels where it can (the interpreter on the
-    CPU); otherwise the workers use the dense-mask reference."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, errors, kernels, body, args))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S + 30
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    if hung or messages or any(p.exitcode != 0 for p in procs):
-        raise AssertionError(f"ranks hung: {hung}\n" + "\n".join(messages))
 
 
 def _inputs(batch, seq, heads, kv_heads, dim, seed=0):
@@ -141,7 +74,7 @@ def test_matches_one_process(world, heads, kv_heads, dense_heads, kernels, causa
         num_dense_heads=dense_heads, causal=causal,
     )  # fmt: skip
     shape = (2, seq, heads, kv_heads, 16)
-    _spawn(world, _compare_body, pattern, shape, _expected(pattern, shape), kernels=kernels)
+    spawn(world, _compare_body, pattern, shape, _expected(pattern, shape), kernels=kernels)
 
 
 def _one_rank_body(rank, world, pattern, shape):
@@ -153,7 +86,7 @@ def _one_rank_body(rank, world, pattern, shape):
 
 def test_group_of_one_is_sparse_attention():
     pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
-    _spawn(1, _one_rank_body, pattern, (1, 64, 2, 2, 16))
+    spawn(1, _one_rank_body, pattern, (1, 64, 2, 2, 16))
 
 
 def _errors_body(rank, world, pattern):
@@ -182,7 +115,7 @@ def _errors_body(rank, world, pattern):
 
 def test_bad_input_raises_on_every_rank():
     pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
-    _spawn(2, _errors_body, pattern)
+    spawn(2, _errors_body, pattern)
 
 
 def test_only_the_tokens_read_move():

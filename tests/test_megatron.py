@@ -320,3 +320,80 @@ def test_gpt_model_layers_and_training_step_match_reference(model_parallel):
         alone = reference(ids[:1, 20:], torch.arange(28, device=DEVICE)[None], None)
     assert_close(packed, want, torch.float32, "packed logits")
     assert_close(packed[:, 20:], alone, torch.float32, "second packed sequence alone")
+
+
+# ------------------------------------------- tensor parallelism on several processes (gloo)
+TP_STEPS = 4
+
+
+def _tp_training_body(rank, world, out_path):
+    """TP = ``world``: the HHST GPTModel (CPU-initialized master weights, split by Megatron, so
+    every TP size starts from the same model) trains ``TP_STEPS`` SGD steps on fixed data. Each
+    rank's S2 layers hold its head range of the full pattern; rank 0 writes the losses."""
+    import json
+
+    parallel_state.initialize_model_parallel(world, 1)
+    try:
+        model = tiny_gpt(False)
+        settings = s2mc.S2Settings(**SETTINGS, dense_layers=[0])
+        full = s2mc.layer_pattern(settings, 2, HEADS, 2)
+        heads = s2mc.tp_head_range(HEADS, rank, world)
+        for layer in model.decoder.layers[1:]:
+            attention = layer.self_attention.core_attention
+            assert (attention.tp_rank, attention.tp_size) == (rank, world)
+            assert torch.equal(attention.pattern.mask, full.mask[heads])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        torch.manual_seed(6)
+        ids = torch.randint(0, 128, (2, 48))
+        pos = torch.arange(48)[None].expand(2, -1)
+        losses = []
+        for _ in range(TP_STEPS):
+            loss = model(ids, pos, causal_mask(48), labels=ids).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(losses, f)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU")
+def test_tensor_parallel_training_matches_one_rank(tmp_path):
+    """TP = 2 on two gloo processes: the losses of a few training steps equal TP = 1's on the same
+    data and initial weights, and fall."""
+    import json
+
+    from gloo import spawn
+
+    losses = {}
+    for world in (1, 2):
+        path = tmp_path / f"tp{world}.json"
+        spawn(world, _tp_training_body, str(path))
+        losses[world] = json.loads(path.read_text())
+    print(f"losses per step, TP=1 {losses[1]}, TP=2 {losses[2]}")
+    torch.testing.assert_close(losses[2], losses[1], rtol=1e-5, atol=1e-6)
+    assert losses[1][-1] < losses[1][0]
+
+
+def _indivisible_heads_body(rank, world):
+    """Three heads over two tensor-parallel ranks: every rank refuses, and none hangs (they all
+    reach the barrier after)."""
+    config = make_config(num_layers=1, hidden_size=3 * HEAD_DIM, num_attention_heads=3,
+                         num_query_groups=1)  # fmt: skip
+    settings = s2mc.S2Settings(**SETTINGS)
+    group = types.SimpleNamespace(tp=torch.distributed.group.WORLD)
+    with pytest.raises(ValueError, match="3 heads do not divide by the tensor-parallel size 2"):
+        s2mc.S2CoreAttention(
+            config, 2, AttnMaskType.causal, "self", pg_collection=group, s2=settings
+        )
+    torch.distributed.barrier()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU")
+def test_tensor_parallel_indivisible_heads_raise_on_every_rank():
+    from gloo import spawn
+
+    spawn(2, _indivisible_heads_body)
