@@ -5,7 +5,12 @@ the Triton interpreter; without it, CPU calls use the exact dense-mask reference
 """
 
 from .attention import merge_partials, sparse_attention, sparse_attention_qkvpacked
-from .inference import ModelKVCache, PagedKVCache, sparse_attention_with_kvcache
+from .inference import (
+    ModelKVCache,
+    PagedKVCache,
+    capture_decode_step,
+    sparse_attention_with_kvcache,
+)
 from .modules import SparseAttention
 from .pattern import BlockPattern, dense_pattern, local_stride_pattern
 from .reference import attention_reference
@@ -16,6 +21,7 @@ __all__ = [
     "PagedKVCache",
     "SparseAttention",
     "attention_reference",
+    "capture_decode_step",
     "dense_pattern",
     "local_stride_pattern",
     "merge_partials",

@@ -286,3 +286,69 @@ def test_reordered_sequences_share_pages_and_copy_on_write():
     assert_unchanged(cache, before)
     cache.reset()
     assert cache.live_pages == 0 and not cache._refs.any()
+
+
+# ------------------------------------------------------------------------- static caches
+@pytest.mark.parametrize("kind", ["s2", "dense"])
+def test_static_cache_decodes_like_the_reference_and_never_changes_its_table(kind):
+    """static=True: packed prefill of different lengths, decode steps over several block
+    boundaries (the ring's pages reused many times), a speculative step, a crop inside the ring,
+    a beam reorder and a reset, each step against the reference; the page tables never change, and
+    the pool is about the dynamic cache's peak."""
+    torch.manual_seed(7)
+    pattern = s2_pattern() if kind == "s2" else s2attn.dense_pattern(KV_HEADS, MAX_LEN, BS)
+    cache = make_cache(pattern if kind == "s2" else None, 2, static=True)
+    plan = cache.static_plan()
+    dynamic = make_cache(pattern if kind == "s2" else None, 2)
+    if kind == "s2":  # local 2 blocks: a block is read by its own and the next query block
+        assert plan["ring"] == 3 and plan["num_pages"] <= dynamic.num_pages * 1.2
+    else:
+        assert plan["ring"] == 0 and plan["num_pages"] == 2 * KV_HEADS * MAX_LEN // BS
+    table, device_table = cache._table.clone(), cache.page_table.clone()
+    req = Request(cache, pattern)
+    req.prefill([50, 35])
+    for _ in range(3 * BS + 5):
+        req.step()
+    req.step(3, "speculative step")
+    req.crop(3)
+    req.step(1, "decode after crop")
+    order = [1, 0]
+    cache.select_sequences(order)
+    req.qkv = [req.qkv[i] for i in order]
+    req.step(1, "decode after reorder")
+    cache.reset()
+    req = Request(cache, pattern)
+    req.prefill([70, 17])
+    req.step(2, "decode after reset")
+    assert torch.equal(cache._table, table) and torch.equal(cache.page_table, device_table)
+
+
+def test_static_cache_chunked_prefill_and_refusals():
+    torch.manual_seed(8)
+    pattern = s2_pattern()
+    req = Request(make_cache(pattern, 2, static=True), pattern)
+    req.prefill([40, 21])
+    req.prefill([37, 50])  # a chunk after a past: the past's live blocks read from the ring
+    req.step(1, "decode after chunked prefill")
+    cache = req.cache
+    # What the cache gives back: the blocks later queries read, exactly; zeros for the others,
+    # whose ring pages hold newer blocks by now.
+    k_held, _, cu = cache.gather()
+    for b, (start, end) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        live = cache.eviction.read_from(cache._keep_block[b], slice(0, (end - start - 1) // BS + 1))
+        live = live.repeat_interleave(BS, dim=1)[:, : end - start].T.to(DEVICE)  # (tokens, heads)
+        want = torch.where(live[..., None], req.qkv[b][1].to(DTYPE), 0)
+        assert torch.equal(k_held[start:end], want), f"sequence {b}'s held keys"
+        assert (~live).any() and live.any()
+    before = state(cache)
+    k = torch.randn(2, 40, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="cannot keep sequence 0's new blocks"):
+        cache.append(k, k, keep_from=cache.lengths)  # kept for queries not yet run
+    with pytest.raises(ValueError, match="ring pages of the blocks"):
+        cache.crop(2 * BS + 1)
+    with pytest.raises(ValueError, match="keeps its batch size"):
+        cache.select_sequences([0])
+    with pytest.raises(ValueError, match="sizes its own pool"):
+        make_cache(pattern, 1, static=True, num_pages=10)
+    assert_unchanged(cache, before)
+    req.step(1, "decode after refusals")

@@ -174,6 +174,35 @@ def test_decode_steps_never_synchronize(kind):
         check_against_reference(cache, ks, vs, inputs, result, dtype, f"step {i}")
 
 
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.parametrize("kind", ["s2", "dense"])
+def test_static_cache_step_replays_from_a_cuda_graph(kind):
+    """One captured decode step over a static cache, replayed for 40 steps (across block
+    boundaries, the ring's pages reused), equals the reference at every step; an eager step in
+    between and the graph's next replay agree with it too."""
+    torch.manual_seed(6)
+    heads, kv_heads, dim, dtype = 4, 2, 64, torch.float16
+    pattern = make_pattern(kind, heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype, static=True)
+    q_buf, k_buf, v_buf = step(cache, heads, 1, dtype)
+    replay = s2attn.capture_decode_step(q_buf, cache, k_buf, v_buf)
+    assert cache.lengths == [44, 29]  # capturing left the cache as it was
+    for i in range(40):
+        q, k, v = step(cache, heads, 1, dtype)
+        if i == 20:  # an eager step between replays
+            out = sparse_attention_with_kvcache(q, cache, k, v)
+        else:
+            q_buf.copy_(q), k_buf.copy_(k), v_buf.copy_(v)
+            out = replay().clone()
+        pattern_ref = reference_pattern(cache.pattern, kv_heads)
+        ref, _ = reference_step(q, ks, vs, k, v, pattern_ref)
+        assert_close(out, ref, dtype, f"step {i}")
+        for b in range(cache.batch_size):
+            ks[b], vs[b] = torch.cat([ks[b], k[b]]), torch.cat([vs[b], v[b]])
+    assert cache.lengths == [84, 69] and cache.seq_lens.tolist() == [84, 69]
+
+
 def test_new_tokens_already_in_the_cache():
     """k=None: q's tokens were appended by cache.append and are read back from the pages."""
     torch.manual_seed(4)

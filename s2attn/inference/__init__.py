@@ -10,7 +10,7 @@ The kernels they launch are in ``s2attn.ops.triton`` (decode.py, page_write.py);
 lists in ``s2attn.layout``.
 """
 
-from .attention import MAX_DECODE_TOKENS, sparse_attention_with_kvcache
+from .attention import MAX_DECODE_TOKENS, capture_decode_step, sparse_attention_with_kvcache
 from .cache import ModelKVCache, PagedKVCache
 from .eviction import EvictionSchedule, kv_last_use
 
@@ -19,6 +19,7 @@ __all__ = [
     "EvictionSchedule",
     "ModelKVCache",
     "PagedKVCache",
+    "capture_decode_step",
     "kv_last_use",
     "sparse_attention_with_kvcache",
 ]

@@ -29,7 +29,7 @@ from ..precision import autocast_dtype, cast_inputs
 from ..validation import check_cu_seqlens, check_softmax_scale, check_tensor
 from .cache import DECODE_STEP_TOKENS, PagedKVCache
 
-__all__ = ["MAX_DECODE_TOKENS", "sparse_attention_with_kvcache"]
+__all__ = ["MAX_DECODE_TOKENS", "capture_decode_step", "sparse_attention_with_kvcache"]
 
 # New tokens per sequence the decode kernel takes: they then span at most two query blocks.
 MAX_DECODE_TOKENS = DECODE_STEP_TOKENS  # the cache keeps such steps' blocks for their own queries
@@ -264,3 +264,77 @@ def sparse_attention_with_kvcache(
         out = out.view(q.shape)
         lse = lse.view(q.shape[-2], cache.batch_size, q.shape[1]).transpose(0, 1)
     return (out, lse) if return_lse else out
+
+
+def capture_decode_step(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    num_splits: int | None = None,
+):
+    """Capture one decode step over a static cache in a CUDA graph; return ``step()``, which
+    replays it: writes the new keys and values, attends, advances the cache, and returns the
+    output (one tensor, overwritten by every replay).
+
+    ``q``, ``k``, ``v`` (batch, num_new, heads or kv_heads, dim) are the graph's inputs: copy each
+    step's values into them before ``step()``. The step's device state (page table, lengths) is
+    updated in place, so one graph serves every step until the cache is full. The split count is
+    fixed for the whole run (``num_splits``; default: the longest list's). Capturing runs one
+    step for real to compile and warm the kernels, then crops it away: the cache's contents are
+    unchanged. Eager calls on the cache stay valid between replays.
+
+    Example::
+
+        >>> cache = s2attn.PagedKVCache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
+        ...                             device="cuda", static=True)
+        >>> s2attn.sparse_attention_with_kvcache(q_prompt, cache, k_prompt, v_prompt)
+        >>> step = s2attn.capture_decode_step(q_buf, cache, k_buf, v_buf)
+        >>> for _ in range(new_tokens):
+        ...     q_buf.copy_(q_next); k_buf.copy_(k_next); v_buf.copy_(v_next)
+        ...     out = step()
+    """
+    if not isinstance(cache, PagedKVCache) or not cache.static:
+        raise ValueError("capture_decode_step needs a static PagedKVCache (static=True)")
+    if q.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, got {q.device}")
+    if q.dim() != 4 or q.shape[1] > MAX_DECODE_TOKENS:
+        raise ValueError(
+            f"q must be a decode step (batch, <= {MAX_DECODE_TOKENS} tokens, heads, dim), got "
+            f"{tuple(q.shape)}"
+        )
+    num_new = q.shape[1]
+    if num_splits is None:
+        longest = int(cache.decode_layout.list_lengths.max())
+        num_splits = triton_decode.decode_num_splits(
+            q.shape[0], cache.num_kv_heads, longest, q.device
+        )
+
+    def call():
+        return sparse_attention_with_kvcache(
+            q, cache, k, v, softmax_scale=softmax_scale, num_splits=num_splits
+        )
+
+    # A real step on a side stream compiles and warms the kernels (CUDA graphs capture no
+    # compilation); cropping it leaves the cache as it was.
+    side = torch.cuda.Stream(q.device)
+    side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream(q.device).wait_stream(side)
+    cache.crop(num_new)
+    # Capturing runs the host code without the device work: keep the host bookkeeping as it was.
+    lengths, keep = cache.lengths, list(cache._keep_block)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    cache._lengths, cache._keep_block = lengths, keep
+
+    def step() -> torch.Tensor:
+        cache.advance(num_new)  # checks before the device runs: a full cache raises here
+        graph.replay()
+        return out
+
+    return step

@@ -68,6 +68,15 @@ class PagedKVCache:
             a block being entered (:meth:`default_num_pages`); a dense layer gets every block.
             Give fewer when sequences are known to be short: pages are shared across the batch.
             An append the pool cannot hold raises, naming the pages it needs.
+        static: give every (sequence, KV head, block) a fixed page, decided here from the
+            pattern, so that no step changes the page table: a decode step is then only device
+            work on tensors updated in place (the page write, the decode kernel, the lengths),
+            which a CUDA graph captures and replays as sequences grow. Blocks read only near
+            their own position share a ring of pages, reused as the window moves; blocks read
+            longer (stripes, and everything of a dense layer) get a page each. The pool holds
+            about what the dynamic cache peaks at (see :meth:`static_plan`); ``num_pages`` is
+            not taken. Appends must be decode steps or keep only what later queries read (as
+            ``sparse_attention_with_kvcache`` does); beam reorders keep the batch size.
 
     Attributes read by the kernels: ``k_pages``/``v_pages`` (num_pages + 1, block_size, head_dim),
     whose last page absorbs writes that are not stored; ``page_table`` int32 (batch, kv_heads,
@@ -95,6 +104,7 @@ class PagedKVCache:
         max_seq_len: int | None = None,
         block_size: int | None = None,
         num_pages: int | None = None,
+        static: bool = False,
     ):
         check_int("batch_size", batch_size)
         check_int("num_kv_heads", num_kv_heads)
@@ -145,6 +155,14 @@ class PagedKVCache:
         self.max_seq_len = max_seq_len
         self.max_blocks = nb = math.ceil(max_seq_len / block_size)
         self.eviction = EvictionSchedule(pattern, num_kv_heads, nb)
+        if not isinstance(static, bool):
+            raise TypeError(f"static must be a bool, got {static!r}")
+        self.static = static
+        if static:
+            if num_pages is not None:
+                raise ValueError("a static cache sizes its own pool: leave num_pages out")
+            self._ring, slots, static_pages = self._static_slots()
+            num_pages = batch_size * num_kv_heads * slots
 
         if num_pages is None:
             num_pages = self.default_num_pages()
@@ -169,6 +187,55 @@ class PagedKVCache:
         # Per sequence: the query block from which on its queries still read the cache.
         self._keep_block = [0] * batch_size
         self._layout: DecodeLayout | None = None
+        if static:
+            # (sequence, KV head) pairs own consecutive runs of `slots` pages.
+            owner = torch.arange(batch_size * num_kv_heads, dtype=torch.int32)
+            base = owner.view(batch_size, num_kv_heads, 1) * slots
+            table = torch.where(static_pages >= 0, static_pages + base, -1)
+            self._table.copy_(table)
+            self.page_table.copy_(table.to(self.device))
+            self._free = self._free[:0]
+            self._num_free = 0
+            self._last_use = self.eviction.last_use.to(self.device)
+
+    def _static_slots(self) -> tuple[int, int, torch.Tensor]:
+        """A static cache's plan: (ring pages per KV head, pages per (sequence, KV head), the
+        page of each (KV head, block) within its sequence's pages, int32 (kv_heads, blocks), -1
+        for blocks no query reads).
+
+        A block read by queries up to ``span`` blocks after its own is live, during a decode step,
+        while the step's blocks run from it to ``span + 1`` blocks later. Blocks with ``span <=
+        ring - 2`` therefore fit a ring of ``ring`` pages (block j in page ``j % ring``): no two
+        of them are live at once. The others get a page each after the ring. The ring size
+        minimises the pages per KV head."""
+        nb = self.max_blocks
+        last_use = self.eviction.last_use
+        blocks = torch.arange(nb)
+        read = last_use >= blocks  # blocks no query reads are never stored
+        span = torch.where(read, (last_use - blocks).clamp(max=nb), -1)
+        # Pages with a ring of r: r + (blocks whose span exceeds r - 2), the most over KV heads.
+        spans = span.sort(dim=1).values
+        reads = read.sum(dim=1)
+        rings = torch.arange(2, nb + 2)
+        bounds = (rings - 2).expand(len(spans), -1).contiguous()
+        beyond = reads[:, None] - torch.searchsorted(spans, bounds,
+                                                     right=True)  # fmt: skip
+        costs = torch.cat([reads.max()[None], rings + beyond.amax(dim=0)])
+        best = int(costs.argmin())
+        ring = 0 if best == 0 else int(rings[best - 1])
+        own = read & (span > ring - 2) if ring else read
+        slot = torch.where(own, ring + own.cumsum(dim=1) - 1, blocks % max(ring, 1))
+        slot = torch.where(read, slot, -1).to(torch.int32)
+        return ring, int(costs[best]), slot
+
+    def static_plan(self) -> dict[str, int]:
+        """A static cache's page plan: ``ring`` pages per (sequence, KV head) shared by the blocks
+        read only near their own position, ``pages_per_head`` in all, and the pool's
+        ``num_pages``."""
+        if not self.static:
+            raise ValueError("static_plan describes a static cache (static=True)")
+        per_head = self.num_pages // (self.batch_size * self.num_kv_heads)
+        return {"ring": self._ring, "pages_per_head": per_head, "num_pages": self.num_pages}
 
     # ---------------------------------------------------------------------------- sizes
     @property
@@ -318,6 +385,9 @@ class PagedKVCache:
                 )
             keep_block.append(max(pos // self.block_size, self._keep_block[b]))
 
+        if self.static:
+            self._append_static(k, v, counts, cu_seqlens, old, new, keep_block)
+            return
         # Plan everything before changing anything, so a pool too small leaves the cache as it was.
         evicted = self._evictions(keep_block)
         seq, heads, blk = self._allocations(old, new, keep_block)
@@ -350,6 +420,44 @@ class PagedKVCache:
             idx = torch.cat(changed)
             self.page_table.view(-1)[self._upload(idx)] = self._upload(self._table.view(-1)[idx])
         self._write(k, v, counts, cu_seqlens)
+        self._lengths = new
+        self._keep_block = keep_block
+        if cu_seqlens is None:
+            self.seq_lens += counts[0]
+        else:
+            self.seq_lens += self._upload(torch.tensor(counts, dtype=torch.int32))
+
+    def advance(self, num_new: int) -> None:
+        """Account on the host for a decode step of ``num_new`` tokens per sequence whose device
+        work (page write, lengths) already ran: a step replayed from a CUDA graph (static caches
+        only; see :func:`s2attn.capture_decode_step`, which calls this on every replay)."""
+        if not self.static:
+            raise ValueError("advance is for static caches (static=True), whose table is fixed")
+        check_int("num_new", num_new)
+        if num_new > DECODE_STEP_TOKENS:
+            raise ValueError(f"num_new must be a decode step (<= {DECODE_STEP_TOKENS} tokens)")
+        new = [n + num_new for n in self._lengths]
+        if max(new) > self.max_seq_len:
+            raise ValueError(
+                f"a sequence would hold {max(new)} tokens, past the cache's max_seq_len "
+                f"{self.max_seq_len}"
+            )
+        bs = self.block_size
+        self._keep_block = [max(n // bs, k) for n, k in zip(self._lengths, self._keep_block)]
+        self._lengths = new
+
+    def _append_static(self, k, v, counts, cu_seqlens, old, new, keep_block) -> None:
+        bs = self.block_size
+        for b, (n, keep) in enumerate(zip(new, keep_block)):
+            # The ring holds the blocks that later queries read only if they are the newest
+            # ones: queries of at most the last two blocks.
+            if n and (n - 1) // bs - keep > 1 and self._ring:
+                raise ValueError(
+                    f"a static cache cannot keep sequence {b}'s new blocks {keep}..{(n - 1) // bs} "
+                    "for their own queries (its ring holds a decode step's); append with "
+                    "keep_from at the new end (the queries already ran), or use static=False"
+                )
+        self._write(k, v, counts, cu_seqlens, keep_block)
         self._lengths = new
         self._keep_block = keep_block
         if cu_seqlens is None:
@@ -509,17 +617,33 @@ class PagedKVCache:
         pos = torch.arange(total, device=dev) - offsets[seq] + base[seq]
         return seq, pos
 
-    def _slots(self, seq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat pool rows (tokens, kv_heads) of each token's K/V, and whether it is stored."""
+    def _slots(
+        self, seq: torch.Tensor, pos: torch.Tensor, keep_block: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat pool rows (tokens, kv_heads) of each token's K/V, and whether it is stored.
+
+        A static cache's table names a page for every block, also those whose ring page has
+        moved on to a newer block: there a block is stored only while a query from the
+        sequence's keep block on (``keep_block``, default: the current one) reads it."""
         bs = self.block_size
         heads = torch.arange(self.num_kv_heads, device=self.device)
-        pages = self.page_table[seq[:, None], heads[None, :], (pos // bs)[:, None]].to(torch.int64)
+        blk = (pos // bs)[:, None]
+        pages = self.page_table[seq[:, None], heads[None, :], blk].to(torch.int64)
         stored = pages >= 0
+        if self.static:
+            keep = self._keep_block if keep_block is None else keep_block
+            keep = torch.tensor(keep, dtype=torch.int64, device=self.device)[seq]
+            stored &= self._last_use[heads[None, :], blk] >= keep[:, None]
         rows = torch.where(stored, pages * bs + (pos % bs)[:, None], self.num_pages * bs)
         return rows, stored
 
     def _write(
-        self, k: torch.Tensor, v: torch.Tensor, counts: list[int], cu_seqlens: torch.Tensor | None
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        counts: list[int],
+        cu_seqlens: torch.Tensor | None,
+        keep_block: Sequence[int] | None = None,
     ) -> None:
         if sum(counts) == 0:
             return
@@ -532,7 +656,7 @@ class PagedKVCache:
             write_pages(k, v, self.k_pages, self.v_pages, self.page_table, self.seq_lens)
             return
         seq, pos = self._token_index(counts, cu_seqlens)
-        rows, stored = self._slots(seq, pos)
+        rows, stored = self._slots(seq, pos, keep_block)
         rows, stored = rows.reshape(-1), stored.reshape(-1)
         d = self.head_dim
         k, v = k.reshape(-1, d), v.reshape(-1, d)
@@ -585,6 +709,16 @@ class PagedKVCache:
         if not self.eviction.evicts:
             return  # every block is held to the end
         bs = self.block_size
+        if self.static and self._ring:
+            for b, n in enumerate(self._lengths):
+                # Ring pages of blocks a query there reads hold newer blocks once the sequence
+                # has gone two blocks past.
+                if n and (n - 1) // bs > (n - num_tokens) // bs + 1:
+                    raise ValueError(
+                        f"cannot crop sequence {b} to {n - num_tokens} tokens: a static cache's "
+                        "ring pages of the blocks its queries there read hold newer blocks (it "
+                        f"can be cropped to {((n - 1) // bs - 1) * bs} tokens or more)"
+                    )
         for b, n in enumerate(self._lengths):
             if n - num_tokens < self._keep_block[b] * bs:
                 raise ValueError(
@@ -603,6 +737,10 @@ class PagedKVCache:
         self.check_crop(num_tokens)
         bs, h, nb = self.block_size, self.num_kv_heads, self.max_blocks
         new = [n - num_tokens for n in self._lengths]
+        if self.static:  # the table stays: the pages of dropped tokens are written again later
+            self._lengths = new
+            self.seq_lens -= num_tokens
+            return
         changed = []
         for b, n in enumerate(new):
             first_gone = math.ceil(n / bs)
@@ -643,6 +781,9 @@ class PagedKVCache:
                 f"got {indices}"
             )
         idx = torch.tensor(indices, dtype=torch.int64)
+        if self.static:
+            self._select_static(idx)
+            return
         table = self._table[idx].contiguous()
         held = table[table >= 0].long()
         refs = torch.bincount(held, minlength=self.num_pages).to(torch.int32)
@@ -664,8 +805,28 @@ class PagedKVCache:
             self.page_table = table.to(self.device)
             self.seq_lens = lengths.to(self.device)
 
+    def _select_static(self, idx: torch.Tensor) -> None:
+        # Each sequence owns a fixed run of pages: copy the runs (no sharing, no table change).
+        if len(idx) != self.batch_size:
+            raise ValueError(
+                f"a static cache keeps its batch size ({self.batch_size}); got "
+                f"{len(idx)} indices (build it with the batch size it will hold)"
+            )
+        on_device = idx.to(self.device)
+        for pages in (self.k_pages, self.v_pages):
+            runs = pages[:-1].view(self.batch_size, -1, *pages.shape[1:])
+            runs.copy_(runs[on_device])
+        self._lengths = [self._lengths[i] for i in idx.tolist()]
+        self._keep_block = [self._keep_block[i] for i in idx.tolist()]
+        self.seq_lens.copy_(self.seq_lens[on_device])
+
     def reset(self) -> None:
         """Empty every sequence and return every page to the pool."""
+        if self.static:  # the table stays; new tokens overwrite the pages
+            self._lengths = [0] * self.batch_size
+            self._keep_block = [0] * self.batch_size
+            self.seq_lens.zero_()
+            return
         self._table.fill_(-1)
         self.page_table.fill_(-1)
         self._free = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int32)
