@@ -85,6 +85,23 @@ def test_generate_with_s2_cache_matches_reference():
     assert dense_layer.live_pages == 2 * -(-(PROMPT + NEW_TOKENS - 1) // 16)
 
 
+def test_generate_with_static_s2_cache_matches_reference():
+    """S2Cache(static=True): fixed pages in every layer (a ring for the S2 layers' windows),
+    left-padded prompts, greedy generation over several block boundaries, token for token."""
+    model, reference = tiny_llama()
+    lengths = [PROMPT, 45]
+    ids = torch.randint(2, 128, (2, PROMPT), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, : PROMPT - lengths[1]] = 0
+    ids[1, : PROMPT - lengths[1]] = 0
+    cache = s2hf.S2Cache(model.config, static=True)
+    got = generate(model, ids, mask, new_tokens=30, past_key_values=cache)
+    assert_same_generation(got, generate(reference, ids, mask, new_tokens=30))
+    s2_layer = cache.layers[1].paged
+    assert s2_layer.static and s2_layer.static_plan()["ring"] > 0
+    assert s2_layer.num_pages < cache.layers[0].paged.num_pages  # the dense layer: every block
+
+
 def test_left_padded_batch_matches_reference():
     model, reference = tiny_llama(dense_layers=(), num_layers=2)
     lengths = [PROMPT, 45]

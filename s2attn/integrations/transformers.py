@@ -478,9 +478,11 @@ class S2CacheLayer(CacheLayerMixin):
         block_size: int,
         max_seq_len: int,
         num_pages: int | None = None,
+        static: bool = False,
     ):
         super().__init__()
         self.pattern = pattern
+        self.static = static
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
@@ -503,6 +505,7 @@ class S2CacheLayer(CacheLayerMixin):
             max_seq_len=self.max_seq_len,
             block_size=self.block_size,
             num_pages=self.num_pages,
+            static=self.static,
         )
         self.batch_size = key_states.shape[0]
         self.is_initialized = True
@@ -591,6 +594,9 @@ class S2Cache(Cache):
         max_seq_len: the longest sequence; defaults to the patterns' length.
         num_pages: pages per layer's pool; defaults to each pattern's peak need (see
             :class:`s2attn.PagedKVCache`).
+        static: layers of static caches (``PagedKVCache(static=True)``): every block's page fixed
+            when the layer is built, so decode steps change no page table (what CUDA graphs
+            need); ``num_pages`` is then not taken.
 
     Needs the ``"s2attn"`` attention implementation. ``memory_report()`` sums the layers' live and
     dense-equivalent bytes.
@@ -602,7 +608,14 @@ class S2Cache(Cache):
         >>> cache.memory_report()["live_bytes"] / cache.memory_report()["dense_bytes"]
     """
 
-    def __init__(self, config, *, max_seq_len: int | None = None, num_pages: int | None = None):
+    def __init__(
+        self,
+        config,
+        *,
+        max_seq_len: int | None = None,
+        num_pages: int | None = None,
+        static: bool = False,
+    ):
         text = config.get_text_config(decoder=True)
         settings = _settings(text)
         heads = text.num_attention_heads
@@ -618,6 +631,7 @@ class S2Cache(Cache):
                 block_size=block_size,
                 max_seq_len=math.ceil(length / block_size) * block_size,
                 num_pages=num_pages,
+                static=static,
             )
             for i in range(text.num_hidden_layers)
         ]
