@@ -40,6 +40,7 @@ __all__ = [
     "GatheredKVTiles",
     "TileLayout",
     "backward_layout",
+    "check_kv_heads",
     "decode_layout",
     "dense_decode_layout",
     "forward_layout",
@@ -155,48 +156,54 @@ def _entry_geometry(block_size: int, block_m: int, block_n: int) -> tuple[int, i
 def _tile_entries(
     pattern: BlockPattern, block_m: int, block_n: int, device: torch.device, num_blocks: int | None
 ):
-    """All entries of the pattern as coordinate lists (head, q tile, kv tile, bits, full)."""
+    """All entries of the pattern as coordinate lists (head, q tile, kv tile, bits, full), sorted
+    by (head, q tile, kv tile).
+
+    Built from the pattern's kept blocks one head at a time, so the work and memory follow the
+    kept blocks (no (heads, q blocks, kv blocks) intermediate): each kept block sets its bit in
+    the entry of the tile pair holding it."""
     bs = pattern.block_size
     row_group, col_group, rows, cols = _entry_geometry(bs, block_m, block_n)
-    mask = pattern.mask if num_blocks is None else pattern.mask[:, :num_blocks, :num_blocks]
-    mask = mask.to(device)
-    heads, qb, kb = mask.shape
+    qb = pattern.num_q_blocks if num_blocks is None else num_blocks
+    kb = pattern.num_kv_blocks if num_blocks is None else num_blocks
     num_q_tiles = math.ceil(qb * bs / block_m)
     num_kv_tiles = math.ceil(kb * bs / block_n)
-
-    # Pad the block mask so that both axes split evenly into tiles.
-    qb_pad = math.ceil(num_q_tiles * block_m / bs)
-    kb_pad = math.ceil(num_kv_tiles * block_n / bs)
-    padded = torch.zeros(heads, qb_pad, kb_pad, dtype=torch.bool, device=device)
-    padded[:, :qb, :kb] = mask
-
-    # Coarse occupancy (head, q tile, kv tile): does any bit of the entry hold?
-    if block_m >= bs:
-        coarse = padded.view(heads, num_q_tiles, block_m // bs, kb_pad).any(dim=2)
-    else:
-        coarse = padded.repeat_interleave(bs // block_m, dim=1)[:, :num_q_tiles]
-    if block_n >= bs:
-        coarse = coarse.view(heads, num_q_tiles, num_kv_tiles, block_n // bs).any(dim=3)
-    else:
-        coarse = coarse.repeat_interleave(bs // block_n, dim=2)[:, :, :num_kv_tiles]
-    q_tile = torch.arange(num_q_tiles, device=device)
-    kv_tile = torch.arange(num_kv_tiles, device=device)
-    if pattern.causal:
-        # Entries whose first key lies after the tile's last query are never visible.
-        coarse &= kv_tile[None, :] * block_n <= (q_tile[:, None] + 1) * block_m - 1
-    h, t, n = coarse.nonzero(as_tuple=True)
-
-    bits = torch.zeros(h.shape, dtype=torch.int64, device=device)
-    for a in range(rows):
-        block_row = (t * block_m + a * row_group) // bs
-        for b in range(cols):
-            block_col = (n * block_n + b * col_group) // bs
-            bit = padded[h, block_row, block_col].to(torch.int64)
-            bits |= bit << (a * cols + b)
+    # A block covers `q_split` query tiles (block_m < bs) or a tile holds `q_per` blocks.
+    q_per, q_split = max(block_m // bs, 1), max(bs // block_m, 1)
+    k_per, k_split = max(block_n // bs, 1), max(bs // block_n, 1)
     all_bits = -1 if rows * cols == 64 else (1 << (rows * cols)) - 1
-    full = bits == all_bits
-    if pattern.causal:
-        full &= (n + 1) * block_n - 1 <= t * block_m
+    parts = []
+    for head in range(pattern.num_heads):
+        _, i, j = pattern.block_coordinates(num_blocks, heads=slice(head, head + 1))
+        i, j = i.to(device), j.to(device)
+        if q_split > 1:  # one entry per query tile of the block, its bit row 0
+            i = i.repeat_interleave(q_split)
+            j = j.repeat_interleave(q_split)
+            t = i * q_split + torch.arange(q_split, device=device).repeat(i.numel() // q_split)
+            a = torch.zeros_like(t)
+        else:
+            t, a = i // q_per, i % q_per
+        if k_split > 1:
+            t, a = t.repeat_interleave(k_split), a.repeat_interleave(k_split)
+            j = j.repeat_interleave(k_split)
+            n = j * k_split + torch.arange(k_split, device=device).repeat(j.numel() // k_split)
+            b = torch.zeros_like(n)
+        else:
+            n, b = j // k_per, j % k_per
+        if pattern.causal:
+            # Entries whose first key lies after the tile's last query are never visible.
+            seen = n * block_n <= (t + 1) * block_m - 1
+            t, n, a, b = t[seen], n[seen], a[seen], b[seen]
+        # Each kept block owns one bit of its entry: the sum of the bits is their union.
+        key, entry = torch.unique(t * num_kv_tiles + n, return_inverse=True)
+        bits = torch.zeros(key.numel(), dtype=torch.int64, device=device)
+        bits.index_add_(0, entry, torch.ones_like(a) << (a * cols + b))
+        t, n = key // num_kv_tiles, key % num_kv_tiles
+        full = bits == all_bits
+        if pattern.causal:
+            full &= (n + 1) * block_n - 1 <= t * block_m
+        parts.append((torch.full_like(t, head), t, n, bits, full))
+    h, t, n, bits, full = (torch.cat(column) for column in zip(*parts))
     geometry = dict(row_group=row_group, col_group=col_group, bits_per_row=cols)
     return h, t, n, bits, full, num_q_tiles, num_kv_tiles, geometry
 
@@ -542,6 +549,16 @@ def group_block_mask(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
 
     What a KV cache sees of a pattern: the decode layout lists it, and the cache's eviction
     schedule (``s2attn.inference.eviction``) reads each KV block's last use from it."""
+    check_kv_heads(pattern, num_kv_heads)
+    m = pattern.effective_block_mask()
+    m = m.view(num_kv_heads, pattern.num_heads // num_kv_heads, *m.shape[1:])
+    if m.shape[1] > 1 and bool((m == m[:, :1]).all()):
+        m = m[:, :1]
+    return m
+
+
+def check_kv_heads(pattern: BlockPattern, num_kv_heads: int) -> None:
+    """Raise ``ValueError`` unless a KV cache of ``num_kv_heads`` heads can serve ``pattern``."""
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         raise ValueError(f"num_kv_heads must be a positive integer, got {num_kv_heads!r}")
     if pattern.num_heads % num_kv_heads:
@@ -551,11 +568,6 @@ def group_block_mask(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
         )
     if not pattern.causal:
         raise ValueError("decoding and KV caching need a causal pattern, got causal=False")
-    m = pattern.effective_block_mask()
-    m = m.view(num_kv_heads, pattern.num_heads // num_kv_heads, *m.shape[1:])
-    if m.shape[1] > 1 and bool((m == m[:, :1]).all()):
-        m = m[:, :1]
-    return m
 
 
 def _build_decode(pattern: BlockPattern, num_kv_heads: int, device: torch.device) -> DecodeLayout:

@@ -49,14 +49,20 @@ class BlockPattern:
 
     Args:
         mask: bool tensor of shape (heads, q_blocks, kv_blocks); ``mask[h, i, j]`` lets head ``h``'s
-            query block ``i`` attend KV block ``j``. Copied to the CPU; later changes to the
-            caller's tensor do not affect the pattern.
+            query block ``i`` attend KV block ``j``. Copied; later changes to the caller's tensor
+            do not affect the pattern. For patterns too large for a dense mask, see
+            :meth:`from_block_lists`.
         block_size: tokens per block, a power of two >= 16.
         causal: when True the token-level rule ``q_pos >= k_pos`` is ANDed onto the blocks; entries
             above the block diagonal are then never used.
 
     ``heads`` may equal the number of query heads (one pattern per query head) or the number of KV
     heads (each query head uses its KV head's pattern).
+
+    Storage is proportional to the kept blocks: per (head, query block) row, the sorted list of
+    its KV blocks (CSR: :attr:`row_offsets`, :attr:`cols`). The checks and the kernels' layouts
+    work from these lists; :attr:`mask` is a dense view built on each access, for small patterns
+    and tests.
 
     Example::
 
@@ -80,7 +86,76 @@ class BlockPattern:
         _check_block_size(block_size)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
-        self.mask = mask.detach().to("cpu", copy=True).contiguous()
+        heads, q_blocks, kv_blocks = mask.shape
+        rows, cols = (
+            mask.detach().to("cpu").reshape(heads * q_blocks, kv_blocks).nonzero(as_tuple=True)
+        )  # row-major: sorted by row, then column
+        counts = torch.bincount(rows, minlength=heads * q_blocks)
+        self._init(heads, q_blocks, kv_blocks, _offsets(counts), cols.to(torch.int32),
+                   block_size, causal)  # fmt: skip
+
+    @classmethod
+    def from_block_lists(
+        cls,
+        row_offsets: torch.Tensor,
+        cols: torch.Tensor,
+        *,
+        num_heads: int,
+        num_kv_blocks: int,
+        block_size: int,
+        causal: bool = True,
+    ) -> BlockPattern:
+        """A pattern from its kept blocks, at any size: row ``r = head * q_blocks + i`` keeps KV
+        blocks ``cols[row_offsets[r]:row_offsets[r + 1]]``, in increasing order.
+
+        Args:
+            row_offsets: integer (num_heads * q_blocks + 1,), from 0, non-decreasing, ending at
+                ``len(cols)``.
+            cols: integer (kept blocks,), each row's KV blocks strictly increasing, in
+                ``[0, num_kv_blocks)``.
+
+        Example::
+
+            >>> # 1 head, 2 query blocks: block 0 keeps KV block 0, block 1 keeps 0 and 1.
+            >>> BlockPattern.from_block_lists(torch.tensor([0, 1, 3]), torch.tensor([0, 0, 1]),
+            ...                               num_heads=1, num_kv_blocks=2, block_size=64)
+        """
+        _check_positive_int("num_heads", num_heads)
+        _check_positive_int("num_kv_blocks", num_kv_blocks)
+        _check_block_size(block_size)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {causal!r}")
+        for name, t in (("row_offsets", row_offsets), ("cols", cols)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
+                raise TypeError(f"{name} must be a 1-D integer tensor")
+        rows = row_offsets.numel() - 1
+        if rows < num_heads or rows % num_heads:
+            raise ValueError(
+                f"row_offsets must hold num_heads * q_blocks + 1 entries, got {rows + 1} for "
+                f"num_heads={num_heads}"
+            )
+        offsets = row_offsets.detach().to("cpu", torch.int64)
+        cols = cols.detach().to("cpu", torch.int64)
+        counts = offsets[1:] - offsets[:-1]
+        if offsets[0] != 0 or (counts < 0).any() or offsets[-1] != cols.numel():
+            raise ValueError(
+                f"row_offsets must start at 0, never decrease and end at len(cols) ({cols.numel()})"
+            )
+        if cols.numel() and (cols.min() < 0 or cols.max() >= num_kv_blocks):
+            raise ValueError(f"cols must lie in [0, num_kv_blocks={num_kv_blocks})")
+        row_start = torch.zeros(cols.numel(), dtype=torch.bool)
+        row_start[offsets[:-1][counts > 0]] = True
+        if cols.numel() > 1 and not ((cols[1:] > cols[:-1]) | row_start[1:]).all():
+            raise ValueError("each row's cols must be strictly increasing")
+        pattern = cls.__new__(cls)
+        pattern._init(num_heads, rows // num_heads, num_kv_blocks, offsets,
+                      cols.to(torch.int32), block_size, causal)  # fmt: skip
+        return pattern
+
+    def _init(self, heads, q_blocks, kv_blocks, row_offsets, cols, block_size, causal) -> None:
+        self._shape = (heads, q_blocks, kv_blocks)
+        self.row_offsets = row_offsets.contiguous()
+        self.cols = cols.contiguous()
         self.block_size = block_size
         self.causal = causal
         self._register()
@@ -113,29 +188,81 @@ class BlockPattern:
     # ------------------------------------------------------------------ shape
     @property
     def num_heads(self) -> int:
-        return self.mask.shape[0]
+        return self._shape[0]
 
     @property
     def num_q_blocks(self) -> int:
-        return self.mask.shape[1]
+        return self._shape[1]
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.mask.shape[2]
+        return self._shape[2]
+
+    @property
+    def num_kept_blocks(self) -> int:
+        """Kept (head, query block, KV block) triples, causally visible or not."""
+        return self.cols.numel()
 
     @property
     def max_seq_len(self) -> int:
         """The longest key sequence this pattern covers (queries sit at absolute positions too)."""
         return min(self.num_q_blocks, self.num_kv_blocks) * self.block_size
 
+    @property
+    def mask(self) -> torch.Tensor:
+        """The dense bool view (heads, q_blocks, kv_blocks), built on each access: as large as the
+        square of the block count, so for small patterns and tests."""
+        heads, q_blocks, kv_blocks = self._shape
+        dense = torch.zeros(heads * q_blocks, kv_blocks, dtype=torch.bool)
+        dense[self._row_ids(), self.cols.long()] = True
+        return dense.view(heads, q_blocks, kv_blocks)
+
+    def _row_ids(self) -> torch.Tensor:
+        counts = self.row_offsets[1:] - self.row_offsets[:-1]
+        return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+
+    def block_coordinates(
+        self, num_blocks: int | None = None, heads: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept blocks as int64 (head, query block, KV block) triples, sorted in that order:
+        of the top-left ``num_blocks`` corner when given, of a head range when given (heads
+        counted from the range's start)."""
+        heads = slice(0, self.num_heads) if heads is None else heads
+        first, stop, _ = heads.indices(self.num_heads)
+        q_blocks = self.num_q_blocks
+        lo = int(self.row_offsets[first * q_blocks])
+        hi = int(self.row_offsets[stop * q_blocks])
+        counts = (
+            self.row_offsets[first * q_blocks + 1 : stop * q_blocks + 1]
+            - self.row_offsets[first * q_blocks : stop * q_blocks]
+        )
+        rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        h, i, j = rows // q_blocks, rows % q_blocks, self.cols[lo:hi].long()
+        if num_blocks is not None:
+            keep = (i < num_blocks) & (j < num_blocks)
+            h, i, j = h[keep], i[keep], j[keep]
+        return h, i, j
+
+    def _from_coordinates(self, h, i, j, heads: int, q_blocks: int, kv_blocks: int):
+        """A pattern of this kind from sorted (head, query block, KV block) triples."""
+        counts = torch.bincount(h * q_blocks + i, minlength=heads * q_blocks)
+        pattern = BlockPattern.__new__(BlockPattern)
+        pattern._init(heads, q_blocks, kv_blocks, _offsets(counts), j.to(torch.int32),
+                      self.block_size, self.causal)  # fmt: skip
+        return pattern
+
     def __getitem__(self, heads: slice) -> BlockPattern:
         """The pattern of a head range, e.g. ``pattern[8:16]`` for one tensor-parallel rank."""
         if not isinstance(heads, slice):
             raise TypeError(f"index a BlockPattern by a slice of heads, got {type(heads).__name__}")
-        sub = self.mask[heads]
-        if sub.shape[0] == 0:
+        picked = range(*heads.indices(self.num_heads))
+        if len(picked) == 0:
             raise ValueError(f"head slice {heads} selects no heads out of {self.num_heads}")
-        return BlockPattern(sub, self.block_size, self.causal)
+        parts = [self.block_coordinates(heads=slice(p, p + 1)) for p in picked]
+        h = torch.cat([torch.full_like(part[0], n) for n, part in enumerate(parts)])
+        i = torch.cat([part[1] for part in parts])
+        j = torch.cat([part[2] for part in parts])
+        return self._from_coordinates(h, i, j, len(picked), self.num_q_blocks, self.num_kv_blocks)
 
     def crop(self, num_blocks: int) -> BlockPattern:
         """The top-left ``num_blocks`` x ``num_blocks`` corner: what a shorter sequence uses."""
@@ -145,7 +272,8 @@ class BlockPattern:
                 f"num_blocks={num_blocks} exceeds the pattern's "
                 f"{min(self.num_q_blocks, self.num_kv_blocks)} blocks"
             )
-        return BlockPattern(self.mask[:, :num_blocks, :num_blocks], self.block_size, self.causal)
+        h, i, j = self.block_coordinates(num_blocks)
+        return self._from_coordinates(h, i, j, self.num_heads, num_blocks, num_blocks)
 
     def __repr__(self) -> str:
         return (
@@ -158,15 +286,18 @@ class BlockPattern:
         """A text picture of one head's pattern ('#' attended, '.' dropped, ' ' causally hidden)."""
         n_q = min(self.num_q_blocks, max_blocks)
         n_k = min(self.num_kv_blocks, max_blocks)
-        m = self.mask[head, :n_q, :n_k]
+        _, i, j = self.block_coordinates(heads=slice(head, head + 1))
+        keep = (i < n_q) & (j < n_k)
+        m = torch.zeros(n_q, n_k, dtype=torch.bool)
+        m[i[keep], j[keep]] = True
         lines = []
-        for i in range(n_q):
+        for r in range(n_q):
             row = []
-            for j in range(n_k):
-                if self.causal and j > i:
+            for c in range(n_k):
+                if self.causal and c > r:
                     row.append(" ")
                 else:
-                    row.append("#" if m[i, j] else ".")
+                    row.append("#" if m[r, c] else ".")
             lines.append("".join(row).rstrip())
         return "\n".join(lines)
 
@@ -199,22 +330,34 @@ class BlockPattern:
         q_pos = torch.arange(seq_q) + (seq_k - seq_q)
         k_pos = torch.arange(seq_k)
         bs = self.block_size
-        m = self.mask[:, q_pos // bs][:, :, k_pos // bs]
+        nb = math.ceil(seq_k / bs)
+        m = self.crop(nb).mask[:, q_pos // bs][:, :, k_pos // bs]
         if self.causal:
             m = m & (q_pos[:, None] >= k_pos[None, :])
         return m
 
     # --------------------------------------------------------------- checks
-    def _visible_token_pairs(self, seq_len: int) -> torch.Tensor:
-        """(q_blocks, kv_blocks) float64: visible token pairs per block pair for one sequence."""
+    def _visible(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return j <= i if self.causal else torch.ones_like(i, dtype=torch.bool)
+
+    def _kept_pairs(self, seq_len: int) -> int:
+        """Token pairs kept for one sequence of ``seq_len``, summed over heads: each kept block
+        pair weighs its visible token pairs (full blocks, the last one shorter, the diagonal a
+        triangle when causal)."""
         bs = self.block_size
         nb = math.ceil(seq_len / bs)
-        lens = torch.full((nb,), bs, dtype=torch.float64)
-        lens[-1] = seq_len - (nb - 1) * bs
-        pairs = lens[:, None] * lens[None, :]
+        _, i, j = self.block_coordinates(nb)
+        last = seq_len - (nb - 1) * bs
+        len_i = torch.where(i == nb - 1, last, bs)
+        len_j = torch.where(j == nb - 1, last, bs)
+        pairs = len_i * len_j
         if self.causal:
-            pairs = pairs.tril(-1) + torch.diag(lens * (lens + 1) / 2)
-        return pairs
+            pairs = torch.where(j == i, len_i * (len_i + 1) // 2, pairs)
+            pairs = torch.where(j > i, 0, pairs)
+        return int(pairs.sum())
+
+    def _visible_pairs(self, seq_len: int) -> int:
+        return seq_len * (seq_len + 1) // 2 if self.causal else seq_len * seq_len
 
     def density(self, seq_len: int | None = None) -> float:
         """Fraction of the causally visible token pairs that the pattern keeps, over all heads."""
@@ -224,26 +367,25 @@ class BlockPattern:
             raise ValueError(
                 f"seq_len {seq_len} exceeds the pattern's max_seq_len {self.max_seq_len}"
             )
-        nb = math.ceil(seq_len / self.block_size)
-        pairs = self._visible_token_pairs(seq_len)
-        kept = (self.mask[:, :nb, :nb].to(torch.float64) * pairs).sum()
-        return (kept / (pairs.sum() * self.num_heads)).item()
+        return self._kept_pairs(seq_len) / (self._visible_pairs(seq_len) * self.num_heads)
 
     def kept_token_pairs(self, seq_len: int) -> int:
         """Token pairs the pattern keeps for one sequence of ``seq_len``, summed over heads."""
-        nb = math.ceil(seq_len / self.block_size)
-        pairs = self._visible_token_pairs(seq_len)
-        return int((self.mask[:, :nb, :nb].to(torch.float64) * pairs).sum().item())
+        return self._kept_pairs(seq_len)
 
     def is_kv_efficient(self) -> bool:
         """True when, for every head and KV block, the query blocks using it form one run.
 
         Then a KV block, once left behind by the queries, is never read again and can be evicted.
         """
-        used = self.effective_block_mask()  # (h, i, j)
-        starts = used.clone()
-        starts[:, 1:] &= ~used[:, :-1]
-        return bool((starts.sum(dim=1) <= 1).all())
+        h, i, j = self.block_coordinates()
+        seen = self._visible(i, j)
+        h, i, j = h[seen], i[seen], j[seen]
+        # Readers of each (head, KV block) in order: each must follow the previous by one.
+        key = torch.sort((h * self.num_kv_blocks + j) * self.num_q_blocks + i).values
+        group, row = key // self.num_q_blocks, key % self.num_q_blocks
+        same = group[1:] == group[:-1]
+        return bool(((row[1:] == row[:-1] + 1) | ~same).all())
 
     def is_union_complete(self, num_kv_heads: int | None = None) -> bool:
         """True when every visible block pair is attended by at least one head.
@@ -257,9 +399,24 @@ class BlockPattern:
             raise ValueError(
                 f"num_kv_heads={groups} does not divide the pattern's {self.num_heads} heads"
             )
-        visible = self._visible_blocks()
-        covered = self.mask.view(groups, -1, self.num_q_blocks, self.num_kv_blocks).any(dim=1)
-        return bool((covered | ~visible).all())
+        qb, kb = self.num_q_blocks, self.num_kv_blocks
+        h, i, j = self.block_coordinates()
+        seen = self._visible(i, j)
+        g = h[seen] // (self.num_heads // groups)
+        covered = torch.unique((g * qb + i[seen]) * kb + j[seen])
+        per_group = torch.bincount(covered // (qb * kb), minlength=groups)
+        if self.causal:
+            visible = int(torch.clamp(torch.arange(1, qb + 1), max=kb).sum())
+        else:
+            visible = qb * kb
+        return bool((per_group == visible).all())
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    """CSR offsets (len(counts) + 1,) int64 from per-row counts."""
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    return offsets
 
 
 def _validate_heads(num_heads: int, num_kv_heads: int | None) -> int:
@@ -280,7 +437,8 @@ def dense_pattern(
     _check_positive_int("max_seq_len", max_seq_len)
     _check_block_size(block_size)
     nb = math.ceil(max_seq_len / block_size)
-    return BlockPattern(torch.ones(num_heads, nb, nb, dtype=torch.bool), block_size, causal)
+    counts, cols = _row_lists(nb, None, None, causal, None, None)
+    return _pattern_from_groups([(counts, cols)] * num_heads, nb, block_size, causal)
 
 
 # Patterns shared by every layer and caller of one configuration, so that their layouts are
@@ -362,19 +520,56 @@ def local_stride_pattern(
         raise ValueError(f"head_offset must be an integer, got {head_offset!r}")
 
     nb = math.ceil(max_seq_len / block_size)
-    i = torch.arange(nb)[:, None]
-    j = torch.arange(nb)[None, :]
-    local = (i - j >= 0) & (i - j < local_blocks) if causal else (i - j).abs() < local_blocks
-    visible = j <= i if causal else torch.ones(nb, nb, dtype=torch.bool)
-
     num_sparse_groups = groups - num_dense_heads // group_size
-    masks = []
+    lists = []
     for g in range(groups):
         if g >= num_sparse_groups:
-            masks.append(torch.ones(nb, nb, dtype=torch.bool))
+            lists.append(_row_lists(nb, None, None, causal, None, None))
             continue
         shift = head_offset + (0 if homo_head else g)
-        stripes = ((j + shift) % vert_stride == 0) & visible
-        masks.append(local | stripes)
-    mask = torch.stack(masks).repeat_interleave(group_size, dim=0)
-    return BlockPattern(mask, block_size, causal)
+        lists.append(_row_lists(nb, local_blocks, vert_stride, causal, shift, None))
+    heads = [group for group in lists for _ in range(group_size)]
+    return _pattern_from_groups(heads, nb, block_size, causal)
+
+
+def _row_lists(nb, local_blocks, vert_stride, causal, shift, _unused):
+    """One head's kept blocks as (per-row counts, cols), built row by row in O(kept) memory:
+    the local window ``[lo, hi]`` and the stripes ``j = -shift (mod vert_stride)`` outside it;
+    ``local_blocks`` None: every visible block."""
+    i = torch.arange(nb)
+    if local_blocks is None:  # dense
+        lo = torch.zeros_like(i)
+        hi = i if causal else torch.full_like(i, nb - 1)
+        before = after = torch.zeros_like(i)
+        first_after = torch.zeros_like(i)
+        stride, first = 1, 0
+    else:
+        lo = (i - local_blocks + 1).clamp(min=0)
+        hi = i if causal else (i + local_blocks - 1).clamp(max=nb - 1)
+        stride, first = vert_stride, (-shift) % vert_stride  # the first stripe
+        # Stripes first, ..., below lo; and (bidirectional) from past hi to the end.
+        before = ((lo - first + stride - 1) // stride).clamp(min=0)
+        first_after = hi + 1 + (first - hi - 1) % stride
+        after = (
+            torch.zeros_like(i) if causal else ((nb - 1 - first_after) // stride + 1).clamp(min=0)
+        )
+    local = hi - lo + 1
+    counts = before + local + after
+    row = torch.repeat_interleave(i, counts)
+    k = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[row]
+    b, loc = before[row], local[row]
+    cols = torch.where(
+        k < b,
+        first + stride * k,
+        torch.where(k < b + loc, lo[row] + (k - b), first_after[row] + stride * (k - b - loc)),
+    )
+    return counts, cols.to(torch.int32)
+
+
+def _pattern_from_groups(heads, nb, block_size, causal) -> BlockPattern:
+    """A pattern from each head's (per-row counts, cols), in head order."""
+    counts = torch.cat([c for c, _ in heads])
+    pattern = BlockPattern.__new__(BlockPattern)
+    pattern._init(len(heads), nb, nb, _offsets(counts), torch.cat([c for _, c in heads]),
+                  block_size, causal)  # fmt: skip
+    return pattern

@@ -188,8 +188,8 @@ def _local_stride_by_definition(
 ):
     """DESIGN.md's definition, one entry at a time."""
     g = h // group_size
-    if g >= num_sparse_groups:
-        return True
+    if g >= num_sparse_groups:  # dense: every visible block
+        return j <= i or not causal
     local = 0 <= i - j < local_blocks if causal else abs(i - j) < local_blocks
     shift = head_offset + (0 if homo_head else g)
     stripe = (j + shift) % vert_stride == 0 and (j <= i or not causal)
@@ -250,8 +250,9 @@ def test_gqa_groups_share_one_pattern():
 
 def test_dense_heads_come_last():
     p = local_stride_pattern(6, 512, 32, 2, 4, num_dense_heads=2)
-    assert p.mask[4:].all()
-    assert not p.mask[:4].all(dim=(1, 2)).any()
+    lower = torch.ones(p.num_q_blocks, p.num_kv_blocks, dtype=torch.bool).tril()
+    assert torch.equal(p.mask[4:], lower.expand(2, -1, -1))  # every visible block
+    assert not (p.mask[:4] == lower).all(dim=(1, 2)).any()
 
 
 @pytest.mark.parametrize(
@@ -279,7 +280,8 @@ def test_local_stride_pattern_rejects_bad_arguments(kwargs, arg):
 @pytest.mark.parametrize("causal", [True, False])
 def test_dense_pattern(causal):
     p = dense_pattern(3, 100, 32, causal=causal)
-    assert p.mask.shape == (3, 4, 4) and p.mask.all()
+    every = torch.ones(3, 4, 4, dtype=torch.bool)
+    assert torch.equal(p.mask, every.tril() if causal else every)  # every visible block
     assert p.causal == causal and p.max_seq_len == 128
     expected = torch.ones(3, 100, 100, dtype=torch.bool)
     assert torch.equal(p.token_mask(100), expected.tril() if causal else expected)

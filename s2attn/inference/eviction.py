@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ..layout import group_block_mask
+from ..layout import check_kv_heads
 from ..pattern import BlockPattern
 
 __all__ = ["EvictionSchedule", "is_dense_pattern", "kv_last_use"]
@@ -47,16 +47,22 @@ def kv_last_use(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
         >>> kv_last_use(p, 8)[0, :3]  # block 0 is a stripe of KV head 0, read to the end
         tensor([127,  16,  17])
     """
-    per_kv = group_block_mask(pattern, num_kv_heads).any(dim=1)  # (kv_heads, q_blocks, kv_blocks)
-    # The first hit of the reversed query axis is the last reader.
-    last = per_kv.shape[1] - 1 - per_kv.flip(1).to(torch.int8).argmax(dim=1).to(torch.int64)
-    return torch.where(per_kv.any(dim=1), last, -1)
+    check_kv_heads(pattern, num_kv_heads)
+    h, i, j = pattern.block_coordinates()
+    seen = j <= i  # the causally visible blocks
+    kv_head = h[seen] // (pattern.num_heads // num_kv_heads)
+    last = torch.full((num_kv_heads * pattern.num_kv_blocks,), -1, dtype=torch.int64)
+    last.scatter_reduce_(0, kv_head * pattern.num_kv_blocks + j[seen], i[seen], "amax")
+    return last.view(num_kv_heads, pattern.num_kv_blocks)
 
 
 def is_dense_pattern(pattern: BlockPattern) -> bool:
     """True when a causal pattern keeps every visible block of every head."""
-    visible = torch.ones(pattern.num_q_blocks, pattern.num_kv_blocks, dtype=torch.bool).tril()
-    return bool((pattern.mask | ~visible).all())
+    _, i, j = pattern.block_coordinates()
+    kept = int((j <= i).sum())
+    qb, kb = pattern.num_q_blocks, pattern.num_kv_blocks
+    visible = int(torch.clamp(torch.arange(1, qb + 1), max=kb).sum())
+    return kept == visible * pattern.num_heads
 
 
 def _pattern_facts(pattern: BlockPattern, num_kv_heads: int) -> tuple[bool, bool, torch.Tensor]:
