@@ -374,3 +374,29 @@ def test_union_completeness_per_gqa_group():
     assert not shared.is_union_complete(num_kv_heads=2)
     with pytest.raises(ValueError, match="num_kv_heads"):
         within.is_union_complete(num_kv_heads=3)
+
+
+def test_from_block_lists_round_trip_and_bad_lists():
+    """A pattern rebuilt from its own lists equals it (mask, checks, layouts); malformed lists
+    raise naming what is wrong."""
+    p = local_stride_pattern(4, 1024, 16, 3, 5, num_kv_heads=2, num_dense_heads=2)
+    q = BlockPattern.from_block_lists(
+        p.row_offsets, p.cols, num_heads=4, num_kv_blocks=p.num_kv_blocks, block_size=16
+    )
+    assert torch.equal(q.mask, p.mask) and q.num_kept_blocks == p.num_kept_blocks
+    assert q.density() == p.density() and q.is_kv_efficient()
+    assert q.is_union_complete() and not q.is_union_complete(2)  # group 0 alone: one stripe
+    one = dict(num_heads=1, num_kv_blocks=2, block_size=64)
+    small = BlockPattern.from_block_lists(torch.tensor([0, 1, 3]), torch.tensor([0, 0, 1]), **one)
+    assert small.mask.tolist() == [[[True, False], [True, True]]]
+    bad = [
+        ((torch.tensor([0, 1, 3]), torch.tensor([0, 1, 0])), "strictly increasing"),
+        ((torch.tensor([0, 2, 1]), torch.tensor([0])), "never decrease"),
+        ((torch.tensor([0, 1, 2]), torch.tensor([0, 2])), r"\[0, num_kv_blocks=2\)"),
+        ((torch.tensor([0, 1]), torch.tensor([0.0])), "integer"),
+        ((torch.tensor([0, 1, 2, 3]), torch.tensor([0, 0, 1])), "num_heads \\* q_blocks"),
+    ]
+    for (offsets, cols), match in bad:
+        kwargs = dict(one, num_heads=2) if "num_heads" in match else one
+        with pytest.raises((ValueError, TypeError), match=match):
+            BlockPattern.from_block_lists(offsets, cols, **kwargs)
