@@ -181,18 +181,25 @@ def _owners(seq: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _tokens_read(pattern: BlockPattern, seq: int, world: int, kv_heads: int) -> torch.Tensor:
     """(world, kv_heads, seq) bool: the key positions each rank's queries read, per KV head: for
     each of its two chunks, the blocks its query blocks keep under the KV head's pattern heads,
-    and under a causal pattern only the positions up to the chunk's end (a pattern's mask may
-    keep blocks past the diagonal, as the dense pattern does, that causality never reads)."""
+    and under a causal pattern only the positions up to the chunk's end (a pattern may keep
+    blocks past the diagonal that causality never reads). Read from the pattern's block lists:
+    each chunk's rows are one slice of them per pattern head."""
     b, chunk = pattern.block_size, seq // (2 * world)
     nb = -(-seq // b)
-    mask = pattern.mask[:, :nb, :nb]
+    q_blocks = pattern.num_q_blocks
     # Pattern heads per KV head: the KV heads themselves, or each KV head's query heads.
-    per_kv = mask.view(kv_heads, -1, nb, nb).any(dim=1) if mask.shape[0] != kv_heads else mask
+    heads_per_kv = pattern.num_heads // kv_heads
+    offsets, cols = pattern.row_offsets, pattern.cols.long()
     out = torch.zeros(world, kv_heads, seq, dtype=torch.bool)
     for r in range(world):
         for c in (r, 2 * world - 1 - r):
             start, end = c * chunk, (c + 1) * chunk
-            blocks = per_kv[:, start // b : (end - 1) // b + 1].any(dim=1)  # (kv_heads, nb)
+            first, last = start // b, (end - 1) // b
+            blocks = torch.zeros(kv_heads, nb, dtype=torch.bool)
+            for h in range(pattern.num_heads):
+                row = h * q_blocks
+                kept = cols[offsets[row + first] : offsets[row + last + 1]]
+                blocks[h // heads_per_kv, kept[kept < nb]] = True
             read = blocks.repeat_interleave(b, dim=1)[:, :seq]
             if pattern.causal:
                 read[:, end:] = False
@@ -362,7 +369,9 @@ def communication_bytes(
 def _fingerprint(pattern: BlockPattern) -> int:
     fp = _FINGERPRINTS.get(pattern)
     if fp is None:
-        fp = zlib.crc32(pattern.mask.numpy().tobytes())
+        shape = struct.pack("<4q?", *pattern._shape, pattern.block_size, pattern.causal)
+        fp = zlib.crc32(pattern.cols.numpy().tobytes(), zlib.crc32(shape))
+        fp = zlib.crc32(pattern.row_offsets.numpy().tobytes(), fp)
         _FINGERPRINTS[pattern] = fp
     return fp
 
@@ -469,9 +478,25 @@ def _shifted(pattern: BlockPattern, start: int, chunk: int, seq: int) -> BlockPa
     if key not in cache:
         b = pattern.block_size
         blocks, rows, first = -(-seq // b), chunk // b, start // b
-        mask = torch.zeros(pattern.num_heads, blocks, blocks, dtype=torch.bool)
-        mask[:, blocks - rows :] = pattern.mask[:, first : first + rows, :blocks]
-        cache[key] = BlockPattern(mask, b, causal=False)
+        # Each head: rows first .. first + rows - 1 of the pattern, as the last rows of one
+        # over `blocks` x `blocks`; the rows before them keep nothing.
+        counts, kept = [], []
+        for h in range(pattern.num_heads):
+            row = h * pattern.num_q_blocks + first
+            lo, hi = int(pattern.row_offsets[row]), int(pattern.row_offsets[row + rows])
+            cols = pattern.cols[lo:hi]
+            inside = cols < blocks
+            per_row = torch.diff(pattern.row_offsets[row : row + rows + 1])
+            row_of = torch.repeat_interleave(torch.arange(rows), per_row)
+            counts += [torch.zeros(blocks - rows, dtype=torch.int64),
+                       torch.bincount(row_of[inside], minlength=rows)]  # fmt: skip
+            kept.append(cols[inside])
+        offsets = torch.zeros(blocks * pattern.num_heads + 1, dtype=torch.int64)
+        offsets[1:] = torch.cat(counts).cumsum(0)
+        cache[key] = BlockPattern.from_block_lists(
+            offsets, torch.cat(kept), num_heads=pattern.num_heads, num_kv_blocks=blocks,
+            block_size=b, causal=False,
+        )  # fmt: skip
     return cache[key]
 
 
