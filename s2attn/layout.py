@@ -570,38 +570,73 @@ def check_kv_heads(pattern: BlockPattern, num_kv_heads: int) -> None:
         raise ValueError("decoding and KV caching need a causal pattern, got causal=False")
 
 
+def _group_heads(pattern: BlockPattern, num_kv_heads: int) -> int:
+    """Distinct pattern heads per KV head: the group's heads, or 1 when every head of every group
+    keeps the same blocks as its group's first."""
+    per = pattern.num_heads // num_kv_heads
+    if per == 1:
+        return 1
+    rows = pattern.num_q_blocks
+    offsets, cols = pattern.row_offsets, pattern.cols
+    for g in range(num_kv_heads):
+        lead = g * per * rows
+        first = cols[offsets[lead] : offsets[lead + rows]]
+        counts = torch.diff(offsets[lead : lead + rows + 1])
+        for r in range(1, per):
+            row = lead + r * rows
+            if not torch.equal(torch.diff(offsets[row : row + rows + 1]), counts) or not (
+                torch.equal(cols[offsets[row] : offsets[row + rows]], first)
+            ):
+                return per
+    return 1
+
+
 def _build_decode(pattern: BlockPattern, num_kv_heads: int, device: torch.device) -> DecodeLayout:
-    m = group_block_mask(pattern, num_kv_heads).to(device)
-    kv_heads, rows, nq, nk = m.shape
+    """Per KV head, from its pattern heads' block lists: each kept visible block (i, j) of
+    pattern head r sets bit 2r of entry (i, j) and bit 2r + 1 of entry (i - 1, j)."""
+    check_kv_heads(pattern, num_kv_heads)
+    rows = _group_heads(pattern, num_kv_heads)
     if 2 * rows > MAX_ENTRY_BITS:
         raise ValueError(
             f"a decode entry holds one bit per (pattern head of a GQA group, query block); "
             f"{rows} distinct pattern heads per KV head need {2 * rows} > {MAX_ENTRY_BITS}"
         )
-    nxt = torch.zeros_like(m)
-    nxt[:, :, :-1] = m[:, :, 1:]  # what query block i + 1 keeps, listed under block i
-    lo = m.any(dim=1)
-    g, i, j = (lo | nxt.any(dim=1)).nonzero(as_tuple=True)  # sorted by (g, i, j)
-    bits = torch.zeros(g.shape, dtype=torch.int64, device=device)
-    for r in range(rows):
-        bits |= m[g, r, i, j].to(torch.int64) << (2 * r)
-        bits |= nxt[g, r, i, j].to(torch.int64) << (2 * r + 1)
+    nq, nk = pattern.num_q_blocks, pattern.num_kv_blocks
+    per = pattern.num_heads // num_kv_heads
+    keys, all_bits_list = [], []
+    for g in range(num_kv_heads):
+        parts_key, parts_bit = [], []
+        for r in range(rows):
+            _, i, j = pattern.block_coordinates(heads=slice(g * per + r, g * per + r + 1))
+            seen = j <= i
+            i, j = i[seen], j[seen]
+            later = i > 0  # block i's use is also listed under block i - 1, as its next block
+            parts_key += [i * nk + j, (i[later] - 1) * nk + j[later]]
+            parts_bit += [torch.full_like(i, 1 << (2 * r)), torch.full_like(j[later], 2 << (2 * r))]
+        key, entry = torch.unique(torch.cat(parts_key), return_inverse=True)
+        bits = torch.zeros(key.numel(), dtype=torch.int64)
+        bits.index_add_(0, entry, torch.cat(parts_bit))  # disjoint bits: the sum is their union
+        keys.append(key + g * nq * nk)
+        all_bits_list.append(bits)
+    key, bits = torch.cat(keys).to(device), torch.cat(all_bits_list).to(device)
+    g, i, j = key // (nq * nk), (key // nk) % nq, key % nk
     all_bits = -1 if 2 * rows == 64 else (1 << (2 * rows)) - 1
     # j < i: the block ends before query block i starts, so every new token sees all of it.
     full = (bits == all_bits) & (j < i)
-    used_by_lo = lo[g, i, j]
+    even = sum(1 << (2 * r) for r in range(rows))
+    used_by_lo = (bits & even) != 0
     key = g * nq + i
     partial = ~full
     p_key, p_lo = key[partial], used_by_lo[partial]
     # Within a list: the entries query block i uses, then those only block i + 1 uses.
     order = torch.argsort(p_key * 2 + (~p_lo).to(torch.int64), stable=True)
-    total = kv_heads * nq
+    total = num_kv_heads * nq
     partial_offsets = _csr(p_key, total)
     lo_counts = torch.bincount(p_key[p_lo], minlength=total)
-    counts = torch.bincount(key, minlength=total).view(kv_heads, nq)
+    counts = torch.bincount(key, minlength=total).view(num_kv_heads, nq)
     return DecodeLayout(
         block_size=pattern.block_size,
-        num_kv_heads=kv_heads,
+        num_kv_heads=num_kv_heads,
         num_q_blocks=nq,
         heads_per_kv_head=rows,
         dense=False,

@@ -48,12 +48,13 @@ def kv_last_use(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
         tensor([127,  16,  17])
     """
     check_kv_heads(pattern, num_kv_heads)
-    h, i, j = pattern.block_coordinates()
-    seen = j <= i  # the causally visible blocks
-    kv_head = h[seen] // (pattern.num_heads // num_kv_heads)
-    last = torch.full((num_kv_heads * pattern.num_kv_blocks,), -1, dtype=torch.int64)
-    last.scatter_reduce_(0, kv_head * pattern.num_kv_blocks + j[seen], i[seen], "amax")
-    return last.view(num_kv_heads, pattern.num_kv_blocks)
+    last = torch.full((num_kv_heads, pattern.num_kv_blocks), -1, dtype=torch.int64)
+    per = pattern.num_heads // num_kv_heads
+    for head in range(pattern.num_heads):  # one head at a time: memory of one head's blocks
+        _, i, j = pattern.block_coordinates(heads=slice(head, head + 1))
+        seen = j <= i  # the causally visible blocks
+        last[head // per].scatter_reduce_(0, j[seen], i[seen], "amax")
+    return last
 
 
 def is_dense_pattern(pattern: BlockPattern) -> bool:
