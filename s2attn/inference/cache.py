@@ -419,7 +419,11 @@ class PagedKVCache:
         if changed:
             idx = torch.cat(changed)
             self.page_table.view(-1)[self._upload(idx)] = self._upload(self._table.view(-1)[idx])
-        self._write(k, v, counts, cu_seqlens)
+        self._store(k, v, counts, cu_seqlens, new, keep_block)
+
+    def _store(self, k, v, counts, cu_seqlens, new, keep_block) -> None:
+        """Write the new tokens and take the new lengths, on the host and the device."""
+        self._write(k, v, counts, cu_seqlens, keep_block if self.static else None)
         self._lengths = new
         self._keep_block = keep_block
         if cu_seqlens is None:
@@ -457,13 +461,7 @@ class PagedKVCache:
                     "for their own queries (its ring holds a decode step's); append with "
                     "keep_from at the new end (the queries already ran), or use static=False"
                 )
-        self._write(k, v, counts, cu_seqlens, keep_block)
-        self._lengths = new
-        self._keep_block = keep_block
-        if cu_seqlens is None:
-            self.seq_lens += counts[0]
-        else:
-            self.seq_lens += self._upload(torch.tensor(counts, dtype=torch.int32))
+        self._store(k, v, counts, cu_seqlens, new, keep_block)
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the cache's device without stalling the host: a copy from pageable
