@@ -255,6 +255,7 @@ def main() -> int:
 
     if not (args.skip_train or args.report_only):
         print(f"training {len(args.only)} variants, {args.parallel} at once", flush=True)
+
         def train(name: str, steps: int, seed: int, seq_len: int, out: Path, *extra: str):
             return [
                 *python, "train", "--preset", args.preset, "--no-progress", *device,
@@ -324,6 +325,7 @@ def main() -> int:
                 short_len=args.short_len,
                 short_steps=args.short_steps,
                 seed=args.seed,
+                train_args=args.train_args,
                 train_len=args.train_len,
                 lengths=args.lengths,
                 depths=args.depths,

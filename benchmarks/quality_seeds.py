@@ -1,0 +1,112 @@
+"""Several runs of the quality experiment side by side: per variant, the spread over seeds.
+
+One run of ``quality_experiment.py`` is one seed: a 0.3% difference between two variants may be
+noise. Give this script the JSON each run wrote (``--seed`` differing, ``--name`` telling them
+apart) and it tabulates, per variant, the mean and the range of the validation loss, its gap to
+dense (within each seed, then averaged), and the needle accuracy, so a claimed difference can be
+read against the seed-to-seed spread.
+
+    python benchmarks/quality_seeds.py benchmarks/results/*_quality_seed*.json
+
+Writes ``<first run's date>_<device>_quality_seeds.{md,json}`` to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from run_info import result_stem, versions_line
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """Per variant (in the first run's order): seeds, val bits/byte mean/min/max, the gap to
+    dense per seed averaged, needle mean averaged and its lowest cell at the training length."""
+    order = [r["variant"] for r in runs[0]["rows"]]
+    rows = []
+    for variant in order:
+        per_seed = [
+            (run["seed"], next(r for r in run["rows"] if r["variant"] == variant))
+            for run in runs
+            if any(r["variant"] == variant for r in run["rows"])
+        ]
+        val = [r["val_bpb"] for _, r in per_seed if r["val_bpb"] is not None]
+        gaps = [r["vs_dense"] for _, r in per_seed if r.get("vs_dense") is not None]
+        lows = [r["needle_min_at_train_len"] for _, r in per_seed]
+        rows.append(
+            dict(
+                variant=variant,
+                seeds=[s for s, _ in per_seed],
+                val_bpb_mean=statistics.fmean(val) if val else None,
+                val_bpb_min=min(val, default=None),
+                val_bpb_max=max(val, default=None),
+                vs_dense_mean=statistics.fmean(gaps) if gaps else None,
+                needle_mean=statistics.fmean(r["needle_mean"] for _, r in per_seed),
+                needle_min_at_train_len=min((x for x in lows if x is not None), default=None),
+            )
+        )
+    return rows
+
+
+def markdown(rows: list[dict], runs: list[dict], paths: list[str]) -> str:
+    env = runs[0]["environment"]
+    lines = [
+        "# HHST quality over seeds",
+        "",
+        f"{env['device']} · {versions_line(env)}",
+        "",
+        f"{len(runs)} runs (seeds {sorted({run['seed'] for run in runs})}) of preset "
+        f"`{runs[0]['preset']}`: {', '.join(Path(p).name for p in paths)}. The gap to dense is "
+        "taken within each seed, then averaged.",
+        "",
+        "| variant | seeds | val bits/byte mean (min-max) | vs dense | needle mean | lowest needle "
+        "cell at train len |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        val = (
+            "—"
+            if r["val_bpb_mean"] is None
+            else f"{r['val_bpb_mean']:.4f} ({r['val_bpb_min']:.4f}-{r['val_bpb_max']:.4f})"
+        )
+        gap = "—" if r["vs_dense_mean"] is None else f"{100 * r['vs_dense_mean']:+.2f}%"
+        low = r["needle_min_at_train_len"]
+        lines.append(
+            f"| {r['variant']} | {len(r['seeds'])} | {val} | {gap} | {r['needle_mean']:.3f} | "
+            f"{'—' if low is None else f'{low:.2f}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="JSON files written by quality_experiment.py")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="quality_seeds")
+    args = ap.parse_args()
+    runs = [json.loads(Path(p).read_text()) for p in args.runs]
+    recipes = {
+        (run["preset"], run["steps"], run.get("short_steps"), run.get("train_args", ""))
+        for run in runs
+    }
+    if len(recipes) > 1:
+        ap.error(f"the runs differ in preset, steps or train arguments: {sorted(recipes, key=str)}")
+    rows = aggregate(runs)
+    text = markdown(rows, runs, args.runs)
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(runs[0]["environment"], args.name)
+    (args.out_dir / f"{stem}.md").write_text(text)
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps(dict(runs=[str(p) for p in args.runs], rows=rows), indent=1)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
