@@ -1,0 +1,181 @@
+"""The ceiling every attention figure is read against: what the kept work costs at the GPU's
+own measured limits.
+
+For each case of ``bench_attention.py`` (same patterns, batch 1, bf16, causal) and pass:
+
+- *kept FLOPs*: the pattern's kept token pairs x 4 x head dim (forward; x 3.5 for forward and
+  backward), as ``bench_attention.py`` counts effective TFLOP/s;
+- *compulsory bytes*: what the pass must read and write once (forward: Q, K, V, O and the LSE;
+  backward adds dO, dQ, dK, dV and the row statistics);
+- the *ceiling*: the longer of the FLOPs at the measured dense bf16 GEMM rate and the bytes at
+  the measured copy bandwidth, and the effective TFLOP/s that time gives.
+
+With ``--measured`` (a ``bench_attention.py`` JSON) each s2attn time is set against its ceiling:
+the share of the limit reached. The limits are measured here, on this GPU: a large bf16 matmul
+(``--gemm-size``) and a device-to-device copy (``--copy-gib``); ``--gemm-tflops`` and
+``--bandwidth-gbs`` give them instead (e.g. on a CPU, ``--smoke``).
+
+    python benchmarks/ceiling.py --measured benchmarks/results/2026-11-22_h100_attention_main.json
+    python benchmarks/ceiling.py --smoke --gemm-tflops 800 --bandwidth-gbs 3000   # CPU
+
+Writes ``<date>_<device>_ceiling.{md,json}`` to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from bench_attention import Case, cases
+from run_info import environment, result_stem, versions_line
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BYTES = 2  # bf16
+PASSES = {"fwd": 1.0, "fwd+bwd": 3.5}
+
+
+def measure_gemm_tflops(size: int) -> float:
+    """Dense bf16 matmul rate of this GPU, TFLOP/s (median of repeated launches)."""
+    import triton.testing
+
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300)
+    return 2 * size**3 / ms / 1e9
+
+
+def measure_bandwidth_gbs(gib: float) -> float:
+    """Device memory bandwidth of a plain copy, GB/s (bytes read plus bytes written)."""
+    import triton.testing
+
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=200)
+    return 2 * n * 2 / ms / 1e6
+
+
+def compulsory_bytes(case: Case, backward: bool) -> int:
+    """Bytes a pass reads and writes at least once."""
+    q_rows = case.seq * case.heads * case.dim * BYTES  # Q, O, dO or dQ
+    kv_rows = case.seq * case.kv_heads * case.dim * BYTES  # K, V, dK or dV
+    stats = case.seq * case.heads * 4  # one float32 per row
+    forward = 2 * q_rows + 2 * kv_rows + stats  # Q, K, V in; O, LSE out
+    if not backward:
+        return forward
+    # Backward: Q, K, V, O, dO, LSE in (and delta, written and read); dQ, dK, dV out.
+    return forward + 3 * q_rows + 4 * kv_rows + 3 * stats
+
+
+def ceiling_rows(suite: str, seqs: list[int], gemm_tflops: float, bandwidth_gbs: float):
+    rows = []
+    for case in cases(suite, seqs):
+        kept = case.pattern().kept_token_pairs(case.seq)
+        for pass_name, factor in PASSES.items():
+            flops = kept * 4 * case.dim * factor
+            moved = compulsory_bytes(case, pass_name != "fwd")
+            compute_ms = flops / gemm_tflops / 1e9
+            memory_ms = moved / bandwidth_gbs / 1e6
+            ms = max(compute_ms, memory_ms)
+            rows.append(
+                dict(
+                    case=case.name,
+                    seq=case.seq,
+                    pass_=pass_name,
+                    kept_pairs=kept,
+                    flops=flops,
+                    bytes=moved,
+                    compute_ms=compute_ms,
+                    memory_ms=memory_ms,
+                    ceiling_ms=ms,
+                    ceiling_tflops=flops / ms / 1e9,
+                    bound="compute" if compute_ms >= memory_ms else "memory",
+                )
+            )
+    return rows
+
+
+def attach_measured(rows: list[dict], path: Path) -> None:
+    """Add each case's measured s2attn time and the share of the ceiling it reaches."""
+    measured = {
+        (r["case"], r["seq"], r["pass_"]): r["ms"]
+        for r in json.loads(path.read_text())["rows"]
+        if r["provider"] == "s2attn" and r.get("ms")
+    }
+    for row in rows:
+        ms = measured.get((row["case"], row["seq"], row["pass_"]))
+        row["measured_ms"] = ms
+        row["of_ceiling"] = row["ceiling_ms"] / ms if ms else None
+
+
+def markdown(rows, env, limits, args) -> str:
+    lines = [
+        "# Attention ceiling: kept work at the GPU's measured limits",
+        "",
+        f"{env['device']} · {versions_line(env)}",
+        "",
+        f"Dense bf16 GEMM {limits['gemm_tflops']:.0f} TFLOP/s, copy bandwidth "
+        f"{limits['bandwidth_gbs']:.0f} GB/s ({limits['source']}). Batch 1, bf16, causal; the "
+        "cases of `bench_attention.py`. Ceiling = max(kept FLOPs / GEMM rate, compulsory bytes / "
+        "bandwidth)." + (f" Measured: `{args.measured}`." if args.measured else ""),
+        "",
+        "| case | seq | pass | kept FLOPs | bound | ceiling | ceiling TFLOP/s | measured "
+        "| of ceiling |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        measured = r.get("measured_ms")
+        share = r.get("of_ceiling")
+        lines.append(
+            f"| {r['case']} | {r['seq'] // 1024}k | {r['pass_']} | {r['flops'] / 1e12:.2f} T | "
+            f"{r['bound']} | {r['ceiling_ms']:.3f} ms | {r['ceiling_tflops']:.0f} | "
+            f"{'—' if measured is None else f'{measured:.3f} ms'} | "
+            f"{'—' if share is None else f'{100 * share:.0f}%'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", choices=["main", "extras", "all"], default="all")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--measured", type=Path, help="a bench_attention.py JSON to compare with")
+    ap.add_argument("--gemm-size", type=int, default=8192)
+    ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--gemm-tflops", type=float, help="instead of measuring")
+    ap.add_argument("--bandwidth-gbs", type=float, help="instead of measuring")
+    ap.add_argument("--smoke", action="store_true", help="CPU: small lengths, limits given")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="ceiling")
+    args = ap.parse_args()
+    if args.smoke:
+        args.seqs = [4096]
+    given = args.gemm_tflops is not None and args.bandwidth_gbs is not None
+    if not given and not torch.cuda.is_available():
+        ap.error("no GPU to measure: give --gemm-tflops and --bandwidth-gbs")
+    limits = dict(
+        gemm_tflops=args.gemm_tflops or measure_gemm_tflops(args.gemm_size),
+        bandwidth_gbs=args.bandwidth_gbs or measure_bandwidth_gbs(args.copy_gib),
+        source="given"
+        if given
+        else f"measured: {args.gemm_size}^3 matmul, {args.copy_gib} GiB copy",
+    )
+    rows = ceiling_rows(args.suite, args.seqs, limits["gemm_tflops"], limits["bandwidth_gbs"])
+    if args.measured:
+        attach_measured(rows, args.measured)
+    env = environment()
+    text = markdown(rows, env, limits, args)
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(env, args.name)
+    (args.out_dir / f"{stem}.md").write_text(text)
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps(dict(environment=env, limits=limits, rows=rows), indent=1)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
