@@ -143,6 +143,30 @@ def test_left_padded_forward_without_cache_matches_each_sequence_alone():
     torch.testing.assert_close(got, both, rtol=1e-4, atol=1e-4)  # the reference path agrees
 
 
+def test_saved_hhst_checkpoint_declares_its_own_architecture(tmp_path):
+    """An HHST checkpoint's config names S2LlamaForCausalLM (a server that picks models by that
+    name refuses it without s2attn, rather than serve a dense Llama); transformers loads it by
+    model_type as a Llama with its S2 layers. A plain Llama keeps its name."""
+    import json
+
+    model, _ = tiny_llama()
+    model.save_pretrained(tmp_path / "hhst")
+    saved = json.loads((tmp_path / "hhst" / "config.json").read_text())
+    assert saved["architectures"] == [s2hf.HHST_ARCHITECTURE]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hhst").to(DEVICE)
+    assert isinstance(loaded, transformers.LlamaForCausalLM)
+    assert loaded.config.s2attn == model.config.s2attn
+    ids = torch.randint(2, 128, (1, 40), device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=64))  # fmt: skip
+    plain.save_pretrained(tmp_path / "plain")
+    saved = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_transformers_dynamic_cache_through_s2attn():
     """Without S2Cache, s2attn attends over the whole context transformers' cache returns."""
     model, reference = tiny_llama(num_layers=2)

@@ -208,3 +208,17 @@ def test_plugin_entry_point_is_installed():
 
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert names.get("s2attn") == "s2attn.integrations.vllm:register"
+
+
+def test_hhst_architecture_is_registered(tmp_path):
+    """HHST checkpoints declare S2LlamaForCausalLM; the plugin serves that name (a vLLM without
+    the plugin knows no such architecture and refuses the checkpoint)."""
+    import json
+
+    from vllm import ModelRegistry
+
+    save_tiny_llama(tmp_path, block_size=32)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["S2LlamaForCausalLM"]
+    s2vllm.register()
+    assert "S2LlamaForCausalLM" in ModelRegistry.get_supported_archs()

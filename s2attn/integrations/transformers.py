@@ -403,6 +403,11 @@ def reference_attention_forward(
     return _attend_context(attention_reference, q, k, v, pattern, attention_mask, scaling), None
 
 
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+# The architecture an HHST checkpoint declares (see _saving_attention_choice).
+HHST_ARCHITECTURE = "S2LlamaForCausalLM"
+
+
 def _saving_attention_choice(to_dict):
     """Wrap ``PreTrainedConfig.to_dict`` so that a config carrying s2attn settings also writes its
     attention implementation (``"attn_implementation"``), which transformers reads back when it
@@ -415,6 +420,11 @@ def _saving_attention_choice(to_dict):
         chosen = self.__dict__.get("_attn_implementation_internal")
         if _CONFIG_KEY in out and chosen in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
             out["attn_implementation"] = chosen
+        if _CONFIG_KEY in out and out.get("architectures") == [LLAMA_ARCHITECTURE]:
+            # Servers that pick the model by this name (vLLM) then refuse an HHST checkpoint
+            # without s2attn's plugin, rather than serve it as a dense Llama: a different model.
+            # transformers picks the class by model_type and ignores it.
+            out["architectures"] = [HHST_ARCHITECTURE]
         return out
 
     with_attention_choice.s2attn_wrapped = True

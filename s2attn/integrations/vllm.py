@@ -3,8 +3,10 @@ batching and paged KV cache, as an out-of-tree plugin.
 
 ``pip install 's2attn[vllm]'`` declares the entry point ``vllm.general_plugins: s2attn =
 s2attn.integrations.vllm:register``; vLLM calls :func:`register` in every process it starts. It
-registers :class:`S2LlamaForCausalLM` for the architecture ``LlamaForCausalLM``. For a config
-without ``s2attn`` settings the class is vLLM's own Llama, unchanged; for a checkpoint saved by
+registers :class:`S2LlamaForCausalLM` for the architectures ``S2LlamaForCausalLM`` (what HHST
+checkpoints declare, so that a vLLM without this plugin refuses them instead of serving them as
+dense Llamas) and ``LlamaForCausalLM``. For a config without ``s2attn`` settings the class is
+vLLM's own Llama, unchanged; for a checkpoint saved by
 ``python -m s2attn train`` (or any model passed through
 :func:`s2attn.integrations.transformers.configure`) each layer is built as its
 ``layer_types`` entry says: dense layers keep the attention backend vLLM chose, S2 layers use
@@ -77,7 +79,9 @@ TESTED_VLLM = "0.32.0"
 # The plugin reads vLLM internals that change between minor releases (the attention backend and
 # metadata builder interfaces, KV cache layouts): it accepts the minor release it was tested on.
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper)
-ARCHITECTURE = "LlamaForCausalLM"
+# HHST checkpoints declare their own architecture, so that a vLLM without this plugin refuses
+# them; plain Llamas (and HHST checkpoints saved before that) come as LlamaForCausalLM.
+ARCHITECTURES = ("S2LlamaForCausalLM", "LlamaForCausalLM")
 BACKEND_NAME = "S2ATTN"
 
 
@@ -112,7 +116,8 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     # Lazy "module:class" references: vLLM imports them in the process that builds the model.
-    ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:S2LlamaForCausalLM")
+    for architecture in ARCHITECTURES:
+        ModelRegistry.register_model(architecture, f"{__name__}:S2LlamaForCausalLM")
     # vLLM looks every layer's backend up by name, so the S2 layers' needs an enum member.
     if BACKEND_NAME not in AttentionBackendEnum._member_map_:
         register_backend(BACKEND_NAME, f"{__name__}.S2AttentionBackend")
