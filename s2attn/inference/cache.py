@@ -218,8 +218,7 @@ class PagedKVCache:
         reads = read.sum(dim=1)
         rings = torch.arange(2, nb + 2)
         bounds = (rings - 2).expand(len(spans), -1).contiguous()
-        beyond = reads[:, None] - torch.searchsorted(spans, bounds,
-                                                     right=True)  # fmt: skip
+        beyond = reads[:, None] - torch.searchsorted(spans, bounds, right=True)
         costs = torch.cat([reads.max()[None], rings + beyond.amax(dim=0)])
         best = int(costs.argmin())
         ring = 0 if best == 0 else int(rings[best - 1])
