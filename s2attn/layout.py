@@ -26,6 +26,7 @@ paged KV cache, one list for the query heads of a GQA group.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -500,8 +501,95 @@ def _cached(
     if key not in per_pattern:
         if len(per_pattern) >= _MAX_LAYOUTS_PER_PATTERN:
             per_pattern.pop(next(iter(per_pattern)))
-        per_pattern[key] = _build(pattern, block_m, block_n, device, transpose, num_blocks, gather)
+        # One head at a time, then joined: the working memory is one head's entries.
+        per_pattern[key] = _join_heads([
+            _build(pattern[h : h + 1], block_m, block_n, device, transpose, num_blocks, gather)
+            for h in range(pattern.num_heads)
+        ])  # fmt: skip
     return per_pattern[key]
+
+
+def _join_offsets(parts: list[torch.Tensor]) -> torch.Tensor:
+    """CSR offsets of lists laid one after another."""
+    out, base = [], 0
+    for offsets in parts:
+        out.append(offsets[:-1].to(torch.int64) + base)
+        base += int(offsets[-1])
+    out.append(torch.tensor([base], device=parts[0].device))
+    return torch.cat(out).to(torch.int32)
+
+
+def _join_heads(layouts: list[TileLayout]) -> TileLayout:
+    """The layout of all heads from one-head layouts (head h's lists after head h - 1's): what
+    one build over all heads gives."""
+    first = layouts[0]
+    fields = {}
+    for name in ("full", "partial", "gather_full", "gather_partial"):
+        offsets = [getattr(lay, f"{name}_offsets") for lay in layouts]
+        if offsets[0] is None:
+            continue
+        fields[f"{name}_offsets"] = _join_offsets(offsets)
+    for name in ("full_cols", "partial_cols", "partial_bits", "gather_full_blocks",
+                 "gather_partial_blocks", "gather_partial_bits"):  # fmt: skip
+        parts = [getattr(lay, name) for lay in layouts]
+        if parts[0] is not None:
+            fields[name] = torch.cat(parts)
+    tiles = [(h, lay.gathered_kv) for h, lay in enumerate(layouts) if lay.gathered_kv is not None]
+    return dataclasses.replace(
+        first,
+        num_heads=len(layouts),
+        max_entries=max(lay.max_entries for lay in layouts),
+        gathered_kv=_join_gathered_kv(tiles) if tiles else None,
+        **fields,
+    )
+
+
+def _join_gathered_kv(parts: list[tuple[int, GatheredKVTiles]]) -> GatheredKVTiles:
+    """Gathered KV tiles of several heads as one set, longest lists first (ties in head order,
+    as one build over all heads orders them)."""
+    device = parts[0][1].heads.device
+    heads = torch.cat([torch.full_like(g.heads, h) for h, g in parts])
+    blocks = torch.cat([g.blocks.view(g.num_tiles, g.width) for _, g in parts])
+    full_offsets = _join_offsets([g.full_offsets for _, g in parts])
+    partial_offsets = _join_offsets([g.partial_offsets for _, g in parts])
+    full_cols = torch.cat([g.full_cols for _, g in parts])
+    partial_cols = torch.cat([g.partial_cols for _, g in parts])
+    partial_bits = torch.cat([g.partial_bits for _, g in parts])
+    full_counts = torch.diff(full_offsets.long())
+    partial_counts = torch.diff(partial_offsets.long())
+    order = torch.argsort(-(full_counts + partial_counts), stable=True)
+
+    def reorder(offsets, counts, *columns):
+        """Each tile's run of entries, in the new tile order, and the new offsets."""
+        new_counts = counts[order]
+        starts = offsets[:-1].long()[order]
+        index = torch.repeat_interleave(starts, new_counts) + (
+            torch.arange(int(new_counts.sum()), device=device)
+            - torch.repeat_interleave(_exclusive_cumsum(new_counts), new_counts)
+        )
+        return _csr_from_counts(new_counts), *(column[index] for column in columns)
+
+    full_offsets, full_cols = reorder(full_offsets, full_counts, full_cols)
+    partial_offsets, partial_cols, partial_bits = reorder(
+        partial_offsets, partial_counts, partial_cols, partial_bits
+    )
+    return GatheredKVTiles(
+        width=parts[0][1].width,
+        heads=heads[order].contiguous(),
+        blocks=blocks[order].reshape(-1).contiguous(),
+        full_offsets=full_offsets,
+        full_cols=full_cols.contiguous(),
+        partial_offsets=partial_offsets,
+        partial_cols=partial_cols.contiguous(),
+        partial_bits=partial_bits.contiguous(),
+        max_entries=max(g.max_entries for _, g in parts),
+    )
+
+
+def _csr_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
+    offsets[1:] = counts.cumsum(0)
+    return offsets.to(torch.int32)
 
 
 def forward_layout(
