@@ -210,8 +210,12 @@ def _tile_entries(
 
 
 def _csr(group: torch.Tensor, num_groups: int) -> torch.Tensor:
-    counts = torch.bincount(group, minlength=num_groups)
-    offsets = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
+    return _csr_from_counts(torch.bincount(group, minlength=num_groups))
+
+
+def _csr_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """int32 CSR offsets (len(counts) + 1,) of lists of these lengths."""
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
     offsets[1:] = counts.cumsum(0)
     return offsets.to(torch.int32)
 
@@ -241,23 +245,6 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, causal):
-    """:func:`_gather_entries` one head at a time (the entries sorted by head), so the working
-    memory is one head's entries; the results, concatenated, are in the same order."""
-    if h.numel() == 0:
-        return _gather_entries(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size,
-                               causal)  # fmt: skip
-    bounds = _exclusive_cumsum(torch.bincount(h, minlength=int(h.max()) + 2)).tolist()
-    parts = [
-        _gather_entries(h[lo:hi], t[lo:hi], n[lo:hi], bits[lo:hi], full[lo:hi], num_q_tiles,
-                        block_m, block_n, block_size, causal)
-        for lo, hi in zip(bounds, bounds[1:])
-    ]  # fmt: skip
-    keep = tuple(torch.cat(column) for column in zip(*(kept for kept, _ in parts)))
-    gathered = tuple(torch.cat(column) for column in zip(*(g for _, g in parts)))
-    return keep, gathered
-
-
-def _gather_entries(h, t, n, bits, full, num_q_tiles, block_m, block_n, block_size, causal):
     """Split the entries that use at most half their pattern blocks into single blocks and
     pack each (head, query tile)'s blocks, ``block_n / block_size`` at a time, into gathered
     entries: blocks every row keeps (and sees whole, when causal) apart from the others, so that
@@ -317,37 +304,51 @@ def _gather_kv(
     h, t, n, bits, num_heads, num_q_tiles, num_kv_tiles, block_m, block_n, block_size, causal
 ):
     """Split the far entries that use at most half their KV tile's blocks out of a backward
-    layout's entries (h, q tile t, KV tile n, bits; sorted by head) and pack their key blocks,
-    ``block_n / block_size`` of one head at a time, into gathered KV tiles
-    (``GatheredKVTiles``). One head at a time: the working memory is one head's entries.
+    layout's entries (h, q tile t, KV tile n, bits) and pack their key blocks, ``block_n /
+    block_size`` of one head at a time, into gathered KV tiles (``GatheredKVTiles``).
 
     Returns the mask of entries kept contiguous, and the gathered tiles (None when none)."""
     device = h.device
     width = block_n // block_size
     rows = block_m // min(block_size, block_m)
-    bounds = _exclusive_cumsum(torch.bincount(h, minlength=num_heads + 1)).tolist()
-    geometry = (num_q_tiles, num_kv_tiles, block_m, block_n, block_size, causal)
-    keeps, heads, blocks, entry_tile, entry_col, entry_bits = [], [], [], [], [], []
-    num_tiles = 0
-    for head in range(num_heads):
-        lo, hi = bounds[head], bounds[head + 1]
-        keep, tiles = _far_tiles(t[lo:hi], n[lo:hi], bits[lo:hi], *geometry)
-        keeps.append(keep)
-        if tiles is None:
-            continue
-        head_blocks, tile, col, tile_bits = tiles
-        heads.append(torch.full((head_blocks.shape[0],), head, dtype=torch.int64, device=device))
-        blocks.append(head_blocks)
-        entry_tile.append(tile + num_tiles)
-        entry_col.append(col)
-        entry_bits.append(tile_bits)
-        num_tiles += head_blocks.shape[0]
-    keep = torch.cat(keeps) if keeps else torch.ones_like(h, dtype=torch.bool)
-    if not num_tiles:
-        return keep, None
-    heads, blocks = torch.cat(heads), torch.cat(blocks)
-    entry_tile, entry_col = torch.cat(entry_tile), torch.cat(entry_col)
-    entry_bits = torch.cat(entry_bits)
+    bitmat, col_used, far = _lone_blocks(t, n, bits, block_m, block_n, block_size, causal)
+    if not far.any():
+        return torch.ones_like(far), None
+    far_entries = far.nonzero(as_tuple=True)[0]
+    e, b = col_used[far_entries].nonzero(as_tuple=True)
+    e = far_entries[e]
+    row_bits = bitmat[e, :, b]  # (items, rows): which row groups of query tile t[e] use the block
+    blocks_per_head = num_kv_tiles * width
+    block_key = h[e] * blocks_per_head + n[e] * width + b
+
+    # One slot per (head, key block). A head's blocks fill its tiles in order of how many far
+    # query tiles use them, so each tile holds blocks whose lists mostly coincide (full entries):
+    # neighbouring stride blocks together, the local window's edge blocks (a few uses) apart.
+    keys, item_slot = torch.unique(block_key, return_inverse=True)
+    uses = torch.bincount(item_slot, minlength=keys.numel())
+    key_head = keys // blocks_per_head
+    most = int(uses.max().item())
+    order = torch.argsort((key_head * (most + 1) + most - uses) * blocks_per_head + keys)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(keys.numel(), device=device)
+    per_head = torch.bincount(key_head, minlength=num_heads)
+    rank = position - _exclusive_cumsum(per_head)[key_head]
+    tiles_per_head = (per_head + width - 1) // width
+    tile_of = _exclusive_cumsum(tiles_per_head)[key_head] + rank // width
+    slot_of = rank % width
+    num_tiles = int(tiles_per_head.sum().item())
+    blocks = torch.full((num_tiles, width), -1, dtype=torch.int64, device=device)
+    blocks[tile_of, slot_of] = keys % blocks_per_head
+    heads = torch.repeat_interleave(torch.arange(num_heads, device=device), tiles_per_head)
+
+    # Entries (tile, query tile): each item sets its slot's bit column.
+    tile, slot = tile_of[item_slot], slot_of[item_slot]
+    a = torch.arange(rows, device=device, dtype=torch.int64)
+    contrib = (row_bits.to(torch.int64) << (a[None, :] * width + slot[:, None])).sum(dim=1)
+    entry_keys, entry_of = torch.unique(tile * num_q_tiles + t[e], return_inverse=True)
+    entry_bits = torch.zeros(entry_keys.numel(), dtype=torch.int64, device=device)
+    entry_bits.index_add_(0, entry_of, contrib)  # disjoint bits: the sum is their union
+    entry_tile, entry_col = entry_keys // num_q_tiles, entry_keys % num_q_tiles
     all_bits = -1 if rows * width == 64 else (1 << (rows * width)) - 1
     entry_full = entry_bits == all_bits
 
@@ -372,45 +373,7 @@ def _gather_kv(
         partial_bits=entry_bits[partial].contiguous(),
         max_entries=int(lengths.max().item()),
     )
-    return keep, gathered
-
-
-def _far_tiles(t, n, bits, num_q_tiles, num_kv_tiles, block_m, block_n, block_size, causal):
-    """One head's part of :func:`_gather_kv`: the mask of its entries kept contiguous, and its
-    gathered tiles as (blocks (tiles, width), entries' tile, query tile, bits), tiles numbered
-    from 0 in the head's order; None when it has no far entries."""
-    device = t.device
-    width = block_n // block_size
-    rows = block_m // min(block_size, block_m)
-    bitmat, col_used, far = _lone_blocks(t, n, bits, block_m, block_n, block_size, causal)
-    if not far.any():
-        return torch.ones_like(far), None
-    far_entries = far.nonzero(as_tuple=True)[0]
-    e, b = col_used[far_entries].nonzero(as_tuple=True)
-    e = far_entries[e]
-    row_bits = bitmat[e, :, b]  # (items, rows): which row groups of query tile t[e] use the block
-
-    # One slot per key block. The blocks fill tiles in order of how many far query tiles use
-    # them, so each tile holds blocks whose lists mostly coincide (full entries): neighbouring
-    # stride blocks together, the local window's edge blocks (a few uses) apart.
-    keys, item_slot = torch.unique(n[e] * width + b, return_inverse=True)
-    uses = torch.bincount(item_slot, minlength=keys.numel())
-    order = torch.argsort((uses.max() - uses) * (num_kv_tiles * width) + keys)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(keys.numel(), device=device)
-    tile_of, slot_of = rank // width, rank % width
-    num_tiles = (keys.numel() + width - 1) // width
-    blocks = torch.full((num_tiles, width), -1, dtype=torch.int64, device=device)
-    blocks[tile_of, slot_of] = keys
-
-    # Entries (tile, query tile): each item sets its slot's bit column.
-    tile, slot = tile_of[item_slot], slot_of[item_slot]
-    a = torch.arange(rows, device=device, dtype=torch.int64)
-    contrib = (row_bits.to(torch.int64) << (a[None, :] * width + slot[:, None])).sum(dim=1)
-    entry_keys, entry_of = torch.unique(tile * num_q_tiles + t[e], return_inverse=True)
-    entry_bits = torch.zeros(entry_keys.numel(), dtype=torch.int64, device=device)
-    entry_bits.index_add_(0, entry_of, contrib)  # disjoint bits: the sum is their union
-    return ~far, (blocks, entry_keys // num_q_tiles, entry_keys % num_q_tiles, entry_bits)
+    return ~far, gathered
 
 
 def _build(
@@ -511,12 +474,7 @@ def _cached(
 
 def _join_offsets(parts: list[torch.Tensor]) -> torch.Tensor:
     """CSR offsets of lists laid one after another."""
-    out, base = [], 0
-    for offsets in parts:
-        out.append(offsets[:-1].to(torch.int64) + base)
-        base += int(offsets[-1])
-    out.append(torch.tensor([base], device=parts[0].device))
-    return torch.cat(out).to(torch.int32)
+    return _csr_from_counts(torch.cat([torch.diff(offsets.to(torch.int64)) for offsets in parts]))
 
 
 def _join_heads(layouts: list[TileLayout]) -> TileLayout:
@@ -555,23 +513,22 @@ def _join_gathered_kv(parts: list[tuple[int, GatheredKVTiles]]) -> GatheredKVTil
     full_cols = torch.cat([g.full_cols for _, g in parts])
     partial_cols = torch.cat([g.partial_cols for _, g in parts])
     partial_bits = torch.cat([g.partial_bits for _, g in parts])
-    full_counts = torch.diff(full_offsets.long())
-    partial_counts = torch.diff(partial_offsets.long())
-    order = torch.argsort(-(full_counts + partial_counts), stable=True)
+    lengths = torch.diff(full_offsets.long()) + torch.diff(partial_offsets.long())
+    order = torch.argsort(-lengths, stable=True)
 
-    def reorder(offsets, counts, *columns):
+    def reorder(offsets, *columns):
         """Each tile's run of entries, in the new tile order, and the new offsets."""
-        new_counts = counts[order]
+        counts = torch.diff(offsets.long())[order]
         starts = offsets[:-1].long()[order]
-        index = torch.repeat_interleave(starts, new_counts) + (
-            torch.arange(int(new_counts.sum()), device=device)
-            - torch.repeat_interleave(_exclusive_cumsum(new_counts), new_counts)
+        index = torch.repeat_interleave(starts, counts) + (
+            torch.arange(int(counts.sum()), device=device)
+            - torch.repeat_interleave(_exclusive_cumsum(counts), counts)
         )
-        return _csr_from_counts(new_counts), *(column[index] for column in columns)
+        return _csr_from_counts(counts), *(column[index] for column in columns)
 
-    full_offsets, full_cols = reorder(full_offsets, full_counts, full_cols)
+    full_offsets, full_cols = reorder(full_offsets, full_cols)
     partial_offsets, partial_cols, partial_bits = reorder(
-        partial_offsets, partial_counts, partial_cols, partial_bits
+        partial_offsets, partial_cols, partial_bits
     )
     return GatheredKVTiles(
         width=parts[0][1].width,
@@ -584,12 +541,6 @@ def _join_gathered_kv(parts: list[tuple[int, GatheredKVTiles]]) -> GatheredKVTil
         partial_bits=partial_bits.contiguous(),
         max_entries=max(g.max_entries for _, g in parts),
     )
-
-
-def _csr_from_counts(counts: torch.Tensor) -> torch.Tensor:
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
-    offsets[1:] = counts.cumsum(0)
-    return offsets.to(torch.int32)
 
 
 def forward_layout(
