@@ -91,8 +91,7 @@ class BlockPattern:
             mask.detach().to("cpu").reshape(heads * q_blocks, kv_blocks).nonzero(as_tuple=True)
         )  # row-major: sorted by row, then column
         counts = torch.bincount(rows, minlength=heads * q_blocks)
-        self._init(heads, q_blocks, kv_blocks, _offsets(counts), cols.to(torch.int32),
-                   block_size, causal)  # fmt: skip
+        self._init(heads, q_blocks, kv_blocks, counts, cols, block_size, causal)
 
     @classmethod
     def from_block_lists(
@@ -147,15 +146,21 @@ class BlockPattern:
         row_start[offsets[:-1][counts > 0]] = True
         if cols.numel() > 1 and not ((cols[1:] > cols[:-1]) | row_start[1:]).all():
             raise ValueError("each row's cols must be strictly increasing")
+        return cls._from_lists(num_heads, rows // num_heads, num_kv_blocks, counts, cols,
+                               block_size, causal)  # fmt: skip
+
+    @classmethod
+    def _from_lists(cls, heads, q_blocks, kv_blocks, counts, cols, block_size, causal):
+        """A pattern from checked per-row counts and KV blocks, no further checks."""
         pattern = cls.__new__(cls)
-        pattern._init(num_heads, rows // num_heads, num_kv_blocks, offsets,
-                      cols.to(torch.int32), block_size, causal)  # fmt: skip
+        pattern._init(heads, q_blocks, kv_blocks, counts, cols, block_size, causal)
         return pattern
 
-    def _init(self, heads, q_blocks, kv_blocks, row_offsets, cols, block_size, causal) -> None:
+    def _init(self, heads, q_blocks, kv_blocks, counts, cols, block_size, causal) -> None:
         self._shape = (heads, q_blocks, kv_blocks)
-        self.row_offsets = row_offsets.contiguous()
-        self.cols = cols.contiguous()
+        self.row_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+        self.row_offsets[1:] = counts.cumsum(0)
+        self.cols = cols.to(torch.int32).contiguous()
         self.block_size = block_size
         self.causal = causal
         self._register()
@@ -213,13 +218,9 @@ class BlockPattern:
         """The dense bool view (heads, q_blocks, kv_blocks), built on each access: as large as the
         square of the block count, so for small patterns and tests."""
         heads, q_blocks, kv_blocks = self._shape
-        dense = torch.zeros(heads * q_blocks, kv_blocks, dtype=torch.bool)
-        dense[self._row_ids(), self.cols.long()] = True
-        return dense.view(heads, q_blocks, kv_blocks)
-
-    def _row_ids(self) -> torch.Tensor:
-        counts = self.row_offsets[1:] - self.row_offsets[:-1]
-        return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        dense = torch.zeros(heads, q_blocks, kv_blocks, dtype=torch.bool)
+        dense[self.block_coordinates()] = True
+        return dense
 
     def block_coordinates(
         self, num_blocks: int | None = None, heads: slice | None = None
@@ -246,10 +247,8 @@ class BlockPattern:
     def _from_coordinates(self, h, i, j, heads: int, q_blocks: int, kv_blocks: int):
         """A pattern of this kind from sorted (head, query block, KV block) triples."""
         counts = torch.bincount(h * q_blocks + i, minlength=heads * q_blocks)
-        pattern = BlockPattern.__new__(BlockPattern)
-        pattern._init(heads, q_blocks, kv_blocks, _offsets(counts), j.to(torch.int32),
-                      self.block_size, self.causal)  # fmt: skip
-        return pattern
+        return BlockPattern._from_lists(heads, q_blocks, kv_blocks, counts, j, self.block_size,
+                                        self.causal)  # fmt: skip
 
     def __getitem__(self, heads: slice) -> BlockPattern:
         """The pattern of a head range, e.g. ``pattern[8:16]`` for one tensor-parallel rank."""
@@ -340,10 +339,10 @@ class BlockPattern:
     def _visible(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         return j <= i if self.causal else torch.ones_like(i, dtype=torch.bool)
 
-    def _kept_pairs(self, seq_len: int) -> int:
-        """Token pairs kept for one sequence of ``seq_len``, summed over heads: each kept block
-        pair weighs its visible token pairs (full blocks, the last one shorter, the diagonal a
-        triangle when causal)."""
+    def kept_token_pairs(self, seq_len: int) -> int:
+        """Token pairs the pattern keeps for one sequence of ``seq_len``, summed over heads: each
+        kept block pair weighs its visible token pairs (full blocks, the last one shorter, the
+        diagonal a triangle when causal)."""
         bs = self.block_size
         nb = math.ceil(seq_len / bs)
         _, i, j = self.block_coordinates(nb)
@@ -367,11 +366,7 @@ class BlockPattern:
             raise ValueError(
                 f"seq_len {seq_len} exceeds the pattern's max_seq_len {self.max_seq_len}"
             )
-        return self._kept_pairs(seq_len) / (self._visible_pairs(seq_len) * self.num_heads)
-
-    def kept_token_pairs(self, seq_len: int) -> int:
-        """Token pairs the pattern keeps for one sequence of ``seq_len``, summed over heads."""
-        return self._kept_pairs(seq_len)
+        return self.kept_token_pairs(seq_len) / (self._visible_pairs(seq_len) * self.num_heads)
 
     def is_kv_efficient(self) -> bool:
         """True when, for every head and KV block, the query blocks using it form one run.
@@ -412,13 +407,6 @@ class BlockPattern:
         return bool((per_group == visible).all())
 
 
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    """CSR offsets (len(counts) + 1,) int64 from per-row counts."""
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    offsets[1:] = counts.cumsum(0)
-    return offsets
-
-
 def _validate_heads(num_heads: int, num_kv_heads: int | None) -> int:
     _check_positive_int("num_heads", num_heads)
     if num_kv_heads is None:
@@ -437,8 +425,7 @@ def dense_pattern(
     _check_positive_int("max_seq_len", max_seq_len)
     _check_block_size(block_size)
     nb = math.ceil(max_seq_len / block_size)
-    counts, cols = _row_lists(nb, None, None, causal, None, None)
-    return _pattern_from_groups([(counts, cols)] * num_heads, nb, block_size, causal)
+    return _pattern_from_heads([_row_lists(nb, causal)] * num_heads, nb, block_size, causal)
 
 
 # Patterns shared by every layer and caller of one configuration, so that their layouts are
@@ -524,15 +511,15 @@ def local_stride_pattern(
     lists = []
     for g in range(groups):
         if g >= num_sparse_groups:
-            lists.append(_row_lists(nb, None, None, causal, None, None))
+            lists.append(_row_lists(nb, causal))
             continue
         shift = head_offset + (0 if homo_head else g)
-        lists.append(_row_lists(nb, local_blocks, vert_stride, causal, shift, None))
+        lists.append(_row_lists(nb, causal, local_blocks, vert_stride, shift))
     heads = [group for group in lists for _ in range(group_size)]
-    return _pattern_from_groups(heads, nb, block_size, causal)
+    return _pattern_from_heads(heads, nb, block_size, causal)
 
 
-def _row_lists(nb, local_blocks, vert_stride, causal, shift, _unused):
+def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0):
     """One head's kept blocks as (per-row counts, cols), built row by row in O(kept) memory:
     the local window ``[lo, hi]`` and the stripes ``j = -shift (mod vert_stride)`` outside it;
     ``local_blocks`` None: every visible block."""
@@ -566,10 +553,8 @@ def _row_lists(nb, local_blocks, vert_stride, causal, shift, _unused):
     return counts, cols.to(torch.int32)
 
 
-def _pattern_from_groups(heads, nb, block_size, causal) -> BlockPattern:
+def _pattern_from_heads(heads, nb, block_size, causal) -> BlockPattern:
     """A pattern from each head's (per-row counts, cols), in head order."""
     counts = torch.cat([c for c, _ in heads])
-    pattern = BlockPattern.__new__(BlockPattern)
-    pattern._init(len(heads), nb, nb, _offsets(counts), torch.cat([c for _, c in heads]),
-                  block_size, causal)  # fmt: skip
-    return pattern
+    cols = torch.cat([c for _, c in heads])
+    return BlockPattern._from_lists(len(heads), nb, nb, counts, cols, block_size, causal)
