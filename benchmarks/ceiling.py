@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from bench_attention import Case, cases
-from run_info import environment, result_stem, versions_line
+from run_info import environment, result_stem, versions_line, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BYTES = 2  # bf16
@@ -166,13 +166,11 @@ def main() -> int:
     if args.measured:
         attach_measured(rows, args.measured)
     env = environment()
-    text = markdown(rows, env, limits, args)
-    print(text)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = result_stem(env, args.name)
-    (args.out_dir / f"{stem}.md").write_text(text)
-    (args.out_dir / f"{stem}.json").write_text(
-        json.dumps(dict(environment=env, limits=limits, rows=rows), indent=1)
+    write_results(
+        args.out_dir,
+        result_stem(env, args.name),
+        markdown(rows, env, limits, args),
+        dict(env=env, limits=limits, rows=rows),
     )
     return 0
 

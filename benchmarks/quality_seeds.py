@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from run_info import result_stem, versions_line
+from run_info import result_stem, versions_line, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -97,13 +97,12 @@ def main() -> int:
     if len(recipes) > 1:
         ap.error(f"the runs differ in preset, steps or train arguments: {sorted(recipes, key=str)}")
     rows = aggregate(runs)
-    text = markdown(rows, runs, args.runs)
-    print(text)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = result_stem(runs[0]["environment"], args.name)
-    (args.out_dir / f"{stem}.md").write_text(text)
-    (args.out_dir / f"{stem}.json").write_text(
-        json.dumps(dict(runs=[str(p) for p in args.runs], rows=rows), indent=1)
+    env = runs[0]["environment"]
+    write_results(
+        args.out_dir,
+        result_stem(env, args.name),
+        markdown(rows, runs, args.runs),
+        dict(env=env, runs=[str(p) for p in args.runs], rows=rows),
     )
     return 0
 
