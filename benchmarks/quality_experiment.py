@@ -40,6 +40,9 @@ VARIANTS: dict[str, list[str]] = {
     "s2": ["--variant", "s2"],
     "local": ["--variant", "local"],
     "homo": ["--variant", "homo"],
+    # Without a dense layer, only the stagger lets a layer reach every block: the S2 layers
+    # must carry all long-range traffic themselves.
+    "homo-s2": ["--variant", "homo", "--dense-layers", "none"],
 }
 
 

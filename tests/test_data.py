@@ -259,17 +259,19 @@ def test_needle_sample_layout(depth):
     filler = _filler(400)
     s = D.make_needle_sample(filler, length, depth, random.Random(5), key_len, value_len)
     needle_len = 2 + key_len + value_len
-    filler_len = length - 2 * needle_len
+    filler_len = length - 1 - 2 * needle_len
     assert s.tokens.shape == (length,) and s.tokens.dtype == torch.int64
-    assert s.needle_start == round(depth * filler_len)
+    assert s.needle_start == 1 + round(depth * filler_len)
     assert s.answer_len == value_len and s.answer_start == length - value_len
 
     t = s.tokens.tolist()
     p = s.needle_start
-    # The context is the filler's first filler_len tokens with the needle spliced in at p.
-    assert t[:p] + t[p + needle_len : filler_len + needle_len] == filler[:filler_len].tolist()
+    # BOS, then the filler's first filler_len tokens with the needle spliced in at p.
+    assert t[0] == D.BOS and D.BOS not in filler.tolist()
+    context = t[1:p] + t[p + needle_len : 1 + filler_len + needle_len]
+    assert context == filler[:filler_len].tolist()
     needle = t[p : p + needle_len]
-    question = t[filler_len + needle_len :]
+    question = t[1 + filler_len + needle_len :]
     assert needle[0] == D.KEY and needle[1 + key_len] == D.VALUE
     assert question == needle  # the question repeats the key; the answer is the value
     key, value = needle[1 : 1 + key_len], needle[2 + key_len :]
@@ -281,8 +283,8 @@ def test_needle_sample_layout(depth):
 def test_needle_sample_errors():
     rng = random.Random(0)
     with pytest.raises(ValueError, match="length"):
-        D.make_needle_sample(_filler(100), 23, 0.5, rng)  # needs 2 * (2 + 4 + 6) = 24
-    D.make_needle_sample(_filler(100), 24, 0.5, rng)  # no filler at all is allowed
+        D.make_needle_sample(_filler(100), 24, 0.5, rng)  # needs 1 + 2 * (2 + 4 + 6) = 25
+    D.make_needle_sample(_filler(100), 25, 0.5, rng)  # no filler at all is allowed
     for depth in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match="depth"):
             D.make_needle_sample(_filler(100), 60, depth, rng)
@@ -302,14 +304,15 @@ def test_multi_needle_answers_match_needles():
     assert len(t) == length and len(set(s.keys)) == n
     assert t.count(D.KEY) == 2 * n
     needle_len = 2 + key_len + value_len
-    filler_len = length - 2 * n * needle_len
+    filler_len = length - 1 - 2 * n * needle_len
+    assert t[0] == D.BOS
     # Planted in depth order; equal depths keep their index order.
     by_position = sorted(range(n), key=lambda i: s.needle_starts[i])
     assert by_position == sorted(range(n), key=lambda i: depths[i])
     for i in range(n):
         start = s.needle_starts[i]
         planted_before = sum(s.needle_starts[j] < start for j in range(n))
-        assert start - planted_before * needle_len == round(depths[i] * filler_len)
+        assert start - 1 - planted_before * needle_len == round(depths[i] * filler_len)
         assert t[start : start + needle_len] == [D.KEY, *s.keys[i], D.VALUE, *s.values[i]]
         answer = t[s.answer_starts[i] : s.answer_starts[i] + s.answer_len]
         assert answer == list(s.values[i])
@@ -318,7 +321,7 @@ def test_multi_needle_answers_match_needles():
             *s.keys[i],
             D.VALUE,
         ]
-        assert s.answer_starts[i] >= filler_len + n * needle_len
+        assert s.answer_starts[i] >= 1 + filler_len + n * needle_len
 
 
 def test_stream_needle_rows_answer_their_keys(corpus_root):
@@ -336,6 +339,7 @@ def test_stream_needle_rows_answer_their_keys(corpus_root):
         value_len=value_len,
     )
     for row in stream.next_batch().tolist():
+        assert row[0] == D.BOS
         keys = [i for i, t in enumerate(row) if t == D.KEY]
         assert len(keys) == 2 * n
         spans = [tuple(row[i : i + 2 + key_len + value_len]) for i in keys]
@@ -354,21 +358,23 @@ def test_stream_edge_fraction_plants_needles_at_the_ends(corpus_root):
                                needles_per_sample=1, edge_fraction=edge_fraction)  # fmt: skip
         return [row.index(D.KEY) for row in stream.next_batch().tolist()]
 
-    last = 400 - 2 * needle_len  # depth 1: right before the question
+    first, last = 1, 400 - 2 * needle_len  # right after the BOS; right before the question
     ends = needle_starts(1.0)
-    assert set(ends) == {0, last}  # only the ends, and both of them
-    assert sum(s in (0, last) for s in needle_starts(0.0)) <= 2  # uniform: the ends are rare
+    assert set(ends) == {first, last}  # only the ends, and both of them
+    assert sum(s in (first, last) for s in needle_starts(0.0)) <= 2  # uniform: ends are rare
 
 
 def test_needle_filler_is_deterministic(corpus_root):
     root, _ = corpus_root
     corpus = D.SourceCorpus([root], val_fraction=0.0)
     a = D.needle_filler(corpus, 500, seed=1)
-    assert a.shape == (500,) and a[0] == D.BOS and int(a.max()) <= D.BOS
+    # The stream's leading BOS is dropped: the retrieval sample brings its own.
+    assert a.shape == (500,) and a[0] != D.BOS and int(a.max()) <= D.BOS
     assert torch.equal(a, D.needle_filler(corpus, 500, seed=1))
     assert not torch.equal(a, D.needle_filler(corpus, 500, seed=2))
-    s = D.make_needle_sample(a, 500, 0.5, random.Random(0))
-    assert s.tokens.shape == (500,)
+    s = D.make_needle_sample(a, 500, 0.0, random.Random(0))
+    assert s.tokens.shape == (500,) and s.tokens[0] == D.BOS and s.needle_start == 1
+    assert s.tokens.tolist().count(D.BOS) == a[: 500 - 1 - 2 * 12].tolist().count(D.BOS) + 1
 
 
 def test_stream_rejects_bad_arguments(corpus_root):
@@ -380,7 +386,7 @@ def test_stream_rejects_bad_arguments(corpus_root):
         D.TokenStream(corpus, seq_len=64, batch_size=1, needle_fraction=2.0)
     with pytest.raises(ValueError, match="edge_fraction"):
         D.TokenStream(corpus, seq_len=64, batch_size=1, edge_fraction=-0.1)
-    with pytest.raises(ValueError, match="seq_len must be >= 95"):
+    with pytest.raises(ValueError, match="seq_len must be >= 96"):
         D.TokenStream(corpus, seq_len=64, batch_size=1, needle_fraction=0.5, needles_per_sample=4)
 
 
@@ -414,6 +420,7 @@ def test_stream_marks_exactly_the_answers(corpus_root):
         if not keys:  # a plain text row: nothing to retrieve
             assert not any(marked)
             continue
+        assert row[0] == D.BOS
         # The answers follow the questions' VALUE markers, the last n of the row.
         values = [i for i, t in enumerate(row) if t == D.VALUE][n:]
         want = {i for v in values for i in range(v + 1, v + 1 + value_len)}

@@ -121,7 +121,7 @@ def test_needle_samples_are_deterministic_and_hold_the_answer(val_corpus):
             value = s.tokens[s.needle_start + 6 : s.needle_start + 12]  # KEY k k k k VALUE
             assert torch.equal(value, s.tokens[s.answer_start :])
     starts = [a[d][0].needle_start for d in depths]
-    assert starts[0] == 0 and starts[0] < starts[1] < starts[2]
+    assert starts[0] == 1 and starts[0] < starts[1] < starts[2]
 
 
 def test_needle_accuracy_separates_oracle_from_blind_models(val_corpus):

@@ -14,7 +14,7 @@ of their path relative to their root, so a file never changes sides, and copies 
 roots fall on the same side. ``TokenStream`` concatenates the documents of one split in an order
 shuffled per (seed, epoch) and cuts the stream into rows of ``seq_len + 1`` tokens; with
 ``needle_fraction > 0`` some rows are retrieval samples instead (needles, keys paired with values,
-planted in the stream's own text, asked for at the end).
+planted in the stream's own text after a ``BOS``, asked for at the end).
 
 Determinism: the same corpus and seed give the same batches, and ``state_dict`` /
 ``load_state_dict`` resume a stream exactly, on one machine. Two machines with different Python
@@ -395,8 +395,9 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 def needle_overhead(num_needles: int, key_len: int, value_len: int) -> int:
-    """Tokens taken by ``num_needles`` needles and their questions (each ``KEY k VALUE v``)."""
-    return 2 * num_needles * (2 + key_len + value_len)
+    """Tokens a retrieval sample adds to its filler: the leading ``BOS`` and ``num_needles``
+    needles and their questions (each ``KEY k VALUE v``)."""
+    return 1 + 2 * num_needles * (2 + key_len + value_len)
 
 
 def make_multi_needle_sample(
@@ -409,9 +410,10 @@ def make_multi_needle_sample(
 ) -> MultiNeedleSample:
     """Plant one needle per entry of ``depths`` in ``filler`` and ask for them all at the end.
 
-    Layout: the first ``length - needle_overhead(...)`` filler tokens with each needle
+    Layout: ``BOS``, the first ``length - needle_overhead(...)`` filler tokens with each needle
     ``[KEY] key [VALUE] value`` inserted before filler position ``round(depth * filler_len)``
-    (depth 0: the start of the context, 1: right before the questions), then one question
+    (depth 0: the start of the context, right after the ``BOS``; 1: right before the questions),
+    then one question
     ``[KEY] key [VALUE] value`` per needle, in an order shuffled by ``rng``. Keys are distinct
     random lowercase letters and values random digits; ``KEY``/``VALUE`` never occur in the
     filler, so each key is found only at its needle and its question.
@@ -462,22 +464,25 @@ def make_multi_needle_sample(
     needles = [torch.tensor([KEY, *k, VALUE, *v], dtype=torch.int64) for k, v in zip(keys, values)]
     needle_len = 2 + key_len + value_len
 
+    # The sample is a document of its own, so it starts as documents do. Without the BOS a needle
+    # at depth 0 would sit on position 0, which every query attends to as its "sink" (position 0
+    # sees only itself); models trained that way, dense ones included, rarely retrieve from it.
+    pieces: list[torch.Tensor] = [torch.tensor([BOS], dtype=torch.int64)]
     # Stable sort: needles at the same filler position keep their index order.
     cuts = [round(d * filler_len) for d in depths]
     order = sorted(range(n), key=lambda i: cuts[i])
-    pieces: list[torch.Tensor] = []
     needle_starts = [0] * n
     prev = 0
     for planted, i in enumerate(order):
         pieces.append(filler[prev : cuts[i]])
-        needle_starts[i] = cuts[i] + planted * needle_len
+        needle_starts[i] = 1 + cuts[i] + planted * needle_len
         pieces.append(needles[i])
         prev = cuts[i]
     pieces.append(filler[prev:])
 
     questions = list(range(n))
     rng.shuffle(questions)
-    context_len = filler_len + n * needle_len
+    context_len = 1 + filler_len + n * needle_len
     answer_starts = [0] * n
     for slot, i in enumerate(questions):
         pieces.append(needles[i])
@@ -498,11 +503,11 @@ def make_needle_sample(
     ``[KEY] key [VALUE]`` and the answer (``value``) as the last ``value_len`` tokens.
 
     Args:
-        filler: ``(n,)`` token ids in ``[0, KEY)``; the first ``length - 2 * (2 + key_len +
+        filler: ``(n,)`` token ids in ``[0, KEY)``; the first ``length - 1 - 2 * (2 + key_len +
             value_len)`` are used.
         length: the exact length of the sample.
-        depth: in ``[0, 1]``; 0 puts the needle at the start of the context, 1 right before the
-            question; in between it goes before filler token ``round(depth * filler_len)``.
+        depth: in ``[0, 1]``; 0 puts the needle at the start of the context (right after the
+            sample's ``BOS``), 1 right before the question; in between it goes before filler token ``round(depth * filler_len)``.
         rng: the source of the key and value.
 
     Returns a :class:`NeedleSample` with ``tokens`` of shape ``(length,)``. Raises ``ValueError``
@@ -552,7 +557,7 @@ class TokenStream:
         state = stream.state_dict()       # JSON-serialisable; save it with the checkpoint
     """
 
-    _STATE_FORMAT = 1
+    _STATE_FORMAT = 2  # 2: retrieval samples start with BOS
 
     def __init__(
         self,
@@ -761,10 +766,10 @@ class TokenStream:
 
 def needle_filler(corpus: SourceCorpus, length: int, seed: int) -> torch.Tensor:
     """``(length,)`` int64 filler for retrieval samples: the first ``length`` tokens of the
-    document stream of ``corpus`` (typically the validation split) shuffled by ``seed``;
-    starts with ``BOS``, contains no ``KEY``/``VALUE``/``PAD``. The same arguments give the same
-    filler on one machine."""
+    document stream of ``corpus`` (typically the validation split) shuffled by ``seed``, after
+    the stream's leading ``BOS`` (the retrieval sample brings its own); contains no
+    ``KEY``/``VALUE``/``PAD``. The same arguments give the same filler on one machine."""
     _check_positive_int("length", length)
-    # A stream row is seq_len + 1 tokens and seq_len must be positive: ask for one extra token.
+    # A stream row is seq_len + 1 tokens: exactly the leading BOS and the filler.
     row = TokenStream(corpus, seq_len=length, batch_size=1, seed=seed).next_batch()[0]
-    return row[:length]
+    return row[1:]
