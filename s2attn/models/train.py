@@ -149,7 +149,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=0,
-        help="initial weights, batch order and validation data (default 0)",
+        help="initial weights and batch order (default 0)",
+    )
+    add(
+        "--val-seed",
+        type=int,
+        default=0,
+        help="which held-out text and needles validation reads (default 0); kept apart from "
+        "--seed so that runs of several seeds are measured on the same text",
     )
     add("--needle-fraction", type=float, help="share of training rows that are retrieval samples")
     add(
@@ -274,6 +281,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         precision=precision,
         gradient_checkpointing=bool(args.gradient_checkpointing),
         seed=args.seed,
+        val_seed=args.val_seed,
         needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),
         needles_per_sample=pick(args.needles_per_sample, preset.needles_per_sample),
         needle_edge_fraction=float(pick(args.needle_edge_fraction, preset.needle_edge_fraction)),
@@ -310,8 +318,9 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
     return options, preset
 
 
-# Options added after runs were recorded without them: the value that reproduces those runs.
-_ADDED_OPTIONS = {"needle_edge_fraction": 0.0}
+# Options added after runs were recorded without them: the value that reproduces those runs
+# (None where no single value does: validation then read the text of the run's own seed).
+_ADDED_OPTIONS = {"needle_edge_fraction": 0.0, "val_seed": None}
 
 
 def _comparable(options: dict) -> dict:
@@ -391,7 +400,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         initial = _initial_weights(options["init_from"], config)
     out = Path(args.out)
     resume_from, fresh = _check_out_dir(out, options, args.resume)
-    seed = options["seed"]
+    seed = options["val_seed"]
     batches = []
     if options["val_batches"]:
         batches = validation_batches(val_corpus, options["seq_len"], options["batch_size"],
