@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ops.env import build_outside_graph_pool
 from .pattern import BlockPattern
 
 __all__ = [
@@ -465,10 +466,10 @@ def _cached(
         if len(per_pattern) >= _MAX_LAYOUTS_PER_PATTERN:
             per_pattern.pop(next(iter(per_pattern)))
         # One head at a time, then joined: the working memory is one head's entries.
-        per_pattern[key] = _join_heads([
+        per_pattern[key] = build_outside_graph_pool(device, lambda: _join_heads([
             _build(pattern[h : h + 1], block_m, block_n, device, transpose, num_blocks, gather)
             for h in range(pattern.num_heads)
-        ])  # fmt: skip
+        ]))  # fmt: skip
     return per_pattern[key]
 
 
@@ -754,7 +755,9 @@ def decode_layout(
     per_pattern = _DECODE_CACHE.setdefault(pattern, {})
     key = (num_kv_heads, str(device))
     if key not in per_pattern:
-        per_pattern[key] = _build_decode(pattern, num_kv_heads, device)
+        per_pattern[key] = build_outside_graph_pool(
+            device, lambda: _build_decode(pattern, num_kv_heads, device)
+        )
     return per_pattern[key]
 
 

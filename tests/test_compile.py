@@ -319,6 +319,32 @@ def test_inductor_on_gpu(mode):
     assert_close(got, ref, dtype, f"{mode} attention vs reference")
 
 
+@pytest.mark.gpu
+@skip_without_gpu
+def test_cached_state_is_built_outside_a_graph_pool():
+    """What outlives a call (layouts, the Gluon kernels' work counters) is allocated outside a
+    CUDA graph's private pool even while the calling thread allocates into one, as it does in
+    CUDA-graph trees' warm-up; the thread's other allocations still go to the pool."""
+    from s2attn.layout import forward_layout
+    from s2attn.ops.env import build_outside_graph_pool
+
+    pattern = s2attn.local_stride_pattern(4, 2048, 64, 4, 4)
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        inside = torch.zeros(4096, device=DEVICE)
+        outside = build_outside_graph_pool(DEVICE, lambda: torch.ones(4096, device=DEVICE))
+        layout = forward_layout(pattern, 64, 64, DEVICE)
+    segments = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
+
+    def in_pool(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in segments)
+
+    assert in_pool(inside) and not in_pool(outside)
+    assert outside.sum().item() == 4096  # built, and ordered before this read
+    tensors = [t for t in vars(layout).values() if isinstance(t, torch.Tensor) and t.numel()]
+    assert tensors and not any(in_pool(t) for t in tensors)
+
+
 # -------------------------------------------------------------------- through transformers
 @pytest.mark.parametrize("loaded", [False, True], ids=["configured", "from_pretrained"])
 def test_transformers_model_compiles_whole(loaded, reference_ops, tmp_path):

@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...layout import TileLayout
+from ..env import build_outside_graph_pool
 from ..launch import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from ..options import GluonDkdvConfig, GluonDqConfig
 from .common_sm90 import (
@@ -698,7 +699,9 @@ def dkdv(
            config.heads_per_group, 2 * grid)
     order = layout.derived.get(key)
     if order is None:
-        order = layout.derived[key] = dkdv_order(layout, *key[1:])
+        order = layout.derived[key] = build_outside_graph_pool(
+            q.device, lambda: dkdv_order(layout, *key[1:])
+        )
     counter = item_counter(q.device)
     _dkdv_kernel[(grid,)](
         tma_descriptor(q, layout.block_m), tma_descriptor(grad_out, layout.block_m),

@@ -20,6 +20,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..env import build_outside_graph_pool
+
 # Each kernel runs two consumer warpgroups, the default partition and a worker, and one or two
 # one-warp producers; the producers get few registers, the consumers the rest.
 _PRODUCER_WARPS = gl.constexpr(1)
@@ -445,7 +447,9 @@ def item_counter(device: torch.device) -> torch.Tensor:
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _COUNTERS.get(key)
     if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = _COUNTERS[key] = build_outside_graph_pool(
+            device, lambda: torch.zeros(1, dtype=torch.int32, device=device)
+        )
     return counter
 
 
