@@ -193,7 +193,8 @@ def _build_layouts_while_tracing(q, k, key, q_heads_per_pattern_head, lengths, b
     """Build the layouts a traced call will use, from its fake implementation: then the first
     real run finds them cached. Under ``mode="reduce-overhead"`` that run is CUDA-graph trees'
     warm-up, whose allocations land in the graph's private pool, where tensors that outlive the
-    run (cached layouts) are reported as untracked and the graph is refused.
+    run (cached layouts) are reported as untracked and the graph is refused; what is still built
+    on first use goes through ``build_outside_graph_pool`` for that reason.
 
     Only where the kernels run and the shapes and bounds are known numbers; otherwise the first
     run builds them, as in eager mode."""
