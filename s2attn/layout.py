@@ -176,8 +176,7 @@ def _tile_entries(
     all_bits = -1 if rows * cols == 64 else (1 << (rows * cols)) - 1
     parts = []
     for head in range(pattern.num_heads):
-        _, i, j = pattern.block_coordinates(num_blocks, heads=slice(head, head + 1))
-        i, j = i.to(device), j.to(device)
+        _, i, j = pattern.block_coordinates(num_blocks, heads=slice(head, head + 1), device=device)
         if q_split > 1:  # one entry per query tile of the block, its bit row 0
             i = i.repeat_interleave(q_split)
             j = j.repeat_interleave(q_split)

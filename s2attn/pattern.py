@@ -62,7 +62,10 @@ class BlockPattern:
     Storage is proportional to the kept blocks: per (head, query block) row, the sorted list of
     its KV blocks (CSR: :attr:`row_offsets`, :attr:`cols`). The checks and the kernels' layouts
     work from these lists; :attr:`mask` is a dense view built on each access, for small patterns
-    and tests.
+    and tests. Patterns made by :func:`local_stride_pattern` and :func:`dense_pattern` keep only
+    each head's rule until the whole lists are asked for: head slices and crops stay rules, and
+    the kernels' layouts generate one head's blocks at a time on the layout's device, so host
+    memory does not grow with the length.
 
     Example::
 
@@ -158,12 +161,53 @@ class BlockPattern:
 
     def _init(self, heads, q_blocks, kv_blocks, counts, cols, block_size, causal) -> None:
         self._shape = (heads, q_blocks, kv_blocks)
-        self.row_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-        self.row_offsets[1:] = counts.cumsum(0)
-        self.cols = cols.to(torch.int32).contiguous()
+        self._rules = None
+        self._lists = (_offsets_from_counts(counts), cols.to(torch.int32).contiguous())
         self.block_size = block_size
         self.causal = causal
         self._register()
+
+    @classmethod
+    def _from_rules(cls, rules, num_blocks, block_size, causal) -> BlockPattern:
+        """A square pattern kept as one rule per head (:func:`_row_lists`' arguments after the
+        block count: ``()`` for a dense head, ``(local_blocks, vert_stride, shift)`` otherwise),
+        its lists built only when asked for."""
+        pattern = cls.__new__(cls)
+        pattern._shape = (len(rules), num_blocks, num_blocks)
+        pattern._rules = tuple(rules)
+        pattern._lists = None
+        pattern.block_size = block_size
+        pattern.causal = causal
+        pattern._register()
+        return pattern
+
+    @property
+    def row_offsets(self) -> torch.Tensor:
+        """int64 (heads * q_blocks + 1,): row ``r``'s KV blocks are ``cols[row_offsets[r]:
+        row_offsets[r + 1]]``, row ``r = head * q_blocks + query block``."""
+        return self._materialized()[0]
+
+    @property
+    def cols(self) -> torch.Tensor:
+        """int32 (kept blocks,): each row's KV blocks in increasing order."""
+        return self._materialized()[1]
+
+    def _materialized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._lists is None:
+            nb = self.num_q_blocks
+            built: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # heads sharing a rule
+            for r in self._rules:
+                if r not in built:
+                    built[r] = _row_lists(nb, self.causal, *r)
+            heads = [built[r] for r in self._rules]
+            counts = torch.cat([c for c, _ in heads])
+            self._lists = (_offsets_from_counts(counts), torch.cat([c for _, c in heads]))
+        return self._lists
+
+    def _head_rules(self, heads: slice) -> tuple | None:
+        """The rules of a head range, or None when the pattern holds lists (or has built them:
+        slices of those are cheaper from the lists)."""
+        return None if self._rules is None or self._lists is not None else self._rules[heads]
 
     # ------------------------------------------------------------------ identity
     # Every live pattern has a process-unique integer key, by which the torch.library operators
@@ -206,6 +250,10 @@ class BlockPattern:
     @property
     def num_kept_blocks(self) -> int:
         """Kept (head, query block, KV block) triples, causally visible or not."""
+        rules = self._head_rules(slice(None))
+        if rules is not None:
+            nb = self.num_q_blocks
+            return sum(int(_row_geometry(nb, self.causal, *r)[-1].sum()) for r in rules)
         return self.cols.numel()
 
     @property
@@ -223,12 +271,30 @@ class BlockPattern:
         return dense
 
     def block_coordinates(
-        self, num_blocks: int | None = None, heads: slice | None = None
+        self,
+        num_blocks: int | None = None,
+        heads: slice | None = None,
+        device: torch.device | str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The kept blocks as int64 (head, query block, KV block) triples, sorted in that order:
         of the top-left ``num_blocks`` corner when given, of a head range when given (heads
-        counted from the range's start)."""
+        counted from the range's start), on ``device`` (default: the CPU). A rule pattern
+        generates them there, without building its whole lists."""
         heads = slice(0, self.num_heads) if heads is None else heads
+        if heads.step not in (None, 1):
+            raise ValueError(f"heads must be a range of heads (step 1), got {heads}")
+        rules = self._head_rules(heads)
+        if rules is not None:
+            # A rule cropped to fewer blocks is the same rule over fewer blocks.
+            nb = self.num_q_blocks if num_blocks is None else min(num_blocks, self.num_q_blocks)
+            parts = []
+            for n, rule in enumerate(rules):
+                counts, j = _row_lists(nb, self.causal, *rule, device=device)
+                i = torch.repeat_interleave(torch.arange(nb, device=counts.device), counts)
+                parts.append((torch.full_like(i, n), i, j.long()))
+            return tuple(torch.cat(column) for column in zip(*parts))
+        if device is not None:
+            return tuple(t.to(device) for t in self.block_coordinates(num_blocks, heads))
         first, stop, _ = heads.indices(self.num_heads)
         q_blocks = self.num_q_blocks
         lo = int(self.row_offsets[first * q_blocks])
@@ -257,6 +323,9 @@ class BlockPattern:
         picked = range(*heads.indices(self.num_heads))
         if len(picked) == 0:
             raise ValueError(f"head slice {heads} selects no heads out of {self.num_heads}")
+        rules = self._head_rules(heads)
+        if rules is not None:
+            return BlockPattern._from_rules(rules, self.num_q_blocks, self.block_size, self.causal)
         parts = [self.block_coordinates(heads=slice(p, p + 1)) for p in picked]
         h = torch.cat([torch.full_like(part[0], n) for n, part in enumerate(parts)])
         i = torch.cat([part[1] for part in parts])
@@ -271,6 +340,9 @@ class BlockPattern:
                 f"num_blocks={num_blocks} exceeds the pattern's "
                 f"{min(self.num_q_blocks, self.num_kv_blocks)} blocks"
             )
+        rules = self._head_rules(slice(None))
+        if rules is not None:
+            return BlockPattern._from_rules(rules, num_blocks, self.block_size, self.causal)
         h, i, j = self.block_coordinates(num_blocks)
         return self._from_coordinates(h, i, j, self.num_heads, num_blocks, num_blocks)
 
@@ -425,7 +497,7 @@ def dense_pattern(
     _check_positive_int("max_seq_len", max_seq_len)
     _check_block_size(block_size)
     nb = math.ceil(max_seq_len / block_size)
-    return _pattern_from_heads([_row_lists(nb, causal)] * num_heads, nb, block_size, causal)
+    return BlockPattern._from_rules([()] * num_heads, nb, block_size, causal)
 
 
 # Patterns shared by every layer and caller of one configuration, so that their layouts are
@@ -508,22 +580,23 @@ def local_stride_pattern(
 
     nb = math.ceil(max_seq_len / block_size)
     num_sparse_groups = groups - num_dense_heads // group_size
-    lists = []
+    rules = []
     for g in range(groups):
         if g >= num_sparse_groups:
-            lists.append(_row_lists(nb, causal))
+            rules.append(())
             continue
         shift = head_offset + (0 if homo_head else g)
-        lists.append(_row_lists(nb, causal, local_blocks, vert_stride, shift))
-    heads = [group for group in lists for _ in range(group_size)]
-    return _pattern_from_heads(heads, nb, block_size, causal)
+        rules.append((local_blocks, vert_stride, shift % vert_stride))
+    return BlockPattern._from_rules(
+        [rule for rule in rules for _ in range(group_size)], nb, block_size, causal
+    )
 
 
-def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0):
-    """One head's kept blocks as (per-row counts, cols), built row by row in O(kept) memory:
-    the local window ``[lo, hi]`` and the stripes ``j = -shift (mod vert_stride)`` outside it;
-    ``local_blocks`` None: every visible block."""
-    i = torch.arange(nb)
+def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None):
+    """Per query block of one head: the local window ``[lo, hi]``, the stripes ``first +
+    stride * k`` below it (``before`` of them) and from ``first_after`` on past it (``after``),
+    and the row's count of kept blocks; ``local_blocks`` None: every visible block."""
+    i = torch.arange(nb, device=device)
     if local_blocks is None:  # dense
         lo = torch.zeros_like(i)
         hi = i if causal else torch.full_like(i, nb - 1)
@@ -541,9 +614,18 @@ def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0):
             torch.zeros_like(i) if causal else ((nb - 1 - first_after) // stride + 1).clamp(min=0)
         )
     local = hi - lo + 1
-    counts = before + local + after
+    return lo, local, before, first, first_after, stride, before + local + after
+
+
+def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None):
+    """One head's kept blocks as (per-row counts, cols), built row by row in O(kept) memory on
+    ``device``: the local window and the stripes ``j = -shift (mod vert_stride)`` outside it
+    (:func:`_row_geometry`)."""
+    geometry = _row_geometry(nb, causal, local_blocks, vert_stride, shift, device)
+    lo, local, before, first, first_after, stride, counts = geometry
+    i = torch.arange(nb, device=device)
     row = torch.repeat_interleave(i, counts)
-    k = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[row]
+    k = torch.arange(int(counts.sum()), device=device) - (counts.cumsum(0) - counts)[row]
     b, loc = before[row], local[row]
     cols = torch.where(
         k < b,
@@ -553,8 +635,7 @@ def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0):
     return counts, cols.to(torch.int32)
 
 
-def _pattern_from_heads(heads, nb, block_size, causal) -> BlockPattern:
-    """A pattern from each head's (per-row counts, cols), in head order."""
-    counts = torch.cat([c for c, _ in heads])
-    cols = torch.cat([c for _, c in heads])
-    return BlockPattern._from_lists(len(heads), nb, nb, counts, cols, block_size, causal)
+def _offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    return offsets

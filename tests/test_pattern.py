@@ -400,3 +400,63 @@ def test_from_block_lists_round_trip_and_bad_lists():
         kwargs = dict(one, num_heads=2) if "num_heads" in match else one
         with pytest.raises((ValueError, TypeError), match=match):
             BlockPattern.from_block_lists(offsets, cols, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "num_heads, max_seq_len, block_size, local_blocks, vert_stride, kwargs",
+    [
+        (4, 160, 16, 2, 3, {}),
+        (4, 160, 16, 2, 3, {"causal": False}),
+        (3, 300, 32, 1, 4, {"head_offset": -2}),
+        (8, 512, 64, 2, 5, {"num_kv_heads": 2}),
+        (8, 512, 64, 3, 2, {"num_kv_heads": 4, "num_dense_heads": 2, "causal": False}),
+        (6, 250, 16, 4, 3, {"num_dense_heads": 1}),
+        (4, 200, 16, 1, 3, {"homo_head": True, "head_offset": 1}),
+    ],
+)
+def test_rule_patterns_equal_their_lists(
+    num_heads, max_seq_len, block_size, local_blocks, vert_stride, kwargs
+):
+    """A builder's pattern keeps its rules; every view of it (lists, coordinates on a device,
+    head slices, crops, counts, checks) and the layouts built from it equal those of the same
+    pattern given as a dense mask, and the layouts never build its whole lists."""
+    from s2attn.layout import backward_layout, forward_layout
+
+    rule = local_stride_pattern(
+        num_heads, max_seq_len, block_size, local_blocks, vert_stride, **kwargs
+    )
+    fresh = local_stride_pattern(
+        num_heads, max_seq_len, block_size, local_blocks, vert_stride, **kwargs
+    )
+    lists = BlockPattern(fresh.mask, block_size, causal=fresh.causal)
+    nb = lists.num_q_blocks
+
+    tiles = [(16, 16), (64, 32), (128, 64)]
+    for m, n in tiles:
+        for build in (forward_layout, backward_layout):
+            got, want = build(rule, m, n), build(lists, m, n)
+            for name, value in vars(want).items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(getattr(got, name), value), (build.__name__, m, n, name)
+    assert rule._lists is None  # only one head's blocks at a time, never the whole lists
+    assert rule.num_kept_blocks == lists.num_kept_blocks
+    for heads in (slice(None), slice(1, 3), slice(0, num_heads, 2)):
+        if heads.step is None:  # coordinates take head ranges
+            for crop in (None, 1, nb // 2 + 1, nb + 3):
+                got = rule.block_coordinates(crop, heads, device="cpu")
+                want = lists.block_coordinates(crop, heads)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (heads, crop)
+        assert torch.equal(rule[heads].mask, lists[heads].mask)
+        assert rule[heads]._lists is None
+    for crop in (1, nb // 2 + 1, nb):
+        assert torch.equal(rule.crop(crop).mask, lists.crop(crop).mask)
+        assert torch.equal(rule.crop(crop)[1:2].mask, lists.crop(crop)[1:2].mask)
+    for seq in (block_size, max_seq_len // 2 + 1, max_seq_len):
+        assert rule.density(seq) == lists.density(seq)
+    assert rule._lists is None
+    # The whole lists, once asked for, are the mask's.
+    assert torch.equal(rule.row_offsets, lists.row_offsets)
+    assert torch.equal(rule.cols, lists.cols)
+    assert rule.is_kv_efficient() == lists.is_kv_efficient()
+    assert rule.is_union_complete() == lists.is_union_complete()
+    assert torch.equal(rule[1:3].mask, lists[1:3].mask)  # from the built lists now
