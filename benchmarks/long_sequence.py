@@ -127,12 +127,13 @@ def check_rows(q, k, v, do, out, lse, dq, dk, dv, pattern, args, gen) -> dict:
 
 def main() -> int:
     ap = parser(__doc__)
-    for flag, default in (("--seq", 4_194_304), ("--heads", 16), ("--kv-heads", 16),
+    for flag, default in (("--seq", 4_194_304), ("--heads", 16), ("--kv-heads", None),
                           ("--dim", 128), ("--block-size", 64), ("--local-blocks", 16),
                           ("--stride", 64), ("--iters", 3), ("--rows", 8), ("--seed", 0)):  # fmt: skip
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
+    args.kv_heads = args.kv_heads or args.heads
     dtype = getattr(torch, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = environment()
