@@ -16,6 +16,7 @@ from s2attn import attention_reference, local_stride_pattern
 from s2attn.integrations.vllm_paged import (
     paged_attention_torch,
     paged_decode_triton,
+    paged_prefill,
     split_kv_cache,
     write_kv,
 )
@@ -98,6 +99,26 @@ def test_torch_path_matches_reference(dtype, page):
     got = paged_attention_torch(q, kv_cache, table, starts, lengths, pattern, scale)
     want = reference(q, keys, values, num_new, pattern, scale)
     assert_close(got, want.to(got.dtype), dtype, "vLLM-layout PyTorch path")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page", [16, 32])
+def test_prefill_path_matches_reference(dtype, page):
+    """The same step through sparse_attention (the forward kernel on a GPU): pages no new query
+    keeps hold NaN and are never gathered."""
+    pattern = local_stride_pattern(HEADS, 512, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
+    lengths, num_new = [200, 300, 161, 97, 64], [200, 45, 1, 1, 33]
+    kv_cache, table, keys, values = make_cache(lengths, page, dtype, seed=2)
+    assert poison_unread_pages(kv_cache, table, lengths, num_new, pattern) > 0
+    q = torch.randn(sum(num_new), HEADS, DIM, generator=torch.Generator().manual_seed(3))
+    q = q.to(DEVICE, dtype)
+    starts = [0, *torch.tensor(num_new).cumsum(0).tolist()]
+    scale = 1 / math.sqrt(DIM)
+    got = paged_prefill(q, kv_cache, table, starts, lengths, pattern, scale)
+    want = reference(q, keys, values, num_new, pattern, scale)
+    assert_close(got, want.to(got.dtype), dtype, "vLLM-layout prefill through sparse_attention")
+    with pytest.raises(ValueError, match="past the pattern's max_seq_len 512"):
+        paged_prefill(q[:1], kv_cache, table, [0, 1], [600], pattern, scale)
 
 
 @pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")

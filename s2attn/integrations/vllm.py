@@ -17,7 +17,9 @@ through the layer's pattern:
 * on the CPU, in PyTorch (:func:`~s2attn.integrations.vllm_paged.paged_attention_torch`), each
   KV head reading only the KV blocks its pattern keeps;
 * on a CUDA GPU, decode steps through s2attn's Triton decode kernel reading vLLM's pages in place
-  (when vLLM's page equals the pattern's block), other steps through the PyTorch path.
+  (when vLLM's page equals the pattern's block), other steps (prefill, chunked prefill, mixed)
+  through the forward kernel over each request's kept pages gathered into a contiguous prefix
+  (:func:`~s2attn.integrations.vllm_paged.paged_prefill`).
 
 Example::
 
@@ -63,7 +65,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..pattern import BlockPattern, shared_dense_pattern
-from .vllm_paged import paged_attention_torch, paged_decode_triton, write_kv
+from .vllm_paged import paged_attention_torch, paged_decode_triton, paged_prefill, write_kv
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -380,8 +382,10 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
                 )
             )
         else:
+            # The CPU's path reads kept pages in PyTorch; a GPU's runs the forward kernel.
+            step = paged_prefill if query.device.type == "cuda" else paged_attention_torch
             out.copy_(
-                paged_attention_torch(
+                step(
                     query[:tokens],
                     kv_cache,
                     m.block_table,

@@ -16,16 +16,25 @@ Three functions serve the plugin (``s2attn.integrations.vllm``) and are tested s
 * :func:`paged_decode_triton`: one new token per request through s2attn's Triton decode kernel,
   reading vLLM's pages in place (a (block, KV head) pair is one page of the kernel); needs the
   pattern's block to equal vLLM's page.
+* :func:`paged_prefill`: any step through :func:`s2attn.sparse_attention` (the forward kernel on a
+  GPU), each request's kept pages gathered into a contiguous prefix first. The GPU's prefill.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..attention import sparse_attention
 from ..layout import decode_layout, group_block_mask
 from ..pattern import BlockPattern
 
-__all__ = ["paged_attention_torch", "paged_decode_triton", "split_kv_cache", "write_kv"]
+__all__ = [
+    "paged_attention_torch",
+    "paged_decode_triton",
+    "paged_prefill",
+    "split_kv_cache",
+    "write_kv",
+]
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +94,78 @@ def paged_attention_torch(
     """
     key_cache, value_cache = split_kv_cache(kv_cache)
     num_heads, dim = query.shape[1], query.shape[2]
-    kv_heads, page = key_cache.shape[1], key_cache.shape[2]
-    if num_heads % kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({kv_heads})")
-    group = num_heads // kv_heads
-    block = pattern.block_size
-    masks = group_block_mask(pattern, kv_heads)  # (kv_heads, rows, q_blocks, kv_blocks)
+    kv_heads = key_cache.shape[1]
+    group, masks = _kv_head_masks(num_heads, kv_heads, pattern)
     rows = masks.shape[1]
     row_of = torch.arange(group) * rows // group  # each query head's row in its group
     out = torch.zeros(query.shape[0], num_heads, dim, dtype=torch.float32, device=query.device)
+    for r, start, end, q_pos, h, pos in _kept_positions(
+        masks, block_table, query_start_loc, seq_lens, pattern
+    ):
+        pages, in_page = _slots(pos, block_table[r], key_cache.shape[2])
+        k = key_cache[pages, h, in_page].float()  # (kept tokens, dim)
+        v = value_cache[pages, h, in_page].float()
+        # (group, queries, kept tokens): the pattern at block level, then the causal rule.
+        block = pattern.block_size
+        allowed = masks[h][row_of][:, q_pos // block][:, :, pos // block]
+        allowed &= pos[None, None, :] <= q_pos[None, :, None]
+        q = query[start:end, h * group : (h + 1) * group].float().transpose(0, 1)
+        scores = (q @ k.T) * softmax_scale
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
+        out[start:end, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1)
+    return out.to(query.dtype)
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    pattern: BlockPattern,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """As :func:`paged_attention_torch`, through :func:`s2attn.sparse_attention`: per request, the
+    pages of the KV blocks its pattern keeps for its new queries are gathered into a contiguous
+    prefix (the other positions zero; the kernel never reads them), and the new queries, its last
+    positions, attend it. On a GPU this is the forward kernel; on the CPU the exact reference."""
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    num_heads = query.shape[1]
+    kv_heads, dim = key_cache.shape[1], key_cache.shape[3]
+    _, masks = _kv_head_masks(num_heads, kv_heads, pattern)
+    out = torch.empty_like(query)
+    prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for r, start, end, _, h, pos in _kept_positions(
+        masks, block_table, query_start_loc, seq_lens, pattern
+    ):
+        if r not in prefix:
+            shape = (1, seq_lens[r], kv_heads, dim)
+            prefix[r] = tuple(torch.zeros(shape, dtype=query.dtype, device=query.device)
+                              for _ in "kv")  # fmt: skip
+        pages, in_page = _slots(pos, block_table[r], key_cache.shape[2])
+        k, v = prefix[r]
+        k[0, pos.to(k.device), h] = key_cache[pages, h, in_page].to(k.dtype)
+        v[0, pos.to(v.device), h] = value_cache[pages, h, in_page].to(v.dtype)
+        if h == kv_heads - 1:  # the request's prefix is complete
+            q = query[start:end][None]
+            out[start:end] = sparse_attention(q, k, v, pattern, softmax_scale=softmax_scale)[0]
+            del prefix[r]
+    return out
+
+
+def _kv_head_masks(num_heads: int, kv_heads: int, pattern: BlockPattern):
+    """(query heads per KV head, the pattern per KV head as ``group_block_mask`` gives it)."""
+    if num_heads % kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({kv_heads})")
+    return num_heads // kv_heads, group_block_mask(pattern, kv_heads)
+
+
+def _kept_positions(masks, block_table, query_start_loc, seq_lens, pattern):
+    """For each request with new queries and each KV head, in that order: (request, its first
+    and past-last query rows, the queries' positions, KV head, the positions of the KV blocks
+    the head keeps for some new query). Refuses requests longer than the pattern."""
+    block = pattern.block_size
     for r, length in enumerate(seq_lens):
         start, end = query_start_loc[r], query_start_loc[r + 1]
         if end == start:
@@ -104,28 +176,18 @@ def paged_attention_torch(
                 f"{pattern.max_seq_len}"
             )
         q_pos = torch.arange(length - (end - start), length)
-        q_blocks = q_pos // block
-        first_q_block, last_q_block = int(q_blocks[0]), int(q_blocks[-1])
-        num_kv_blocks = last_q_block + 1
-        table = block_table[r].to(torch.int64)
-        for h in range(kv_heads):
-            head_mask = masks[h, :, first_q_block : last_q_block + 1, :num_kv_blocks]
+        first_q_block, last_q_block = int(q_pos[0]) // block, int(q_pos[-1]) // block
+        for h in range(masks.shape[0]):
+            head_mask = masks[h, :, first_q_block : last_q_block + 1, : last_q_block + 1]
             kept = head_mask.any(dim=1).any(dim=0).nonzero().flatten()
             pos = (kept[:, None] * block + torch.arange(block)).flatten()
-            pos = pos[pos < length]
-            pages = table[(pos // page).to(table.device)]
-            in_page = (pos % page).to(table.device)
-            k = key_cache[pages, h, in_page].float()  # (kept tokens, dim)
-            v = value_cache[pages, h, in_page].float()
-            # (group, queries, kept tokens): the pattern at block level, then the causal rule.
-            allowed = masks[h][row_of][:, q_blocks][:, :, pos // block]
-            allowed &= pos[None, None, :] <= q_pos[None, :, None]
-            q = query[start:end, h * group : (h + 1) * group].float().transpose(0, 1)
-            scores = (q @ k.T) * softmax_scale
-            scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
-            out[start:end, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1)
-    return out.to(query.dtype)
+            yield r, start, end, q_pos, h, pos[pos < length]
+
+
+def _slots(pos: torch.Tensor, table: torch.Tensor, page: int):
+    """(vLLM blocks, rows in them) of a request's token positions ``pos``, given its table row."""
+    table = table.to(torch.int64)
+    return table[(pos // page).to(table.device)], (pos % page).to(table.device)
 
 
 def paged_decode_triton(
