@@ -84,41 +84,24 @@ def reference(q_rows, keys, values, num_new, pattern, scale):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("path", [paged_attention_torch, paged_prefill], ids=["torch", "prefill"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page", [16, 32])
-def test_torch_path_matches_reference(dtype, page):
-    """A step mixing a prefill, a chunk after a past and decodes; pages of 16 under 32-blocks."""
+def test_paged_paths_match_reference(path, dtype, page):
+    """A step mixing a prefill, chunks after a past and decodes, pages of 16 under 32-blocks,
+    through the PyTorch path and through sparse_attention (the forward kernel on a GPU); pages no
+    new query keeps hold NaN."""
     pattern = local_stride_pattern(HEADS, 512, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
-    lengths, num_new = [200, 300, 161, 97], [200, 45, 1, 1]
+    lengths, num_new = [200, 300, 161, 97, 64], [200, 45, 1, 1, 33]
     kv_cache, table, keys, values = make_cache(lengths, page, dtype)
     assert poison_unread_pages(kv_cache, table, lengths, num_new, pattern) > 0
     q = torch.randn(sum(num_new), HEADS, DIM, generator=torch.Generator().manual_seed(1))
     q = q.to(DEVICE, dtype)
     starts = [0, *torch.tensor(num_new).cumsum(0).tolist()]
     scale = 1 / math.sqrt(DIM)
-    got = paged_attention_torch(q, kv_cache, table, starts, lengths, pattern, scale)
+    got = path(q, kv_cache, table, starts, lengths, pattern, scale)
     want = reference(q, keys, values, num_new, pattern, scale)
-    assert_close(got, want.to(got.dtype), dtype, "vLLM-layout PyTorch path")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("page", [16, 32])
-def test_prefill_path_matches_reference(dtype, page):
-    """The same step through sparse_attention (the forward kernel on a GPU): pages no new query
-    keeps hold NaN and are never gathered."""
-    pattern = local_stride_pattern(HEADS, 512, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
-    lengths, num_new = [200, 300, 161, 97, 64], [200, 45, 1, 1, 33]
-    kv_cache, table, keys, values = make_cache(lengths, page, dtype, seed=2)
-    assert poison_unread_pages(kv_cache, table, lengths, num_new, pattern) > 0
-    q = torch.randn(sum(num_new), HEADS, DIM, generator=torch.Generator().manual_seed(3))
-    q = q.to(DEVICE, dtype)
-    starts = [0, *torch.tensor(num_new).cumsum(0).tolist()]
-    scale = 1 / math.sqrt(DIM)
-    got = paged_prefill(q, kv_cache, table, starts, lengths, pattern, scale)
-    want = reference(q, keys, values, num_new, pattern, scale)
-    assert_close(got, want.to(got.dtype), dtype, "vLLM-layout prefill through sparse_attention")
-    with pytest.raises(ValueError, match="past the pattern's max_seq_len 512"):
-        paged_prefill(q[:1], kv_cache, table, [0, 1], [600], pattern, scale)
+    assert_close(got, want.to(got.dtype), dtype, f"vLLM layout, {path.__name__}")
 
 
 @pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
@@ -146,12 +129,13 @@ def test_triton_decode_needs_page_equal_to_block():
         paged_decode_triton(q, kv_cache, table, seq_lens, pattern, 1.0)
 
 
-def test_torch_path_refuses_requests_past_the_pattern():
+@pytest.mark.parametrize("path", [paged_attention_torch, paged_prefill], ids=["torch", "prefill"])
+def test_paged_paths_refuse_requests_past_the_pattern(path):
     pattern = local_stride_pattern(HEADS, 64, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
     kv_cache, table, _, _ = make_cache([80], 16, torch.float32)
     q = torch.zeros(1, HEADS, DIM, device=DEVICE)
     with pytest.raises(ValueError, match="past the pattern's max_seq_len 64"):
-        paged_attention_torch(q, kv_cache, table, [0, 1], [80], pattern, 1.0)
+        path(q, kv_cache, table, [0, 1], [80], pattern, 1.0)
 
 
 def test_split_kv_cache_checks_the_shape():
