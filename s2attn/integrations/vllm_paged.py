@@ -94,26 +94,24 @@ def paged_attention_torch(
     """
     key_cache, value_cache = split_kv_cache(kv_cache)
     num_heads, dim = query.shape[1], query.shape[2]
-    kv_heads = key_cache.shape[1]
+    kv_heads, page = key_cache.shape[1], key_cache.shape[2]
     group, masks = _kv_head_masks(num_heads, kv_heads, pattern)
-    rows = masks.shape[1]
+    rows, block = masks.shape[1], pattern.block_size
     row_of = torch.arange(group) * rows // group  # each query head's row in its group
     out = torch.zeros(query.shape[0], num_heads, dim, dtype=torch.float32, device=query.device)
-    for r, start, end, q_pos, h, pos in _kept_positions(
-        masks, block_table, query_start_loc, seq_lens, pattern
-    ):
-        pages, in_page = _slots(pos, block_table[r], key_cache.shape[2])
-        k = key_cache[pages, h, in_page].float()  # (kept tokens, dim)
-        v = value_cache[pages, h, in_page].float()
-        # (group, queries, kept tokens): the pattern at block level, then the causal rule.
-        block = pattern.block_size
-        allowed = masks[h][row_of][:, q_pos // block][:, :, pos // block]
-        allowed &= pos[None, None, :] <= q_pos[None, :, None]
-        q = query[start:end, h * group : (h + 1) * group].float().transpose(0, 1)
-        scores = (q @ k.T) * softmax_scale
-        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
-        out[start:end, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1)
+    for r, start, end, q_pos, kept in _requests(masks, query_start_loc, seq_lens, pattern):
+        for h, pos in enumerate(kept):
+            pages, in_page = _slots(pos, block_table[r], page)
+            k = key_cache[pages, h, in_page].float()  # (kept tokens, dim)
+            v = value_cache[pages, h, in_page].float()
+            # (group, queries, kept tokens): the pattern at block level, then the causal rule.
+            allowed = masks[h][row_of][:, q_pos // block][:, :, pos // block]
+            allowed &= pos[None, None, :] <= q_pos[None, :, None]
+            q = query[start:end, h * group : (h + 1) * group].float().transpose(0, 1)
+            scores = (q @ k.T) * softmax_scale
+            scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
+            out[start:end, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1)
     return out.to(query.dtype)
 
 
@@ -132,25 +130,19 @@ def paged_prefill(
     positions, attend it. On a GPU this is the forward kernel; on the CPU the exact reference."""
     key_cache, value_cache = split_kv_cache(kv_cache)
     num_heads = query.shape[1]
-    kv_heads, dim = key_cache.shape[1], key_cache.shape[3]
+    kv_heads, page, dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     _, masks = _kv_head_masks(num_heads, kv_heads, pattern)
     out = torch.empty_like(query)
-    prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for r, start, end, _, h, pos in _kept_positions(
-        masks, block_table, query_start_loc, seq_lens, pattern
-    ):
-        if r not in prefix:
-            shape = (1, seq_lens[r], kv_heads, dim)
-            prefix[r] = tuple(torch.zeros(shape, dtype=query.dtype, device=query.device)
-                              for _ in "kv")  # fmt: skip
-        pages, in_page = _slots(pos, block_table[r], key_cache.shape[2])
-        k, v = prefix[r]
-        k[0, pos.to(k.device), h] = key_cache[pages, h, in_page].to(k.dtype)
-        v[0, pos.to(v.device), h] = value_cache[pages, h, in_page].to(v.dtype)
-        if h == kv_heads - 1:  # the request's prefix is complete
-            q = query[start:end][None]
-            out[start:end] = sparse_attention(q, k, v, pattern, softmax_scale=softmax_scale)[0]
-            del prefix[r]
+    for r, start, end, _, kept in _requests(masks, query_start_loc, seq_lens, pattern):
+        shape = (1, seq_lens[r], kv_heads, dim)
+        k = torch.zeros(shape, dtype=query.dtype, device=query.device)
+        v = torch.zeros(shape, dtype=query.dtype, device=query.device)
+        for h, pos in enumerate(kept):
+            pages, in_page = _slots(pos, block_table[r], page)
+            k[0, pos.to(k.device), h] = key_cache[pages, h, in_page].to(k.dtype)
+            v[0, pos.to(v.device), h] = value_cache[pages, h, in_page].to(v.dtype)
+        q = query[start:end][None]
+        out[start:end] = sparse_attention(q, k, v, pattern, softmax_scale=softmax_scale)[0]
     return out
 
 
@@ -161,10 +153,10 @@ def _kv_head_masks(num_heads: int, kv_heads: int, pattern: BlockPattern):
     return num_heads // kv_heads, group_block_mask(pattern, kv_heads)
 
 
-def _kept_positions(masks, block_table, query_start_loc, seq_lens, pattern):
-    """For each request with new queries and each KV head, in that order: (request, its first
-    and past-last query rows, the queries' positions, KV head, the positions of the KV blocks
-    the head keeps for some new query). Refuses requests longer than the pattern."""
+def _requests(masks, query_start_loc, seq_lens, pattern):
+    """For each request with new queries: (request, its first and past-last query rows, the
+    queries' positions, per KV head the positions of the KV blocks it keeps for some new query).
+    Refuses requests longer than the pattern."""
     block = pattern.block_size
     for r, length in enumerate(seq_lens):
         start, end = query_start_loc[r], query_start_loc[r + 1]
@@ -177,11 +169,12 @@ def _kept_positions(masks, block_table, query_start_loc, seq_lens, pattern):
             )
         q_pos = torch.arange(length - (end - start), length)
         first_q_block, last_q_block = int(q_pos[0]) // block, int(q_pos[-1]) // block
-        for h in range(masks.shape[0]):
-            head_mask = masks[h, :, first_q_block : last_q_block + 1, : last_q_block + 1]
-            kept = head_mask.any(dim=1).any(dim=0).nonzero().flatten()
-            pos = (kept[:, None] * block + torch.arange(block)).flatten()
-            yield r, start, end, q_pos, h, pos[pos < length]
+        kept = []
+        for head_mask in masks[:, :, first_q_block : last_q_block + 1, : last_q_block + 1]:
+            blocks = head_mask.any(dim=1).any(dim=0).nonzero().flatten()
+            pos = (blocks[:, None] * block + torch.arange(block)).flatten()
+            kept.append(pos[pos < length])
+        yield r, start, end, q_pos, kept
 
 
 def _slots(pos: torch.Tensor, table: torch.Tensor, page: int):
