@@ -27,7 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from run_info import environment, parser, result_stem, table, versions_line, write_results
+from run_info import environment, parser, rel_err, result_stem, table, versions_line, write_results
 
 import s2attn
 from s2attn.distributed import (
@@ -39,10 +39,6 @@ from s2attn.distributed import (
 )
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def timed_ms(fn, iters: int) -> float:

@@ -28,7 +28,7 @@ import statistics
 import time
 
 import torch
-from run_info import environment, parser, result_stem, table, versions_line, write_results
+from run_info import environment, parser, rel_err, result_stem, table, versions_line, write_results
 
 import s2attn
 
@@ -37,10 +37,6 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def sync() -> None:
@@ -119,17 +115,15 @@ def check_rows(q, k, v, do, out, lse, dq, dk, dv, pattern, args, gen) -> dict:
         grad = dk if name == "dk" else dv
         want[name] = list(sums.values())
         got[name] = [grad[0, s_key, kvh] for kvh, s_key in sums]
-    return {
-        name: rel_err(torch.stack(got[name]).float(), torch.stack(want[name]))
-        for name in got
-    }
+    return {name: rel_err(torch.stack(got[name]).float(), torch.stack(want[name])) for name in got}
 
 
 def main() -> int:
     ap = parser(__doc__)
-    for flag, default in (("--seq", 4_194_304), ("--heads", 16), ("--kv-heads", None),
-                          ("--dim", 128), ("--block-size", 64), ("--local-blocks", 16),
-                          ("--stride", 64), ("--iters", 3), ("--rows", 8), ("--seed", 0)):  # fmt: skip
+    defaults = (("--seq", 4_194_304), ("--heads", 16), ("--kv-heads", None), ("--dim", 128),
+                ("--block-size", 64), ("--local-blocks", 16), ("--stride", 64), ("--iters", 3),
+                ("--rows", 8), ("--seed", 0))  # fmt: skip
+    for flag, default in defaults:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
@@ -207,8 +201,8 @@ def main() -> int:
               "rel. err out / lse / dq / dk / dv"]  # fmt: skip
     md = "\n".join([
         f"# One long sequence — {env['device']}", "", versions_line(env), "",
-        f"Batch 1, {args.heads} heads ({args.kv_heads} KV) of dim {args.dim}, {args.dtype}, causal, "
-        f"block {args.block_size}, local {args.local_blocks} blocks, stride {args.stride}, "
+        f"Batch 1, {args.heads} heads ({args.kv_heads} KV) of dim {args.dim}, {args.dtype}, "
+        f"causal, block {args.block_size}, local {args.local_blocks} blocks, stride {args.stride}, "
         f"staggered heads. Errors on {args.rows} query and {args.rows} key rows against float32 "
         f"(tolerance {tol:.0e}): {'pass' if ok else 'FAIL'}.", "",
         *table(header, rows), "",

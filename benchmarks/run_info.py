@@ -1,6 +1,7 @@
 """What every benchmark shares: the record of its run (device, library versions, date) and the stem
-its result files are named by, its timers, its markdown tables, its command line, and the writing
-of its results (markdown, JSON, an optional plot) to ``benchmarks/results/``."""
+its result files are named by, its timers, its exactness measure, its markdown tables, its command
+line, and the writing of its results (markdown, JSON, an optional plot) to
+``benchmarks/results/``."""
 
 from __future__ import annotations
 
@@ -77,6 +78,12 @@ def host_ms(fn: Callable[[], object], calls: int) -> float:
 
 
 # ------------------------------------------------------------------------------------- tables
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of ``a`` against the reference ``b``: the norm of the difference over the
+    norm of ``b``, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def cell(x: float | None, spec: str = "{:.3f}") -> str:
     """A table cell: ``x`` formatted by ``spec``, or ``n/a`` when there is no value."""
     return "n/a" if x is None else spec.format(x)

@@ -507,7 +507,8 @@ def make_needle_sample(
             value_len)`` are used.
         length: the exact length of the sample.
         depth: in ``[0, 1]``; 0 puts the needle at the start of the context (right after the
-            sample's ``BOS``), 1 right before the question; in between it goes before filler token ``round(depth * filler_len)``.
+            sample's ``BOS``), 1 right before the question; in between it goes before filler
+            token ``round(depth * filler_len)``.
         rng: the source of the key and value.
 
     Returns a :class:`NeedleSample` with ``tokens`` of shape ``(length,)``. Raises ``ValueError``
