@@ -47,3 +47,24 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     tol = REL_TOL[dtype]
     print(f"{what}: relative error {err:.2e} (tolerance {tol:.0e}, {dtype})")
     assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e} for {dtype}"
+
+
+def tiny_llama_config(num_layers: int = 3, **overrides):
+    """A transformers ``LlamaConfig`` small enough for CPU tests: hidden 64, 4 query / 2 KV heads,
+    vocabulary 128, 256 positions; ``overrides`` replace or add fields (e.g. ``head_dim``)."""
+    import transformers
+
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.2,  # spread logits: no greedy near-ties
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return transformers.LlamaConfig(**(fields | overrides))

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import DEVICE, skip_without_gpu
+from helpers import DEVICE, skip_without_gpu, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 s2hf = pytest.importorskip("s2attn.integrations.transformers")
@@ -20,19 +20,7 @@ NEW_TOKENS = 20
 
 def tiny_llama(dense_layers=(0,), num_layers=3, dtype=torch.float32):
     """4 query / 2 KV heads of dim 16, blocks of 16: local 2 blocks, stripes every 3."""
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-        initializer_range=0.2,  # spread logits: no greedy near-ties
-        bos_token_id=1,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    config = tiny_llama_config(num_layers)
     s2hf.configure(
         config, block_size=16, local_blocks=2, vert_stride=3, dense_layers=list(dense_layers)
     )

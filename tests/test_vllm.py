@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_llama_config
 
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -32,20 +33,7 @@ NEW_TOKENS = 24
 def save_tiny_llama(path, *, block_size=None):
     """3 layers, 4 query / 2 KV heads of dim 32, random weights; HHST when ``block_size`` is set
     (local 2 blocks, stripes every 2). Returns the saved model."""
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=128,
-        max_position_embeddings=256,
-        initializer_range=0.2,  # spread logits: no greedy near-ties
-        bos_token_id=1,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    config = tiny_llama_config(3, head_dim=32)
     if block_size is not None:
         s2hf.configure(
             config,
