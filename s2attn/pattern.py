@@ -198,7 +198,8 @@ class BlockPattern:
             built: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # heads sharing a rule
             for r in self._rules:
                 if r not in built:
-                    built[r] = _row_lists(nb, self.causal, *r)
+                    counts, _, cols = _row_lists(nb, self.causal, *r)
+                    built[r] = counts, cols.to(torch.int32)
             heads = [built[r] for r in self._rules]
             counts = torch.cat([c for c, _ in heads])
             self._lists = (_offsets_from_counts(counts), torch.cat([c for _, c in heads]))
@@ -289,9 +290,8 @@ class BlockPattern:
             nb = self.num_q_blocks if num_blocks is None else min(num_blocks, self.num_q_blocks)
             parts = []
             for n, rule in enumerate(rules):
-                counts, j = _row_lists(nb, self.causal, *rule, device=device)
-                i = torch.repeat_interleave(torch.arange(nb, device=counts.device), counts)
-                parts.append((torch.full_like(i, n), i, j.long()))
+                _, i, j = _row_lists(nb, self.causal, *rule, device=device)
+                parts.append((torch.full_like(i, n), i, j))
             return tuple(torch.cat(column) for column in zip(*parts))
         if device is not None:
             return tuple(t.to(device) for t in self.block_coordinates(num_blocks, heads))
@@ -618,9 +618,9 @@ def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=
 
 
 def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None):
-    """One head's kept blocks as (per-row counts, cols), built row by row in O(kept) memory on
-    ``device``: the local window and the stripes ``j = -shift (mod vert_stride)`` outside it
-    (:func:`_row_geometry`)."""
+    """One head's kept blocks as (per-row counts, each block's row, each block's column; int64),
+    sorted by row then column, built in O(kept) memory on ``device``: the local window and the
+    stripes ``j = -shift (mod vert_stride)`` outside it (:func:`_row_geometry`)."""
     geometry = _row_geometry(nb, causal, local_blocks, vert_stride, shift, device)
     lo, local, before, first, first_after, stride, counts = geometry
     i = torch.arange(nb, device=device)
@@ -632,7 +632,7 @@ def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=Non
         first + stride * k,
         torch.where(k < b + loc, lo[row] + (k - b), first_after[row] + stride * (k - b - loc)),
     )
-    return counts, cols.to(torch.int32)
+    return counts, row, cols
 
 
 def _offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
