@@ -4,7 +4,9 @@ One run of ``quality_experiment.py`` is one seed: a 0.3% difference between two 
 noise. Give this script the JSON each run wrote (``--seed`` differing, ``--name`` telling them
 apart) and it tabulates, per variant, the mean and the range of the validation loss, its gap to
 dense (within each seed, then averaged), and the needle accuracy, so a claimed difference can be
-read against the seed-to-seed spread.
+read against the seed-to-seed spread. Runs of one seed may come as several files (one variant each,
+as when each run trains alone): they are joined by seed, and each variant's gap is taken against
+the dense run of its own seed (none where that seed has no dense run).
 
     python benchmarks/quality_seeds.py benchmarks/results/*_quality_seed*.json
 
@@ -24,10 +26,30 @@ from run_info import result_stem, versions_line, write_results
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def join_seeds(runs: list[dict]) -> list[dict]:
+    """One run per seed, holding the rows of every file of that seed; each row's ``vs_dense``
+    taken against that seed's dense row (None without one)."""
+    joined: dict[int, dict] = {}
+    for run in runs:
+        seed_run = joined.setdefault(run["seed"], {**run, "rows": []})
+        for row in run["rows"]:
+            if any(r["variant"] == row["variant"] for r in seed_run["rows"]):
+                raise ValueError(f"seed {run['seed']} has two {row['variant']!r} runs")
+            seed_run["rows"].append(dict(row))
+    for run in joined.values():
+        dense = next((r["val_bpb"] for r in run["rows"] if r["variant"] == "dense"), None)
+        for row in run["rows"]:
+            known = dense is not None and row["val_bpb"] is not None
+            row["vs_dense"] = row["val_bpb"] / dense - 1 if known else None
+    return list(joined.values())
+
+
 def aggregate(runs: list[dict]) -> list[dict]:
-    """Per variant (in the first run's order): seeds, val bits/byte mean/min/max, the gap to
-    dense per seed averaged, needle mean averaged and its lowest cell at the training length."""
-    order = [r["variant"] for r in runs[0]["rows"]]
+    """Per variant (dense first, then in the order first seen): seeds, val bits/byte
+    mean/min/max, the gap to dense per seed averaged, needle mean averaged and its lowest cell at
+    the training length."""
+    order = list(dict.fromkeys(r["variant"] for run in runs for r in run["rows"]))
+    order.sort(key=lambda variant: variant != "dense")
     rows = []
     for variant in order:
         per_seed = [
@@ -53,6 +75,12 @@ def aggregate(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def recipe(run: dict) -> str:
+    short = run.get("short_steps")
+    first = f"{short} steps at {run['short_len']} tokens then " if short else ""
+    return f"{first}{run['steps']} steps at {run['train_len']} tokens"
+
+
 def markdown(rows: list[dict], runs: list[dict], paths: list[str]) -> str:
     env = runs[0]["environment"]
     lines = [
@@ -60,9 +88,9 @@ def markdown(rows: list[dict], runs: list[dict], paths: list[str]) -> str:
         "",
         f"{env['device']} · {versions_line(env)}",
         "",
-        f"{len(runs)} runs (seeds {sorted({run['seed'] for run in runs})}) of preset "
-        f"`{runs[0]['preset']}`: {', '.join(Path(p).name for p in paths)}. The gap to dense is "
-        "taken within each seed, then averaged.",
+        f"{len(paths)} runs (seeds {sorted({run['seed'] for run in runs})}) of preset "
+        f"`{runs[0]['preset']}`, {recipe(runs[0])}: {', '.join(Path(p).name for p in paths)}. "
+        "The gap to dense is taken within each seed, then averaged.",
         "",
         "| variant | seeds | val bits/byte mean (min-max) | vs dense | needle mean | lowest needle "
         "cell at train len |",
@@ -96,7 +124,11 @@ def main() -> int:
     }
     if len(recipes) > 1:
         ap.error(f"the runs differ in preset, steps or train arguments: {sorted(recipes, key=str)}")
-    rows = aggregate(runs)
+    try:
+        seed_runs = join_seeds(runs)
+    except ValueError as exc:
+        ap.error(str(exc))
+    rows = aggregate(seed_runs)
     env = runs[0]["environment"]
     write_results(
         args.out_dir,
