@@ -6,7 +6,8 @@ checks the unsharded output and dq/dk/dv against one-device ``sparse_attention``
 sequence (relative error under 1e-2 in bf16, 2e-3 in fp16, 1e-4 in fp32). Then it times forward
 and forward+backward (median of ``--iters`` after a barrier; the slowest rank is reported) and
 the one-device call on the whole sequence, and reports strong-scaling efficiency
-(one-device time / (W x time per rank)) and the K/V bytes each rank receives.
+(one-device time / (W x time per rank)), the K/V bytes each rank receives and holds (its shard,
+what it receives, its chunks' compact keys), and each call's GPU memory peak.
 
     python benchmarks/context_parallel.py                          # world size 1
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
@@ -34,10 +35,15 @@ from s2attn.distributed import (
     communication_bytes,
     context_parallel_attention,
     context_parallel_bytes,
+    context_parallel_kv_bytes,
     shard,
     unshard,
 )
 
+HEADERS = [
+    "pass", "ranks", "ms per rank", "one device ms", "efficiency", "MiB in, busiest rank",
+    "all-gather MiB", "K/V held MiB, busiest rank", "GPU peak GiB, busiest rank",
+]  # fmt: skip
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 
@@ -57,6 +63,20 @@ def timed_ms(fn, iters: int) -> float:
         if i >= 2:  # the first two warm up (compilation, layouts)
             times.append((time.perf_counter() - t0) * 1e3)
     mine = torch.tensor([statistics.median(times)], device="cuda" if on_gpu else "cpu")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.item()
+
+
+def peak_gib(fn) -> float:
+    """The largest GPU memory peak over the ranks of one call of ``fn`` (GiB);
+    nan on a CPU."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    mine = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return mine.item()
 
@@ -133,9 +153,11 @@ def main() -> int:
         s2attn.sparse_attention(qf, kf, vf, pattern).backward(grad)
 
     rows = []
-    # The busiest rank's bytes, and an all-gather's for comparison.
-    moved = max(context_parallel_bytes(pattern, 1, args.seq, args.kv_heads, args.dim, dtype, world))
-    gather = communication_bytes(1, args.seq, args.kv_heads, args.dim, dtype, world)
+    # The busiest rank's bytes moved and K/V held, and an all-gather's for comparison.
+    sizes = (pattern, 1, args.seq, args.kv_heads, args.dim, dtype, world)
+    moved = max(context_parallel_bytes(*sizes))
+    held = max(context_parallel_kv_bytes(*sizes))
+    gather = communication_bytes(*sizes[1:])
     for name, cp, one, bytes_moved in (
         ("fwd", cp_fwd, one_fwd, moved),
         ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved),
@@ -146,6 +168,7 @@ def main() -> int:
                 pass_=name, world=world, seq=args.seq, cp_ms=t_cp, one_device_ms=t_one,
                 efficiency=t_one / (world * t_cp), mib_per_rank=bytes_moved / 2**20,
                 all_gather_mib=(gather if name == "fwd" else 2 * gather) / 2**20,
+                kv_held_mib=held / 2**20, peak_gib=peak_gib(cp),
             )
         )  # fmt: skip
     if rank == 0:
@@ -162,8 +185,7 @@ def main() -> int:
             + f" ({'ok' if ok else 'FAILED'}).",
             "",
             *table(
-                ["pass", "ranks", "ms per rank", "one device ms", "efficiency",
-                 "MiB in, busiest rank", "all-gather MiB"],
+                HEADERS,
                 [
                     [
                         r["pass_"],
@@ -173,6 +195,8 @@ def main() -> int:
                         f"{r['efficiency']:.2f}",
                         f"{r['mib_per_rank']:.1f}",
                         f"{r['all_gather_mib']:.1f}",
+                        f"{r['kv_held_mib']:.1f}",
+                        f"{r['peak_gib']:.2f}",
                     ]
                     for r in rows
                 ],

@@ -18,16 +18,17 @@ its two chunks' query blocks keep under that head's pattern heads, up to each ch
 causal pattern), in one ``all_to_all_single`` each for K and V; the backward sends each received
 token's gradient back to its owner the same way. Under a strided S2 pattern that is a few percent
 of an all-gather's ``(W - 1) / W`` of the sequence (:func:`context_parallel_bytes` against
-:func:`communication_bytes`). Each rank still lays K and V out over the whole sequence (zeros
-where nothing is read), so its memory is an all-gather's; overlapping the exchange with compute is
-for a later version.
+:func:`communication_bytes`).
 
-Bidirectional patterns. The kernels align queries bottom-right to the keys, so a causal chunk is
-computed against the keys up to its end and sits at its absolute position. A bidirectional chunk
-reads keys on both sides: it is computed against all the keys with a *shifted* pattern, whose last
-rows are the chunk's rows of the given pattern. That needs chunks of whole blocks (``local_seq /
-2`` a multiple of the block size); a shifted pattern costs as much host memory as the pattern's
-own rows up to the sequence length, once per chunk, cached.
+Memory. A rank never lays K and V out over the whole sequence. Each chunk is computed against
+*compact* keys: per KV head, the far blocks its heads read (padded with zero blocks to the
+longest head's list), then the tokens from the chunk's first block to its end, with the chunk's
+rows of the pattern renumbered onto them. Under a causal pattern the far blocks all lie before
+the chunk and the tail keeps absolute spacing, so the kernels' causal rule (queries aligned
+bottom-right to the keys) is the original one. A bidirectional chunk reads keys on both sides
+and needs no order, but must be whole blocks (``local_seq / 2`` a multiple of the block size).
+So a rank holds its shard, the rows it receives and its two chunks' compact keys: under S2,
+proportional to the blocks it reads, not to the sequence.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "communication_bytes",
     "context_parallel_attention",
     "context_parallel_bytes",
+    "context_parallel_kv_bytes",
     "shard",
     "unshard",
 ]
@@ -58,7 +60,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# crc32 of each pattern's mask, computed once per pattern: the ranks compare it on every call.
+# crc32 of each pattern (its rules, or its lists), computed once per pattern: the ranks compare
+# it on every call.
 _FINGERPRINTS: weakref.WeakKeyDictionary[BlockPattern, int] = weakref.WeakKeyDictionary()
 
 
@@ -148,25 +151,6 @@ def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, seq_dim: 
 
 
 # ----------------------------------------------------------------- moving only what is read
-@dataclass(frozen=True)
-class _ExchangePlan:
-    """Which K/V tokens one rank sends to and receives from each rank, per KV head.
-
-    ``send[d][g]``: indices into this rank's shard of the tokens rank ``d`` reads for KV head
-    ``g``; ``recv[s][g]``: the global positions of the tokens this rank reads from rank ``s``'s
-    shard, in the same order as ``s`` sends them (ascending position). Nothing to or from itself:
-    a rank holds its own shard. ``own``: the global positions of this rank's shard."""
-
-    seq: int
-    send: list[list[torch.Tensor]]
-    recv: list[list[torch.Tensor]]
-    own: torch.Tensor
-
-    def tokens_received(self) -> int:
-        """Token rows (one KV head each) this rank receives, K or V alone."""
-        return sum(int(i.numel()) for per_head in self.recv for i in per_head)
-
-
 def _owners(seq: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For every global position: the rank whose shard holds it, and its index in that shard."""
     chunk = seq // (2 * world)
@@ -178,36 +162,157 @@ def _owners(seq: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return owner, local
 
 
-def _tokens_read(pattern: BlockPattern, seq: int, world: int, kv_heads: int) -> torch.Tensor:
-    """(world, kv_heads, seq) bool: the key positions each rank's queries read, per KV head: for
-    each of its two chunks, the blocks its query blocks keep under the KV head's pattern heads,
-    and under a causal pattern only the positions up to the chunk's end (a pattern may keep
-    blocks past the diagonal that causality never reads). Read from the pattern's block lists:
-    each chunk's rows are one slice of them per pattern head."""
-    b, chunk = pattern.block_size, seq // (2 * world)
-    nb = -(-seq // b)
-    q_blocks = pattern.num_q_blocks
-    # Pattern heads per KV head: the KV heads themselves, or each KV head's query heads.
+@dataclass(frozen=True)
+class _ChunkReads:
+    """What one query chunk ``[start, end)`` reads, per KV head ``g``: ``far[g]``, the KV blocks
+    outside its own blocks ``[first, last]`` that its pattern heads keep (ascending; under a
+    causal pattern only blocks before ``first``), and ``rows[h]``, each pattern head's kept
+    (query block, KV block) pairs of the chunk's rows (causally visible blocks only)."""
+
+    start: int
+    end: int
+    first: int
+    last: int
+    far: list[torch.Tensor]
+    rows: list[tuple[torch.Tensor, torch.Tensor]]
+    reads_first: list[bool]  # whether KV head g reads block `first` (its tokens before `start`)
+
+
+def _chunk_reads(pattern: BlockPattern, start: int, end: int, kv_heads: int) -> _ChunkReads:
+    b = pattern.block_size
+    first, last = start // b, (end - 1) // b
     heads_per_kv = pattern.num_heads // kv_heads
-    offsets, cols = pattern.row_offsets, pattern.cols.long()
-    out = torch.zeros(world, kv_heads, seq, dtype=torch.bool)
-    for r in range(world):
-        for c in (r, 2 * world - 1 - r):
-            start, end = c * chunk, (c + 1) * chunk
-            first, last = start // b, (end - 1) // b
-            blocks = torch.zeros(kv_heads, nb, dtype=torch.bool)
-            for h in range(pattern.num_heads):
-                row = h * q_blocks
-                kept = cols[offsets[row + first] : offsets[row + last + 1]]
-                blocks[h // heads_per_kv, kept[kept < nb]] = True
-            read = blocks.repeat_interleave(b, dim=1)[:, :seq]
-            if pattern.causal:
-                read[:, end:] = False
-            out[r] |= read
-    return out
+    rows = []
+    read = torch.zeros(kv_heads, pattern.num_kv_blocks, dtype=torch.bool)  # per KV head
+    for h in range(pattern.num_heads):
+        i, j = pattern.row_blocks(h, first, last + 1)
+        if pattern.causal:  # blocks past the chunk's end are never visible to it
+            i, j = i[j <= last], j[j <= last]
+        rows.append((i, j))
+        read[h // heads_per_kv, j] = True
+    far = read.clone()
+    far[:, first : last + 1] = False
+    far = [f.nonzero().flatten() for f in far]
+    return _ChunkReads(start, end, first, last, far, rows, read[:, first].tolist())
 
 
+def _positions_read(reads: _ChunkReads, g: int, block: int, seq: int) -> torch.Tensor:
+    """The global key positions a chunk reads under KV head ``g`` outside ``[start, end)``."""
+    far = (reads.far[g][:, None] * block + torch.arange(block)).flatten()
+    far = far[far < seq]
+    if reads.reads_first[g]:  # the first block's tokens before the chunk (an unaligned start)
+        far = torch.cat([far, torch.arange(reads.first * block, reads.start)])
+    return far
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One of a rank's two query chunks, computed against compact keys: per KV head, the far
+    blocks it reads (zero blocks pad every head to the longest list), then every token from the
+    chunk's first block's start to its end. Under a causal pattern the far blocks all precede
+    the chunk and the tail keeps absolute spacing, so the kernels' causal rule (queries aligned
+    bottom-right) is the original one; under a bidirectional one nothing depends on the order.
+
+    ``gather``: (keys, kv_heads) rows of the rank's store (own rows, received rows, a zero row)
+    that make up those keys; ``pattern``: the chunk's rows of the pattern over them, in the last
+    query rows of a square pattern."""
+
+    start: int
+    end: int
+    gather: torch.Tensor
+    pattern: BlockPattern
+
+
+@dataclass(frozen=True)
+class _ExchangePlan:
+    """What one rank sends to and receives from each rank, and how it lays out its keys.
+
+    A rank's *rows* are its shard's (token, KV head) pairs, ``local_index * kv_heads + g``.
+    ``send[d]``: the rows rank ``d`` reads, in the order ``d`` expects them (KV head, then
+    position); ``recv[s]``: how many rows this rank receives from rank ``s``. The rank's store is
+    its own rows, then the received ones (by source rank, KV head, position), then one zero row;
+    each chunk's keys gather from it."""
+
+    send: list[torch.Tensor]
+    recv: list[int]
+    chunks: tuple[_Chunk, _Chunk]
+
+    def tokens_received(self) -> int:
+        """Token rows (one KV head each) this rank receives, K or V alone."""
+        return sum(self.recv)
+
+    def key_rows(self) -> int:
+        """Rows (token, KV head) of the compact keys of both chunks: what the rank holds of K (or
+        V) beyond its own shard and the rows it receives."""
+        return sum(c.gather.numel() for c in self.chunks)
+
+
+# Per pattern: each rank's chunk reads and plans, keyed by (seq, world, rank, kv_heads[, device]).
+_READS: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
 _PLANS: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
+
+
+def _rank_reads(pattern: BlockPattern, seq: int, world: int, rank: int, kv_heads: int):
+    """Rank ``rank``'s two chunks' reads, and per KV head the positions it receives from each
+    rank (ascending; none from itself)."""
+    cache = _READS.setdefault(pattern, {})
+    key = (seq, world, rank, kv_heads)
+    if key not in cache:
+        chunk = seq // (2 * world)
+        chunks = tuple(
+            _chunk_reads(pattern, c * chunk, (c + 1) * chunk, kv_heads)
+            for c in (rank, 2 * world - 1 - rank)
+        )
+        owner, _ = _owners(seq, world)
+        wanted = []
+        for g in range(kv_heads):
+            pos = torch.cat([_positions_read(r, g, pattern.block_size, seq) for r in chunks])
+            pos = pos.unique()
+            pos = pos[owner[pos] != rank]
+            wanted.append([pos[owner[pos] == s] for s in range(world)])
+        cache[key] = chunks, wanted
+    return cache[key]
+
+
+def _compact_chunk(pattern: BlockPattern, reads: _ChunkReads, row_of: torch.Tensor, zero: int):
+    """A :class:`_Chunk` from its reads; ``row_of`` (kv_heads, seq): each position's store row
+    per KV head, or -1 where the rank has nothing (never read)."""
+    b, kv_heads = pattern.block_size, len(reads.far)
+    blocks = max(int(f.numel()) for f in reads.far)  # the padded far blocks per KV head
+    tail = reads.last - reads.first + 1
+    keys = blocks * b + reads.end - reads.first * b
+    gather = torch.full((keys, kv_heads), zero, dtype=torch.int64)
+    for g, far in enumerate(reads.far):
+        pos = torch.cat([(far[:, None] * b + torch.arange(b)).flatten(),
+                         torch.arange(reads.first * b, reads.end)])  # fmt: skip
+        slots = torch.cat([torch.arange(far.numel() * b), torch.arange(blocks * b, keys)])
+        rows = row_of[g, pos.clamp(max=row_of.shape[1] - 1)]
+        rows = torch.where((pos < row_of.shape[1]) & (rows >= 0), rows, zero)
+        gather[slots, g] = rows
+    # The chunk's rows over the compact keys: row `first + n` is query block `blocks + n`; a far
+    # block maps to its index in its KV head's list, a block of the chunk's own to the tail.
+    q_blocks = blocks + tail
+    heads_per_kv = pattern.num_heads // kv_heads
+    keys_of = []
+    for h, (i, j) in enumerate(reads.rows):
+        far = reads.far[h // heads_per_kv]
+        own = (j >= reads.first) & (j <= reads.last)
+        col = torch.where(own, blocks + j - reads.first, torch.searchsorted(far, j))
+        keys_of.append((h * q_blocks + blocks + i - reads.first) * q_blocks + col)
+    # By row, then column. Causal rows stay sorted (far blocks precede the chunk and keep their
+    # order); a bidirectional row's far blocks past the chunk now precede its own.
+    order = torch.cat(keys_of)
+    if not pattern.causal:
+        order = order.sort().values
+    row, col = order // q_blocks, order % q_blocks
+    counts = torch.bincount(row, minlength=pattern.num_heads * q_blocks)
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    compact = BlockPattern.from_block_lists(
+        offsets, col, num_heads=pattern.num_heads, num_kv_blocks=q_blocks, block_size=b,
+        causal=pattern.causal,
+    )  # fmt: skip
+    return _Chunk(reads.start, reads.end, gather, compact)
 
 
 def _exchange_plan(
@@ -224,93 +329,89 @@ def _exchange_plan(
     if key not in plans and device is not None:
         cpu = _exchange_plan(pattern, seq, world, rank, kv_heads)
         plans[key] = _ExchangePlan(
-            seq,
-            [[i.to(device) for i in per_head] for per_head in cpu.send],
-            [[i.to(device) for i in per_head] for per_head in cpu.recv],
-            cpu.own.to(device),
+            [i.to(device) for i in cpu.send],
+            cpu.recv,
+            tuple(_Chunk(c.start, c.end, c.gather.to(device), c.pattern) for c in cpu.chunks),
         )
     if key not in plans:
-        read = _tokens_read(pattern, seq, world, kv_heads)
         owner, local = _owners(seq, world)
-        mine = owner == rank
-        send = [
-            [local[read[d, g] & mine] if d != rank else local[:0] for g in range(kv_heads)]
-            for d in range(world)
-        ]
-        recv = [
-            [
-                (read[rank, g] & (owner == s)).nonzero().flatten() if s != rank else local[:0]
-                for g in range(kv_heads)
-            ]
-            for s in range(world)
-        ]
-        own = mine.nonzero().flatten()
-        own = own[local[own].argsort()]  # in shard order
-        plans[key] = _ExchangePlan(seq, send, recv, own)
+        chunks, wanted = _rank_reads(pattern, seq, world, rank, kv_heads)
+        # What every other rank reads from this one, in the order it receives it.
+        send = []
+        for d in range(world):
+            if d == rank:
+                send.append(local[:0])
+                continue
+            theirs = _rank_reads(pattern, seq, world, d, kv_heads)[1]
+            send.append(torch.cat([local[theirs[g][rank]] * kv_heads + g
+                                   for g in range(kv_heads)]))  # fmt: skip
+        # The store: own rows, received rows (by source, KV head, position), one zero row.
+        local_seq = seq // world
+        row_of = torch.full((kv_heads, seq), -1, dtype=torch.int64)
+        mine = (owner == rank).nonzero().flatten()
+        for g in range(kv_heads):
+            row_of[g, mine] = local[mine] * kv_heads + g
+        recv, start = [], local_seq * kv_heads
+        for s in range(world):
+            for g in range(kv_heads):
+                pos = wanted[g][s]
+                row_of[g, pos] = start + torch.arange(pos.numel())
+                start += pos.numel()
+            recv.append(sum(int(wanted[g][s].numel()) for g in range(kv_heads)))
+        compact = tuple(_compact_chunk(pattern, r, row_of, start) for r in chunks)
+        plans[key] = _ExchangePlan(send, recv, compact)
     return plans[key]
 
 
-def _pieces(x: torch.Tensor, index: list[list[torch.Tensor]], dim_size: int) -> list[torch.Tensor]:
-    """x (batch, n, kv_heads, dim) rows ``index[r][g]`` of head g, flat, one tensor per rank."""
-    return [
-        torch.cat([x[:, i, g].reshape(-1) for g, i in enumerate(per_head)])
-        if any(i.numel() for i in per_head)
-        else x.new_empty(0)
-        for per_head in index
-    ]
-
-
-def _sizes(index: list[list[torch.Tensor]], batch: int, dim: int) -> list[int]:
-    return [batch * dim * sum(int(i.numel()) for i in per_head) for per_head in index]
-
-
-def _all_to_all(pieces: list[torch.Tensor], out_sizes: list[int], group) -> list[torch.Tensor]:
-    send = torch.cat(pieces)
-    recv = send.new_empty(sum(out_sizes))
+def _all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], group):
+    """(rows, ...) split by destination rank -> the (rows, ...) received, by source rank."""
+    send = send.contiguous()
+    per_row = math.prod(send.shape[1:])
+    recv = send.new_empty(sum(recv_rows), *send.shape[1:])
+    # Flat buffers: gloo splits only one-dimensional tensors.
     dist.all_to_all_single(
-        recv, send, output_split_sizes=out_sizes,
-        input_split_sizes=[p.numel() for p in pieces], group=group,
+        recv.view(-1), send.view(-1), output_split_sizes=[n * per_row for n in recv_rows],
+        input_split_sizes=[n * per_row for n in send_rows], group=group,
     )  # fmt: skip
-    return list(recv.split(out_sizes))
+    return recv
 
 
 class _ExchangeKV(torch.autograd.Function):
-    """A rank's shard (batch, local_seq, kv_heads, dim) -> the whole sequence (batch, seq,
-    kv_heads, dim) holding the rank's own tokens and those its queries read, zeros elsewhere
-    (which its pattern never reads). The backward sends each received token's gradient back to
-    its owner, which adds it to its own."""
+    """A rank's shard (batch, local_seq, kv_heads, dim) -> the rows other ranks send it
+    (batch, received, dim), by source rank, KV head and position. The backward sends each
+    received row's gradient back to its owner, which adds it to its own."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: _ExchangePlan, group) -> torch.Tensor:
-        ctx.plan, ctx.group = plan, group
-        batch, _, kv_heads, dim = x.shape
-        x = x.contiguous()
-        full = x.new_zeros(batch, plan.seq, kv_heads, dim)
-        full[:, plan.own] = x
-        received = _all_to_all(_pieces(x, plan.send, dim), _sizes(plan.recv, batch, dim), group)
-        for flat, per_head in zip(received, plan.recv):
-            start = 0
-            for g, positions in enumerate(per_head):
-                n = batch * int(positions.numel()) * dim
-                full[:, positions, g] = flat[start : start + n].view(batch, -1, dim)
-                start += n
-        return full
+        ctx.plan, ctx.group, ctx.shape = plan, group, x.shape
+        batch, _, _, dim = x.shape
+        rows = x.reshape(batch, -1, dim)
+        # Row-major by destination with the batch inside a row, so each rank's part is one span.
+        send = rows[:, torch.cat(plan.send)].transpose(0, 1)
+        sizes = [int(i.numel()) for i in plan.send]
+        return _all_to_all(send, sizes, plan.recv, group).transpose(0, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         plan, group = ctx.plan, ctx.group
-        batch, _, kv_heads, dim = grad.shape
-        grad = grad.contiguous()
-        local = grad[:, plan.own].clone()
-        returned = _all_to_all(_pieces(grad, plan.recv, dim), _sizes(plan.send, batch, dim), group)
-        for flat, per_head in zip(returned, plan.send):
-            start = 0
-            for g, index in enumerate(per_head):
-                n = batch * int(index.numel()) * dim
-                piece = flat[start : start + n].view(batch, -1, dim)
-                local[:, :, g].index_add_(1, index, piece)
-                start += n
-        return local, None, None
+        batch, _, _, dim = ctx.shape
+        sizes = [int(i.numel()) for i in plan.send]
+        returned = _all_to_all(grad.transpose(0, 1), plan.recv, sizes, group)
+        local = grad.new_zeros(batch, math.prod(ctx.shape[1:3]), dim)
+        local.index_add_(1, torch.cat(plan.send), returned.transpose(0, 1))
+        return local.view(ctx.shape), None, None
+
+
+def _store(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """The rank's store (batch, rows, dim): its own rows, the received ones, one zero row."""
+    batch, _, _, dim = x.shape
+    return torch.cat([x.reshape(batch, -1, dim), received, x.new_zeros(batch, 1, dim)], dim=1)
+
+
+def _chunk_keys(store: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    """The chunk's compact keys (batch, keys, kv_heads, dim), gathered from the store."""
+    keys, kv_heads = chunk.gather.shape
+    return store[:, chunk.gather.view(-1)].view(store.shape[0], keys, kv_heads, -1)
 
 
 def context_parallel_bytes(
@@ -326,11 +427,32 @@ def context_parallel_bytes(
     (the backward sends as many back): only the tokens its queries read, per KV head. Compare
     with :func:`communication_bytes`, an all-gather's."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return [
-        2 * batch * dim * itemsize
-        * _exchange_plan(pattern, seq, world_size, r, kv_heads).tokens_received()
+    received = [
+        sum(int(p.numel()) for per_rank in _rank_reads(pattern, seq, world_size, r, kv_heads)[1]
+            for p in per_rank)
         for r in range(world_size)
     ]  # fmt: skip
+    return [2 * batch * dim * itemsize * n for n in received]
+
+
+def context_parallel_kv_bytes(
+    pattern: BlockPattern,
+    batch: int,
+    seq: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    world_size: int,
+) -> list[int]:
+    """Bytes of K and V each rank holds in one forward of :func:`context_parallel_attention`:
+    its shard, the tokens it receives and its two chunks' compact keys (see the module's notes).
+    A dense pattern's last chunk needs the whole sequence; an S2 pattern's, the blocks it reads."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for r in range(world_size):
+        plan = _exchange_plan(pattern, seq, world_size, r, kv_heads)
+        rows.append(seq // world_size * kv_heads + plan.tokens_received() + plan.key_rows())
+    return [2 * batch * dim * itemsize * n for n in rows]
 
 
 def unshard(
@@ -370,8 +492,14 @@ def _fingerprint(pattern: BlockPattern) -> int:
     fp = _FINGERPRINTS.get(pattern)
     if fp is None:
         shape = struct.pack("<4q?", *pattern._shape, pattern.block_size, pattern.causal)
-        fp = zlib.crc32(pattern.cols.numpy().tobytes(), zlib.crc32(shape))
-        fp = zlib.crc32(pattern.row_offsets.numpy().tobytes(), fp)
+        fp = zlib.crc32(shape)
+        if pattern._rules is not None:
+            # A builder's pattern by its rules, so that a long one never builds its lists here
+            # (every rank builds it the same way, from the same call).
+            fp = zlib.crc32(repr(pattern._rules).encode(), fp)
+        else:
+            fp = zlib.crc32(pattern.cols.numpy().tobytes(), fp)
+            fp = zlib.crc32(pattern.row_offsets.numpy().tobytes(), fp)
         _FINGERPRINTS[pattern] = fp
     return fp
 
@@ -456,48 +584,13 @@ def _check_agreement(q, k, v, pattern, softmax_scale, group) -> None:
     if differ:
         names = (
             "ok, batch, local_seq, heads, dim, kv_heads, dtype, device type, block_size, "
-            "pattern heads, q_blocks, kv_blocks, mask crc32, softmax_scale"
+            "pattern heads, q_blocks, kv_blocks, pattern crc32, softmax_scale"
         )
         raise ValueError(
             f"context_parallel_attention: ranks {differ} disagree with rank 0 on the shapes, "
             f"dtype, pattern or softmax_scale (this is rank {rank}); ({names}) per rank: "
             f"{everyone.tolist()}"
         )
-
-
-# (start, chunk, seq) -> shifted pattern, per pattern (see the module docstring).
-_SHIFTED: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
-
-
-def _shifted(pattern: BlockPattern, start: int, chunk: int, seq: int) -> BlockPattern:
-    """A bidirectional pattern over ``seq`` tokens whose last ``chunk / block`` query rows are
-    ``pattern``'s rows for the queries ``[start, start + chunk)`` (all block-aligned): with the
-    chunk's queries aligned bottom-right to all ``seq`` keys, each query reads its own row."""
-    cache = _SHIFTED.setdefault(pattern, {})
-    key = (start, chunk, seq)
-    if key not in cache:
-        b = pattern.block_size
-        blocks, rows, first = -(-seq // b), chunk // b, start // b
-        # Each head: rows first .. first + rows - 1 of the pattern, as the last rows of one
-        # over `blocks` x `blocks`; the rows before them keep nothing.
-        counts, kept = [], []
-        for h in range(pattern.num_heads):
-            row = h * pattern.num_q_blocks + first
-            lo, hi = int(pattern.row_offsets[row]), int(pattern.row_offsets[row + rows])
-            cols = pattern.cols[lo:hi]
-            inside = cols < blocks
-            per_row = torch.diff(pattern.row_offsets[row : row + rows + 1])
-            row_of = torch.repeat_interleave(torch.arange(rows), per_row)
-            counts += [torch.zeros(blocks - rows, dtype=torch.int64),
-                       torch.bincount(row_of[inside], minlength=rows)]  # fmt: skip
-            kept.append(cols[inside])
-        offsets = torch.zeros(blocks * pattern.num_heads + 1, dtype=torch.int64)
-        offsets[1:] = torch.cat(counts).cumsum(0)
-        cache[key] = BlockPattern.from_block_lists(
-            offsets, torch.cat(kept), num_heads=pattern.num_heads, num_kv_blocks=blocks,
-            block_size=b, causal=False,
-        )  # fmt: skip
-    return cache[key]
 
 
 def context_parallel_attention(
@@ -525,12 +618,10 @@ def context_parallel_attention(
         return_lse: also return the float32 LSE (batch, heads, local_seq) of this rank's rows.
 
     Every rank receives the K and V tokens its queries read (see :func:`context_parallel_bytes`)
-    and computes its two query chunks with :func:`s2attn.sparse_attention`: under a causal
-    pattern each against the keys up to the chunk's end (the kernel aligns queries bottom-right,
-    so the chunk sits at its absolute position), under a bidirectional one against all keys with
-    the chunk's rows of the pattern shifted to the end. The backward returns the received
-    tokens' gradients to their owners. A group of one rank calls :func:`s2attn.sparse_attention`
-    directly.
+    and computes each of its two query chunks with :func:`s2attn.sparse_attention` against
+    compact keys: the blocks the chunk reads, the chunk's rows of the pattern renumbered onto
+    them (see the module's notes). The backward returns the received tokens' gradients to their
+    owners. A group of one rank calls :func:`s2attn.sparse_attention` directly.
 
     Returns:
         ``out`` (batch, local_seq, heads, dim), this rank's shard of the output; with
@@ -550,21 +641,16 @@ def context_parallel_attention(
             q, k, v, pattern, softmax_scale=softmax_scale, return_lse=return_lse
         )
     plan = _exchange_plan(pattern, q.shape[1] * world, world, rank, k.shape[2], k.device)
-    k_full = _ExchangeKV.apply(k, plan, group)
-    v_full = _ExchangeKV.apply(v, plan, group)
+    k_store = _store(k, _ExchangeKV.apply(k, plan, group))
+    v_store = _store(v, _ExchangeKV.apply(v, plan, group))
     chunk = q.shape[1] // 2
     outs, lses = [], []
-    seq = k_full.shape[1]
-    for part, index in enumerate((rank, 2 * world - 1 - rank)):
-        end = (index + 1) * chunk
-        keys, chunk_pattern = end, pattern
-        if not pattern.causal:
-            keys, chunk_pattern = seq, _shifted(pattern, index * chunk, chunk, seq)
+    for part, compact in enumerate(plan.chunks):
         result = sparse_attention(
             q[:, part * chunk : (part + 1) * chunk],
-            k_full[:, :keys],
-            v_full[:, :keys],
-            chunk_pattern,
+            _chunk_keys(k_store, compact),
+            _chunk_keys(v_store, compact),
+            compact.pattern,
             softmax_scale=softmax_scale,
             return_lse=return_lse,
         )

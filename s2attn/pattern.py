@@ -310,6 +310,23 @@ class BlockPattern:
             h, i, j = h[keep], i[keep], j[keep]
         return h, i, j
 
+    def row_blocks(self, head: int, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept blocks of one head's query blocks ``[first, stop)`` as int64 (query block,
+        KV block) pairs, sorted: in time and memory proportional to those rows alone."""
+        if not 0 <= head < self.num_heads or not 0 <= first <= stop <= self.num_q_blocks:
+            raise ValueError(
+                f"head {head}, rows [{first}, {stop}) outside the pattern's {self.num_heads} heads "
+                f"and {self.num_q_blocks} query blocks"
+            )
+        rules = self._head_rules(slice(head, head + 1))
+        if rules is not None:
+            _, i, j = _row_lists(self.num_q_blocks, self.causal, *rules[0], rows=(first, stop))
+            return i, j
+        row = head * self.num_q_blocks
+        offsets = self.row_offsets[row + first : row + stop + 1]
+        i = torch.repeat_interleave(torch.arange(first, stop), offsets.diff())
+        return i, self.cols[int(offsets[0]) : int(offsets[-1])].long()
+
     def _from_coordinates(self, h, i, j, heads: int, q_blocks: int, kv_blocks: int):
         """A pattern of this kind from sorted (head, query block, KV block) triples."""
         counts = torch.bincount(h * q_blocks + i, minlength=heads * q_blocks)
@@ -592,11 +609,12 @@ def local_stride_pattern(
     )
 
 
-def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None):
-    """Per query block of one head: the local window ``[lo, hi]``, the stripes ``first +
-    stride * k`` below it (``before`` of them) and from ``first_after`` on past it (``after``),
-    and the row's count of kept blocks; ``local_blocks`` None: every visible block."""
-    i = torch.arange(nb, device=device)
+def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None, rows=None):
+    """Per query block of one head (of ``rows``, a ``(first, stop)`` range, when given): the
+    local window ``[lo, hi]``, the stripes ``first + stride * k`` below it (``before`` of them)
+    and from ``first_after`` on past it (``after``), and the row's count of kept blocks;
+    ``local_blocks`` None: every visible block."""
+    i = torch.arange(*((0, nb) if rows is None else rows), device=device)
     if local_blocks is None:  # dense
         lo = torch.zeros_like(i)
         hi = i if causal else torch.full_like(i, nb - 1)
@@ -617,22 +635,22 @@ def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=
     return lo, local, before, first, first_after, stride, before + local + after
 
 
-def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None):
+def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None, rows=None):
     """One head's kept blocks as (per-row counts, each block's row, each block's column; int64),
     sorted by row then column, built in O(kept) memory on ``device``: the local window and the
-    stripes ``j = -shift (mod vert_stride)`` outside it (:func:`_row_geometry`)."""
-    geometry = _row_geometry(nb, causal, local_blocks, vert_stride, shift, device)
+    stripes ``j = -shift (mod vert_stride)`` outside it (:func:`_row_geometry`). ``rows``: only
+    the query blocks ``[first, stop)``."""
+    geometry = _row_geometry(nb, causal, local_blocks, vert_stride, shift, device, rows)
     lo, local, before, first, first_after, stride, counts = geometry
-    i = torch.arange(nb, device=device)
-    row = torch.repeat_interleave(i, counts)
-    k = torch.arange(int(counts.sum()), device=device) - (counts.cumsum(0) - counts)[row]
-    b, loc = before[row], local[row]
+    n = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)  # row index
+    k = torch.arange(int(counts.sum()), device=device) - (counts.cumsum(0) - counts)[n]
+    b, loc = before[n], local[n]
     cols = torch.where(
         k < b,
         first + stride * k,
-        torch.where(k < b + loc, lo[row] + (k - b), first_after[row] + stride * (k - b - loc)),
+        torch.where(k < b + loc, lo[n] + (k - b), first_after[n] + stride * (k - b - loc)),
     )
-    return counts, row, cols
+    return counts, n + (0 if rows is None else rows[0]), cols
 
 
 def _offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:

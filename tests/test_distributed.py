@@ -12,6 +12,7 @@ from s2attn.distributed import (
     communication_bytes,
     context_parallel_attention,
     context_parallel_bytes,
+    context_parallel_kv_bytes,
     shard,
     unshard,
 )
@@ -77,6 +78,20 @@ def test_matches_one_process(world, heads, kv_heads, dense_heads, kernels, causa
     spawn(world, _compare_body, pattern, shape, _expected(pattern, shape), kernels=kernels)
 
 
+@pytest.mark.parametrize("world, causal", [(2, True), (4, True), (2, False), (4, False)])
+def test_user_pattern_matches_one_process(world, causal):
+    """A random user pattern (lists, not rules): heads of one KV group read different far blocks
+    (so the compact keys pad the shorter lists), causal rows keep blocks past the diagonal (never
+    visible), and bidirectional rows read blocks after their chunk."""
+    g = torch.Generator().manual_seed(world + 10 * causal)
+    mask = torch.rand(4, 8, 8, generator=g) < 0.3
+    mask |= torch.eye(8, dtype=torch.bool)  # every query row keeps a block
+    pattern = s2attn.BlockPattern(mask, block_size=16, causal=causal)
+    seq = 96 if world == 4 and causal else 128  # unaligned causal chunks of 12 tokens
+    shape = (1, seq, 4, 2, 16)
+    spawn(world, _compare_body, pattern, shape, _expected(pattern, shape))
+
+
 def _one_rank_body(rank, world, pattern, shape):
     q, k, v, _ = _inputs(*shape)
     out = context_parallel_attention(q, k, v, pattern, softmax_scale=0.3)
@@ -99,6 +114,10 @@ def _errors_body(rank, world, pattern):
     bad_kv = (kl[:, :8], vl[:, :8]) if rank == 1 else (kl, vl)
     with pytest.raises(ValueError, match=r"ranks \[1\] disagree with rank 0"):
         context_parallel_attention(bad_q, *bad_kv, pattern)
+    # Rank 1 alone builds its pattern with another stride (a rule pattern: hashed by its rules).
+    other = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=3)
+    with pytest.raises(ValueError, match=r"ranks \[1\] disagree with rank 0"):
+        context_parallel_attention(ql, kl, vl, other if rank == 1 else pattern)
     # Rank 0 alone gives a bad dtype: every rank hears of it, with rank 0's reason.
     bad_v = vl.double() if rank == 0 else vl
     with pytest.raises(ValueError, match=r"rank\(s\) \[0\].*one dtype"):
@@ -134,6 +153,26 @@ def test_only_the_tokens_read_move():
     assert [b / full for b in got] == pytest.approx([1, 5 / 6, 4 / 6, 3 / 6])
     bidir = s2attn.dense_pattern(kv, seq, 16, causal=False)
     assert context_parallel_bytes(bidir, 1, seq, kv, dim, torch.float16, world) == [full] * world
+
+
+def test_a_rank_holds_keys_in_proportion_to_what_it_reads():
+    """No rank lays K/V out over the whole sequence. Under S2 a rank holds its own tokens twice
+    (its shard, and its chunks' tails of the compact keys) and, beyond them, the far blocks it
+    reads and receives: under a tenth of an all-gather here. Under a dense causal pattern the
+    last chunk's owner (rank 0) needs every earlier token, and no more."""
+    seq, world, kv, dim = 8192, 8, 2, 16
+    full = 2 * seq * kv * dim * 2  # K and V of the whole sequence, fp16
+    own = full // world
+    s2 = s2attn.local_stride_pattern(8, seq, 16, 4, 32, num_kv_heads=kv)
+    for rank, held in enumerate(context_parallel_kv_bytes(s2, 1, seq, kv, dim, torch.float16,
+                                                          world)):  # fmt: skip
+        print(f"rank {rank}: K/V held beyond its own / the whole sequence's "
+              f"{(held - 2 * own) / full:.3f}")  # fmt: skip
+        assert 0 < held - 2 * own < full / 10
+    # Dense: rank 0's early chunk (0) reads itself; its late one (2W - 1) every token.
+    dense = s2attn.dense_pattern(kv, seq, 16)
+    got = context_parallel_kv_bytes(dense, 1, seq, kv, dim, torch.float16, world)[0]
+    assert got == own + (full - own) + own // 2 + full
 
 
 def test_communication_bytes():

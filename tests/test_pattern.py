@@ -453,6 +453,17 @@ def test_rule_patterns_equal_their_lists(
         assert torch.equal(rule.crop(crop)[1:2].mask, lists.crop(crop)[1:2].mask)
     for seq in (block_size, max_seq_len // 2 + 1, max_seq_len):
         assert rule.density(seq) == lists.density(seq)
+    h, i, j = lists.block_coordinates()
+    for head in range(num_heads):
+        for first, stop in ((0, nb), (1, nb // 2 + 1), (nb - 1, nb), (2, 2)):
+            picked = (h == head) & (i >= first) & (i < stop)
+            for pattern in (rule, lists):
+                got = pattern.row_blocks(head, first, stop)
+                assert torch.equal(got[0], i[picked]) and torch.equal(got[1], j[picked])
+    with pytest.raises(ValueError, match="outside the pattern"):
+        rule.row_blocks(num_heads, 0, 1)
+    with pytest.raises(ValueError, match="outside the pattern"):
+        lists.row_blocks(0, 1, nb + 1)
     assert rule._lists is None
     # The whole lists, once asked for, are the mask's.
     assert torch.equal(rule.row_offsets, lists.row_offsets)
