@@ -6,6 +6,10 @@ dim 64, MLP 8192, vocabulary 32000, bf16 (~1.1B parameters). HHST: the first ``-
 layers dense, the rest S2 (block 64, local_blocks 16, vertical stride 16 and 64). Greedy decoding
 of ``--new`` tokens after a ``--prompt``-token prompt, ``--batch`` sequences.
 
+With ``--compiled`` also static caches, whose decode step ``generate`` compiles
+(``mode="reduce-overhead"``, CUDA graphs): transformers' StaticCache for dense, and
+``S2Cache(static=True)`` for HHST (its decode step one s2attn operator of device work).
+
 Per configuration: prefill time (``generate`` of one token), total time of the whole generation,
 decode tokens/s = batch * (new - 1) / (total - prefill), end-to-end tokens/s = batch * new / total,
 peak GPU memory above the weights during ``generate``, and the KV cache's bytes at the end (the
@@ -76,7 +80,10 @@ def kv_bytes(cache) -> int:
 
 def generate(model, ids, new_tokens: int, make_cache):
     cache = make_cache()
-    kwargs = {} if cache is None else dict(past_key_values=cache)
+    if cache is None:  # transformers' own static cache: generate builds it, and compiles
+        kwargs = dict(cache_implementation="static")
+    else:
+        kwargs = dict(past_key_values=cache)
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -180,6 +187,12 @@ def main() -> int:
     ap.add_argument("--strides", default="16,64")
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--skip-dense", action="store_true", help="only the S2 configurations")
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also static caches, whose decode step generate compiles (reduce-overhead): "
+        "transformers' StaticCache for dense, S2Cache(static=True) for HHST",
+    )
     args = ap.parse_args()
     env = start("a GPU model")
     if env is None:
@@ -202,6 +215,9 @@ def main() -> int:
         rows.append(
             measure("dense SDPA", model, ids, args.new, lambda: DynamicCache(config=model.config))
         )
+        if args.compiled:
+            print("[dense] SDPA + StaticCache, compiled decode", flush=True)
+            rows.append(measure("dense SDPA static+compiled", model, ids, args.new, lambda: None))
     for stride in [int(s) for s in args.strides.split(",")]:
         s2hf.configure(
             model.config,
@@ -214,6 +230,12 @@ def main() -> int:
         name = f"HHST V{stride}"
         print(f"[{name}] s2attn + S2Cache", flush=True)
         rows.append(measure(name, model, ids, args.new, lambda: s2hf.S2Cache(model.config)))
+        if args.compiled:
+            # One cache, reset between calls: a compiled graph holds its tensors.
+            static = s2hf.S2Cache(model.config, static=True)
+            print(f"[{name}] s2attn + S2Cache(static=True), compiled decode", flush=True)
+            rows.append(measure(f"{name} static+compiled", model, ids, args.new,
+                                lambda: (static.reset(), static)[1]))  # fmt: skip
 
     stem = result_stem(env, f"generate{args.tag}")
     payload = dict(env=env, model=MODEL, args={k: str(v) for k, v in vars(args).items()}, rows=rows)

@@ -203,6 +203,93 @@ def test_static_cache_step_replays_from_a_cuda_graph(kind):
     assert cache.lengths == [84, 69] and cache.seq_lens.tolist() == [84, 69]
 
 
+@pytest.mark.parametrize("path", ["kernels", "pytorch"])
+@pytest.mark.parametrize("kind", ["s2", "per_query_head", "dense"])
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypatch):
+    """The compiled decode step's operator (s2attn::static_decode), called step after step over
+    a static cache (across block boundaries, the ring's pages reused), equals the reference; it
+    advances only the device's lengths, and the host's catch up at the next eager call, which
+    then works as usual (an eager step, a crop)."""
+    from s2attn.inference import decode_op
+
+    if path == "pytorch":
+        monkeypatch.setattr(decode_op, "supports_triton", lambda device: False)
+    torch.manual_seed(7)
+    heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
+    pattern = make_pattern(kind, heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype, static=True)
+    steps = 12 if num_new == 1 else 6
+    for i in range(steps):
+        q, k, v = step(cache, heads, num_new, dtype)
+        out = decode_op.static_decode_step(q, cache, k, v, softmax_scale=dim**-0.5)
+        pattern_ref = reference_pattern(cache.pattern, kv_heads)
+        ref, _ = reference_step(q, ks, vs, k, v, pattern_ref)
+        assert_close(out, ref, dtype, f"step {i}")
+        for b in range(cache.batch_size):
+            ks[b], vs[b] = torch.cat([ks[b], k[b]]), torch.cat([vs[b], v[b]])
+    held = [44 + steps * num_new, 29 + steps * num_new]
+    assert cache._lengths == [44, 29]  # the operator left the host's lengths behind
+    assert cache.lengths == held and cache.seq_lens.tolist() == held  # caught up
+    check_step(cache, ks, vs, heads, 1, dtype, "eager step after the operator's")
+    cache.crop(1)
+    assert cache.lengths == [n for n in held]
+
+
+@pytest.mark.parametrize("path", ["kernels", "pytorch"])
+def test_static_decode_opcheck(path, monkeypatch):
+    """torch.library.opcheck on s2attn::static_decode: its schema (what it mutates), fake
+    implementation and the compiled (AOT) dispatch agree with running it."""
+    from s2attn.custom_ops import pattern_key
+    from s2attn.inference import decode_op
+
+    if path == "pytorch":
+        monkeypatch.setattr(decode_op, "supports_triton", lambda device: False)
+    pattern = make_pattern("s2", 4, 2)
+    cache, *_ = filled_cache(pattern, [44, 29], 2, 16, torch.float32, static=True)
+    q, k, v = step(cache, 4, 2, torch.float32)
+    args = (q, k, v, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens,
+            pattern_key(pattern), 0.25)  # fmt: skip
+    torch.library.opcheck(torch.ops.s2attn.static_decode.default, args)
+
+
+def test_static_decode_operator_refuses_a_dynamic_cache():
+    from s2attn.inference.decode_op import static_decode_step
+
+    cache, *_ = filled_cache(make_pattern("s2", 4, 2), [20], 2, 16, torch.float32)
+    q, k, v = step(cache, 4, 1, torch.float32)
+    with pytest.raises(ValueError, match="static PagedKVCache"):
+        static_decode_step(q, cache, k, v, softmax_scale=0.25)
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+def test_static_decode_operator_under_reduce_overhead():
+    """A decode step compiled with mode="reduce-overhead" (Inductor and CUDA-graph trees) over a
+    static cache: every call after the warm-up replays a graph, and each equals the reference."""
+    from s2attn.inference.decode_op import static_decode_step
+
+    torch.manual_seed(8)
+    heads, kv_heads, dim, dtype = 4, 2, 64, torch.float16
+    pattern = make_pattern("s2", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype, static=True)
+    for t in (cache.k_pages, cache.v_pages, cache.seq_lens, cache.page_table):
+        torch._dynamo.mark_static_address(t)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def decode(q, k, v):
+        return static_decode_step(q, cache, k, v, softmax_scale=dim**-0.5) * 1.0
+
+    for i in range(30):
+        q, k, v = step(cache, heads, 1, dtype)
+        out = decode(q, k, v).clone()
+        ref, _ = reference_step(q, ks, vs, k, v, reference_pattern(cache.pattern, kv_heads))
+        assert_close(out, ref, dtype, f"step {i}")
+        for b in range(cache.batch_size):
+            ks[b], vs[b] = torch.cat([ks[b], k[b]]), torch.cat([vs[b], v[b]])
+    assert cache.lengths == [74, 59]
+
+
 def test_new_tokens_already_in_the_cache():
     """k=None: q's tokens were appended by cache.append and are read back from the pages."""
     torch.manual_seed(4)

@@ -90,6 +90,45 @@ def test_generate_with_static_s2_cache_matches_reference():
     assert s2_layer.num_pages < cache.layers[0].paged.num_pages  # the dense layer: every block
 
 
+def test_compiled_decode_over_static_cache_matches_reference():
+    """generate compiles its decode step for a static S2Cache (the cache says it is compileable):
+    the whole step traces into one graph (fullgraph) whose attention is one s2attn operator of
+    device work, so the graph serves every step without retracing per token (at most one
+    retrace, when the growing 2-D mask's length turns dynamic); tokens equal the reference's,
+    and the host lengths catch up with the device's afterwards."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, reference = tiny_llama()
+    lengths, new_tokens = [PROMPT, 45], 30
+    ids = torch.randint(2, 128, (2, PROMPT), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, : PROMPT - lengths[1]] = 0
+    ids[1, : PROMPT - lengths[1]] = 0
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compile_config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles on GPUs only by default
+    cache = s2hf.S2Cache(model.config, static=True)
+    assert cache.is_compileable
+    torch._dynamo.reset()
+    got = generate(model, ids, mask, new_tokens=new_tokens, past_key_values=cache,
+                   compile_config=compile_config)  # fmt: skip
+    assert 1 <= len(graphs) <= 2, f"{len(graphs)} graphs for {new_tokens - 1} decode steps"
+    op = torch.ops.s2attn.static_decode
+    assert any(node.target in (op, op.default) for gm in graphs for node in gm.graph.nodes)
+    assert_same_generation(got, generate(reference, ids, mask, new_tokens=new_tokens))
+    # The prefill ran eagerly, then new_tokens - 1 decode steps in the graph; the last token is
+    # never attended.
+    assert cache.layers[1].paged.lengths == [n + new_tokens - 1 for n in lengths]  # synced
+    assert cache.get_seq_length() == PROMPT + new_tokens - 1
+    cache.crop(-3)
+    assert cache.layers[2].paged.lengths == [n + new_tokens - 4 for n in lengths]
+
+
 def test_left_padded_batch_matches_reference():
     model, reference = tiny_llama(dense_layers=(), num_layers=2)
     lengths = [PROMPT, 45]

@@ -5,6 +5,8 @@
     cache.py      PagedKVCache (pages, page table, free list; append, gather, crop, reset) and
                   ModelKVCache (one per layer)
     attention.py  sparse_attention_with_kvcache: prefill, chunked prefill and decode over a cache
+    decode_op.py  a static cache's decode step as one torch.library operator (s2attn::static_decode)
+                  of device work alone, for compiled graphs and CUDA-graph replays
 
 The kernels they launch are in ``s2attn.ops.triton`` (decode.py, page_write.py); the decode
 lists in ``s2attn.layout``.

@@ -22,11 +22,14 @@ smaller pool cannot hold raises before changing anything, naming the pages it ne
 
 Bookkeeping (lengths, page table, free list) lives on the host and is mirrored to the device
 only when it changes, i.e. when a sequence enters a new block: a decode step within a block costs
-no host-device synchronisation.
+no host-device synchronisation. A static cache's decode steps may also run as one operator of
+device work inside a compiled graph (``s2attn.inference.decode_op``); those advance only the
+device's lengths, and the host's catch up (one sync) at the next call that reads them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -41,6 +44,7 @@ from .eviction import EvictionSchedule
 
 __all__ = ["DECODE_STEP_TOKENS", "ModelKVCache", "PagedKVCache"]
 
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Appends of more (token, KV head) rows than this are prefills: they filter unstored rows.
 _FILTER_WRITES_ABOVE = 4096
@@ -49,6 +53,18 @@ _KERNEL_WRITES_UP_TO = 16
 # Appends of at most this many tokens per sequence are decode steps: by default their own queries
 # read the cache (sparse_attention_with_kvcache's decode path takes up to as many).
 DECODE_STEP_TOKENS = 16
+
+
+def _host_synced(method):
+    """Run :meth:`PagedKVCache.catch_up` first: the method reads the host bookkeeping, which
+    compiled decode steps leave behind the device's."""
+
+    @functools.wraps(method)
+    def synced(self, *args, **kwargs):
+        self.catch_up()
+        return method(self, *args, **kwargs)
+
+    return synced
 
 
 class PagedKVCache:
@@ -187,6 +203,9 @@ class PagedKVCache:
         # Per sequence: the query block from which on its queries still read the cache.
         self._keep_block = [0] * batch_size
         self._layout: DecodeLayout | None = None
+        # Tokens per step of compiled decode steps (s2attn.inference.decode_op), set once one is
+        # traced: those advance the device's lengths alone, and catch_up brings the host's along.
+        self._device_step: int | None = None
         if static:
             # (sequence, KV head) pairs own consecutive runs of `slots` pages.
             owner = torch.arange(batch_size * num_kv_heads, dtype=torch.int32)
@@ -248,9 +267,26 @@ class PagedKVCache:
         return self.eviction.kv_efficient
 
     @property
+    @_host_synced
     def lengths(self) -> list[int]:
         """Tokens held per sequence (evicted ones included)."""
         return list(self._lengths)
+
+    def catch_up(self) -> None:
+        """Bring the host bookkeeping up to the device's lengths after compiled decode steps
+        (``s2attn.inference.decode_op``), which advance only the device's: one host sync, and
+        nothing at all for a cache no compiled step ran on. Public methods call it first."""
+        if self._device_step is None:
+            return
+        lengths = self.seq_lens.tolist()
+        if lengths == self._lengths:
+            return
+        bs, step = self.block_size, self._device_step
+        # A decode step keeps its own queries' blocks: from the block of its first new token on.
+        self._keep_block = [
+            max(keep, (n - step) // bs) for n, keep in zip(lengths, self._keep_block)
+        ]
+        self._lengths = lengths
 
     @property
     def live_pages(self) -> int:
@@ -269,11 +305,13 @@ class PagedKVCache:
         """K/V bytes of the whole pool."""
         return self.num_pages * self.page_bytes
 
+    @_host_synced
     def dense_bytes(self) -> int:
         """K/V bytes a dense cache of the current lengths would hold."""
         per_token = 2 * self.num_kv_heads * self.head_dim * self.k_pages.element_size()
         return sum(self._lengths) * per_token
 
+    @_host_synced
     def needed_pages(self) -> int:
         """Pages the pattern needs from here on: per sequence and KV head, the blocks holding
         tokens that some query at the next position or later reads."""
@@ -285,6 +323,7 @@ class PagedKVCache:
             total += int(self.eviction.read_from(n // self.block_size, slice(0, last + 1)).sum())
         return total
 
+    @_host_synced
     def memory_report(self) -> dict[str, int]:
         """Live, needed, dense-equivalent and pool sizes, in bytes and pages."""
         return {
@@ -336,6 +375,7 @@ class PagedKVCache:
         cu = check_cu_seqlens("cu_seqlens", cu_seqlens, k.shape[0], k.device, self.batch_size)
         return [b - a for a, b in zip(cu, cu[1:])]
 
+    @_host_synced
     def append(
         self,
         k: torch.Tensor,
@@ -430,6 +470,7 @@ class PagedKVCache:
         else:
             self.seq_lens += self._upload(torch.tensor(counts, dtype=torch.int32))
 
+    @_host_synced
     def advance(self, num_new: int) -> None:
         """Account on the host for a decode step of ``num_new`` tokens per sequence whose device
         work (page write, lengths) already ran: a step replayed from a CUDA graph (static caches
@@ -667,6 +708,7 @@ class PagedKVCache:
         self.v_pages.view(-1, d).index_copy_(0, rows, v)
 
     # ---------------------------------------------------------------------------- reads
+    @_host_synced
     def gather(
         self, lengths: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -695,6 +737,7 @@ class PagedKVCache:
         return k, v, cu
 
     # ------------------------------------------------------------------------- rewinds
+    @_host_synced
     def check_crop(self, num_tokens: int) -> None:
         """Raise ``ValueError`` unless :meth:`crop` of ``num_tokens`` would succeed."""
         check_int("num_tokens", num_tokens, 0)
@@ -724,6 +767,7 @@ class PagedKVCache:
                     f"{self._keep_block[b] * bs} tokens or more)"
                 )
 
+    @_host_synced
     def crop(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens of every sequence (rejected speculative tokens).
 
@@ -753,6 +797,7 @@ class PagedKVCache:
         self._lengths = new
         self.seq_lens -= num_tokens
 
+    @_host_synced
     def select_sequences(self, indices: Sequence[int] | torch.Tensor) -> None:
         """Make sequence ``i`` a copy of sequence ``indices[i]``, for every ``i``: beam search's
         reorder (``indices`` a permutation with repeats), a repeat (each index several times) or a
@@ -817,6 +862,7 @@ class PagedKVCache:
         self._keep_block = [self._keep_block[i] for i in idx.tolist()]
         self.seq_lens.copy_(self.seq_lens[on_device])
 
+    @_host_synced
     def reset(self) -> None:
         """Empty every sequence and return every page to the pool."""
         if self.static:  # the table stays; new tokens overwrite the pages
@@ -834,6 +880,7 @@ class PagedKVCache:
         self._keep_block = [0] * self.batch_size
         self.seq_lens.zero_()
 
+    @_host_synced
     def __repr__(self) -> str:
         kind = "dense" if self.dense else ("S2" if self.kv_efficient else "no eviction")
         return (

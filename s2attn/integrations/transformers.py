@@ -51,10 +51,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..attention import sparse_attention
-from ..inference import PagedKVCache, sparse_attention_with_kvcache
+from ..inference import MAX_DECODE_TOKENS, PagedKVCache, sparse_attention_with_kvcache
+from ..inference.decode_op import static_decode_step
 from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..reference import attention_reference
+from ..validation import check_softmax_scale
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -354,6 +356,8 @@ def attention_forward(
         pattern = _attention_pattern(module.config, module.layer_idx)
         return _attend_context(sparse_attention, q, k, v, pattern, attention_mask, scaling), None
     layer._pending = False
+    if layer.static and torch.compiler.is_compiling() and q.shape[1] <= MAX_DECODE_TOKENS:
+        return _compiled_decode(layer, q, k, v, scaling), None
     paged = layer.paged
     counts = _real_counts(attention_mask, q.shape[1]) if q.shape[1] > 1 else None
     if counts is None:
@@ -367,6 +371,19 @@ def attention_forward(
         cu_seqlens_q=_cu(counts, q.device),
     )
     return _unpack(out, counts, q.shape[1]), None
+
+
+def _compiled_decode(layer: S2CacheLayer, q, k, v, scaling: float | None) -> torch.Tensor:
+    """A decode step inside a compiled graph: one operator of device work alone (see
+    ``s2attn.inference.decode_op``), so the graph serves every step, replayed or not. The
+    cache's host lengths follow the device's from then on (``PagedKVCache.catch_up``)."""
+    paged = layer.paged
+    region = autocast_dtype(q)
+    out = static_decode_step(
+        q.to(paged.dtype).contiguous(), paged, k.to(paged.dtype), v.to(paged.dtype),
+        softmax_scale=check_softmax_scale(scaling, q.shape[-1]),
+    )  # fmt: skip
+    return out.to(region or q.dtype)
 
 
 def reference_attention_forward(
@@ -475,7 +492,6 @@ class S2CacheLayer(CacheLayerMixin):
     path it takes (a prefill never stores the blocks only the prompt's own queries read).
     """
 
-    is_compileable = False
     is_sliding = False
     is_croppable = True
 
@@ -493,6 +509,9 @@ class S2CacheLayer(CacheLayerMixin):
         super().__init__()
         self.pattern = pattern
         self.static = static
+        # Static layers decode inside compiled graphs (transformers compiles generate's decode
+        # step for caches that say so); see _compiled_decode.
+        self.is_compileable = static
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
@@ -519,6 +538,11 @@ class S2CacheLayer(CacheLayerMixin):
         )
         self.batch_size = key_states.shape[0]
         self.is_initialized = True
+        if self.static and not torch.compiler.is_compiling():
+            # Fixed addresses, mutated in place: CUDA graphs of compiled decode steps keep them.
+            for t in (self.paged.k_pages, self.paged.v_pages, self.paged.seq_lens,
+                      self.paged.page_table):  # fmt: skip
+                torch._dynamo.mark_static_address(t)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -534,10 +558,16 @@ class S2CacheLayer(CacheLayerMixin):
         self._pending = True
         return key_states, value_states
 
-    def get_seq_length(self) -> int:
-        return max(self.paged.lengths) if self.is_initialized else 0
+    def get_seq_length(self) -> int | torch.Tensor:
+        if not self.is_initialized:
+            return 0
+        if self.static and torch.compiler.is_compiling():
+            return self.paged.seq_lens.max()  # the host's lengths may lag: no sync in a graph
+        return max(self.paged.lengths)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.static:  # a fixed size, as transformers' static caches give: no sync, no retrace
+            return self.max_seq_len, 0
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
