@@ -18,7 +18,9 @@ its two chunks' query blocks keep under that head's pattern heads, up to each ch
 causal pattern), in one ``all_to_all_single`` each for K and V; the backward sends each received
 token's gradient back to its owner the same way. Under a strided S2 pattern that is a few percent
 of an all-gather's ``(W - 1) / W`` of the sequence (:func:`context_parallel_bytes` against
-:func:`communication_bytes`).
+:func:`communication_bytes`). A rank plans from its own chunks' rows of the pattern alone and
+learns what to send from the others' requests, exchanged when the plan is first built (each call's
+agreement check tells every rank whether any lacks its plan, so all build together).
 
 Memory. A rank never lays K and V out over the whole sequence. Each chunk is computed against
 *compact* keys: per KV head, the far blocks its heads read (padded with zero blocks to the
@@ -166,8 +168,9 @@ def _owners(seq: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _ChunkReads:
     """What one query chunk ``[start, end)`` reads, per KV head ``g``: ``far[g]``, the KV blocks
     outside its own blocks ``[first, last]`` that its pattern heads keep (ascending; under a
-    causal pattern only blocks before ``first``), and ``rows[h]``, each pattern head's kept
-    (query block, KV block) pairs of the chunk's rows (causally visible blocks only)."""
+    causal pattern only blocks before ``first``), and ``rows[h]``, each walked pattern head's
+    (:func:`_walked_heads`) kept (query block, KV block) pairs of the chunk's rows (causally
+    visible blocks only)."""
 
     start: int
     end: int
@@ -178,18 +181,30 @@ class _ChunkReads:
     reads_first: list[bool]  # whether KV head g reads block `first` (its tokens before `start`)
 
 
+def _walked_heads(pattern: BlockPattern, kv_heads: int) -> range:
+    """The pattern heads whose rows a chunk's plan walks: all of them, or one per KV head when
+    each GQA group's heads share one rule (a builder's pattern with ``num_kv_heads``): the
+    compact pattern then has one head per KV head, and the plan costs a group's size less."""
+    per_kv = pattern.num_heads // kv_heads
+    rules = pattern._rules
+    if per_kv > 1 and rules is not None:
+        if all(len(set(rules[g * per_kv : (g + 1) * per_kv])) == 1 for g in range(kv_heads)):
+            return range(0, pattern.num_heads, per_kv)
+    return range(pattern.num_heads)
+
+
 def _chunk_reads(pattern: BlockPattern, start: int, end: int, kv_heads: int) -> _ChunkReads:
     b = pattern.block_size
     first, last = start // b, (end - 1) // b
-    heads_per_kv = pattern.num_heads // kv_heads
+    heads = _walked_heads(pattern, kv_heads)
     rows = []
     read = torch.zeros(kv_heads, pattern.num_kv_blocks, dtype=torch.bool)  # per KV head
-    for h in range(pattern.num_heads):
+    for n, h in enumerate(heads):
         i, j = pattern.row_blocks(h, first, last + 1)
         if pattern.causal:  # blocks past the chunk's end are never visible to it
             i, j = i[j <= last], j[j <= last]
         rows.append((i, j))
-        read[h // heads_per_kv, j] = True
+        read[n // (len(heads) // kv_heads), j] = True
     far = read.clone()
     far[:, first : last + 1] = False
     far = [f.nonzero().flatten() for f in far]
@@ -224,22 +239,21 @@ class _Chunk:
 
 
 @dataclass(frozen=True)
-class _ExchangePlan:
-    """What one rank sends to and receives from each rank, and how it lays out its keys.
+class _ReceivePlan:
+    """One rank's side of the exchange, which it works out alone: what it reads from each rank
+    and how it lays out its keys.
 
     A rank's *rows* are its shard's (token, KV head) pairs, ``local_index * kv_heads + g``.
-    ``send[d]``: the rows rank ``d`` reads, in the order ``d`` expects them (KV head, then
-    position); ``recv[s]``: how many rows this rank receives from rank ``s``. The rank's store is
-    its own rows, then the received ones (by source rank, KV head, position), then one zero row;
-    each chunk's keys gather from it."""
+    ``requests[s]``: the rows of rank ``s``'s shard this rank reads, by KV head, then position.
+    The rank's store is its own rows, then the received ones (by source rank, in request order),
+    then one zero row; each chunk's keys gather from it."""
 
-    send: list[torch.Tensor]
-    recv: list[int]
+    requests: list[torch.Tensor]
     chunks: tuple[_Chunk, _Chunk]
 
     def tokens_received(self) -> int:
         """Token rows (one KV head each) this rank receives, K or V alone."""
-        return sum(self.recv)
+        return sum(int(r.numel()) for r in self.requests)
 
     def key_rows(self) -> int:
         """Rows (token, KV head) of the compact keys of both chunks: what the rank holds of K (or
@@ -247,30 +261,56 @@ class _ExchangePlan:
         return sum(c.gather.numel() for c in self.chunks)
 
 
-# Per pattern: each rank's chunk reads and plans, keyed by (seq, world, rank, kv_heads[, device]).
-_READS: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _ExchangePlan:
+    """A rank's whole exchange, on its device: ``send[d]``, the rows of its shard rank ``d``
+    reads (``d``'s requests), ``recv[s]``, how many rows it receives from rank ``s``, and its
+    chunks' compact keys."""
+
+    send: list[torch.Tensor]
+    recv: list[int]
+    chunks: tuple[_Chunk, _Chunk]
+
+
+# Per pattern: each rank's receive plans (host) and exchange plans (device), keyed by (seq,
+# world, rank, kv_heads[, device]).
+_RECEIVE: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
 _PLANS: weakref.WeakKeyDictionary[BlockPattern, dict] = weakref.WeakKeyDictionary()
 
 
-def _rank_reads(pattern: BlockPattern, seq: int, world: int, rank: int, kv_heads: int):
-    """Rank ``rank``'s two chunks' reads, and per KV head the positions it receives from each
-    rank (ascending; none from itself)."""
-    cache = _READS.setdefault(pattern, {})
+def _receive_plan(
+    pattern: BlockPattern, seq: int, world: int, rank: int, kv_heads: int
+) -> _ReceivePlan:
+    """Rank ``rank``'s receive plan, from its own two chunks' rows of the pattern alone."""
+    cache = _RECEIVE.setdefault(pattern, {})
     key = (seq, world, rank, kv_heads)
-    if key not in cache:
-        chunk = seq // (2 * world)
-        chunks = tuple(
-            _chunk_reads(pattern, c * chunk, (c + 1) * chunk, kv_heads)
-            for c in (rank, 2 * world - 1 - rank)
-        )
-        owner, _ = _owners(seq, world)
-        wanted = []
+    if key in cache:
+        return cache[key]
+    chunk = seq // (2 * world)
+    reads = [
+        _chunk_reads(pattern, c * chunk, (c + 1) * chunk, kv_heads)
+        for c in (rank, 2 * world - 1 - rank)
+    ]
+    owner, local = _owners(seq, world)
+    # The store's rows: own rows first, then what each rank sends, by KV head and position.
+    row_of = torch.full((kv_heads, seq), -1, dtype=torch.int64)
+    mine = (owner == rank).nonzero().flatten()
+    for g in range(kv_heads):
+        row_of[g, mine] = local[mine] * kv_heads + g
+    wanted = []
+    for g in range(kv_heads):
+        pos = torch.cat([_positions_read(r, g, pattern.block_size, seq) for r in reads]).unique()
+        pos = pos[owner[pos] != rank]
+        wanted.append([pos[owner[pos] == s] for s in range(world)])
+    requests, start = [], seq // world * kv_heads
+    for s in range(world):
         for g in range(kv_heads):
-            pos = torch.cat([_positions_read(r, g, pattern.block_size, seq) for r in chunks])
-            pos = pos.unique()
-            pos = pos[owner[pos] != rank]
-            wanted.append([pos[owner[pos] == s] for s in range(world)])
-        cache[key] = chunks, wanted
+            pos = wanted[g][s]
+            row_of[g, pos] = start + torch.arange(pos.numel())
+            start += pos.numel()
+        requests.append(torch.cat([local[wanted[g][s]] * kv_heads + g for g in range(kv_heads)]))
+    chunks = tuple(_compact_chunk(pattern, r, row_of, start) for r in reads)
+    cache[key] = _ReceivePlan(requests, chunks)
     return cache[key]
 
 
@@ -292,7 +332,8 @@ def _compact_chunk(pattern: BlockPattern, reads: _ChunkReads, row_of: torch.Tens
     # The chunk's rows over the compact keys: row `first + n` is query block `blocks + n`; a far
     # block maps to its index in its KV head's list, a block of the chunk's own to the tail.
     q_blocks = blocks + tail
-    heads_per_kv = pattern.num_heads // kv_heads
+    heads = len(reads.rows)  # the compact pattern's: the walked heads
+    heads_per_kv = heads // kv_heads
     keys_of = []
     for h, (i, j) in enumerate(reads.rows):
         far = reads.far[h // heads_per_kv]
@@ -305,14 +346,18 @@ def _compact_chunk(pattern: BlockPattern, reads: _ChunkReads, row_of: torch.Tens
     if not pattern.causal:
         order = order.sort().values
     row, col = order // q_blocks, order % q_blocks
-    counts = torch.bincount(row, minlength=pattern.num_heads * q_blocks)
+    counts = torch.bincount(row, minlength=heads * q_blocks)
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
     offsets[1:] = counts.cumsum(0)
     compact = BlockPattern.from_block_lists(
-        offsets, col, num_heads=pattern.num_heads, num_kv_blocks=q_blocks, block_size=b,
+        offsets, col, num_heads=heads, num_kv_blocks=q_blocks, block_size=b,
         causal=pattern.causal,
     )  # fmt: skip
     return _Chunk(reads.start, reads.end, gather, compact)
+
+
+def _has_exchange_plan(pattern, seq: int, world: int, rank: int, kv_heads: int, device) -> bool:
+    return (seq, world, rank, kv_heads, str(device)) in _PLANS.get(pattern, {})
 
 
 def _exchange_plan(
@@ -321,46 +366,35 @@ def _exchange_plan(
     world: int,
     rank: int,
     kv_heads: int,
-    device: torch.device | None = None,
+    device: torch.device,
+    group,
 ) -> _ExchangePlan:
-    """The plan, its index tensors on ``device`` (moved once, not on every call)."""
-    plans = _PLANS.setdefault(pattern, {})
-    key = (seq, world, rank, kv_heads, None if device is None else str(device))
-    if key not in plans and device is not None:
-        cpu = _exchange_plan(pattern, seq, world, rank, kv_heads)
-        plans[key] = _ExchangePlan(
-            [i.to(device) for i in cpu.send],
-            cpu.recv,
-            tuple(_Chunk(c.start, c.end, c.gather.to(device), c.pattern) for c in cpu.chunks),
-        )
-    if key not in plans:
-        owner, local = _owners(seq, world)
-        chunks, wanted = _rank_reads(pattern, seq, world, rank, kv_heads)
-        # What every other rank reads from this one, in the order it receives it.
-        send = []
-        for d in range(world):
-            if d == rank:
-                send.append(local[:0])
-                continue
-            theirs = _rank_reads(pattern, seq, world, d, kv_heads)[1]
-            send.append(torch.cat([local[theirs[g][rank]] * kv_heads + g
-                                   for g in range(kv_heads)]))  # fmt: skip
-        # The store: own rows, received rows (by source, KV head, position), one zero row.
-        local_seq = seq // world
-        row_of = torch.full((kv_heads, seq), -1, dtype=torch.int64)
-        mine = (owner == rank).nonzero().flatten()
-        for g in range(kv_heads):
-            row_of[g, mine] = local[mine] * kv_heads + g
-        recv, start = [], local_seq * kv_heads
-        for s in range(world):
-            for g in range(kv_heads):
-                pos = wanted[g][s]
-                row_of[g, pos] = start + torch.arange(pos.numel())
-                start += pos.numel()
-            recv.append(sum(int(wanted[g][s].numel()) for g in range(kv_heads)))
-        compact = tuple(_compact_chunk(pattern, r, row_of, start) for r in chunks)
-        plans[key] = _ExchangePlan(send, recv, compact)
-    return plans[key]
+    """The rank's exchange plan, its index tensors on ``device``, built collectively: each rank
+    sends every other its requests (one ``all_to_all_single`` of counts, one of rows), so no rank
+    walks another's rows of the pattern. Every rank of the group calls it together:
+    :func:`context_parallel_attention` decides by its agreement check, so that a rank holding a
+    cached plan still takes part when another does not."""
+    mine = _receive_plan(pattern, seq, world, rank, kv_heads)
+    comm = _comm_device(group)
+    counts = [int(r.numel()) for r in mine.requests]
+    theirs = torch.empty(world, dtype=torch.int64, device=comm)
+    dist.all_to_all_single(theirs, torch.tensor(counts, device=comm), group=group)
+    sizes = theirs.tolist()
+    asked = _all_to_all(torch.cat(mine.requests).to(comm), counts, sizes, group)
+    plan = _ExchangePlan(
+        [t.to(device) for t in asked.split(sizes)],
+        counts,
+        tuple(_Chunk(c.start, c.end, c.gather.to(device), c.pattern) for c in mine.chunks),
+    )
+    _PLANS.setdefault(pattern, {})[(seq, world, rank, kv_heads, str(device))] = plan
+    return plan
+
+
+def _comm_device(group) -> torch.device:
+    """Where the group's collectives take their tensors: the current GPU under NCCL."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], group):
@@ -428,10 +462,9 @@ def context_parallel_bytes(
     with :func:`communication_bytes`, an all-gather's."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     received = [
-        sum(int(p.numel()) for per_rank in _rank_reads(pattern, seq, world_size, r, kv_heads)[1]
-            for p in per_rank)
+        _receive_plan(pattern, seq, world_size, r, kv_heads).tokens_received()
         for r in range(world_size)
-    ]  # fmt: skip
+    ]
     return [2 * batch * dim * itemsize * n for n in received]
 
 
@@ -450,7 +483,7 @@ def context_parallel_kv_bytes(
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = []
     for r in range(world_size):
-        plan = _exchange_plan(pattern, seq, world_size, r, kv_heads)
+        plan = _receive_plan(pattern, seq, world_size, r, kv_heads)
         rows.append(seq // world_size * kv_heads + plan.tokens_received() + plan.key_rows())
     return [2 * batch * dim * itemsize * n for n in rows]
 
@@ -544,11 +577,16 @@ def _local_problem(q, k, v, pattern, world: int, softmax_scale) -> str | None:
     return None
 
 
-def _check_agreement(q, k, v, pattern, softmax_scale, group) -> None:
+def _check_agreement(q, k, v, pattern, softmax_scale, group) -> bool:
     """Raise the same error on every rank when any rank's arguments are bad or differ from the
-    others'; one all-gather of a few integers, so a disagreement never hangs a collective."""
+    others'; one all-gather of a few integers, so a disagreement never hangs a collective.
+    Returns whether every rank holds its exchange plan for the call (else all build theirs
+    together)."""
     world, rank = _world(group)
     problem = _local_problem(q, k, v, pattern, world, softmax_scale)
+    have_plan = problem is None and _has_exchange_plan(
+        pattern, q.shape[1] * world, world, rank, k.shape[2], q.device
+    )
     if problem is None:
         # The scale's float64 bits, so that ranks compare it exactly as an integer.
         scale = 0.0 if softmax_scale is None else float(softmax_scale)
@@ -568,12 +606,13 @@ def _check_agreement(q, k, v, pattern, softmax_scale, group) -> None:
         ]
     else:
         signature = [1] + [0] * 13
-    on_gpu = dist.get_backend(group) == dist.Backend.NCCL
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    mine = torch.tensor(signature, dtype=torch.int64, device=device)
+    # Last, and not compared: whether the rank holds its plan.
+    mine = torch.tensor([*signature, have_plan], dtype=torch.int64, device=_comm_device(group))
     everyone = mine.new_empty(world * mine.numel())
     _all_gather_single(everyone, mine, group=group)
     everyone = everyone.view(world, -1).cpu()
+    every_plan = bool(everyone[:, -1].all())
+    everyone = everyone[:, :-1]
     bad = everyone[:, 0].nonzero().flatten().tolist()
     if bad:
         problems = [None] * world
@@ -591,6 +630,7 @@ def _check_agreement(q, k, v, pattern, softmax_scale, group) -> None:
             f"dtype, pattern or softmax_scale (this is rank {rank}); ({names}) per rank: "
             f"{everyone.tolist()}"
         )
+    return every_plan
 
 
 def context_parallel_attention(
@@ -634,13 +674,17 @@ def context_parallel_attention(
         >>> q, k, v = (shard(t) for t in (q_full, k_full, v_full))
         >>> out = unshard(context_parallel_attention(q, k, v, pattern))
     """
-    _check_agreement(q, k, v, pattern, softmax_scale, group)
+    every_plan = _check_agreement(q, k, v, pattern, softmax_scale, group)
     world, rank = _world(group)
     if world == 1:
         return sparse_attention(
             q, k, v, pattern, softmax_scale=softmax_scale, return_lse=return_lse
         )
-    plan = _exchange_plan(pattern, q.shape[1] * world, world, rank, k.shape[2], k.device)
+    plan_key = (q.shape[1] * world, world, rank, k.shape[2])
+    if every_plan:
+        plan = _PLANS[pattern][(*plan_key, str(k.device))]
+    else:
+        plan = _exchange_plan(pattern, *plan_key, k.device, group)
     k_store = _store(k, _ExchangeKV.apply(k, plan, group))
     v_store = _store(v, _ExchangeKV.apply(v, plan, group))
     chunk = q.shape[1] // 2

@@ -137,6 +137,27 @@ def test_bad_input_raises_on_every_rank():
     spawn(2, _errors_body, pattern)
 
 
+def _lost_plan_body(rank, world, pattern):
+    from s2attn import distributed
+
+    q, k, v, _ = _inputs(1, 64, 2, 2, 16)
+    ql, kl, vl = (shard(t) for t in (q, k, v))
+    first = context_parallel_attention(ql, kl, vl, pattern)
+    if rank == 0:  # e.g. its pattern was rebuilt: the others still hold theirs
+        distributed._PLANS.clear()
+    again = context_parallel_attention(ql, kl, vl, pattern)
+    assert torch.equal(first, again)
+    assert distributed._has_exchange_plan(pattern, 64, world, rank, 2, ql.device)
+
+
+def test_a_rank_without_its_plan_rebuilds_it_with_the_others():
+    """Plans are built collectively (each rank sends the others its requests): when one rank
+    lacks its cached plan, every rank takes part in building it, rather than one waiting alone
+    in a collective."""
+    pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
+    spawn(2, _lost_plan_body, pattern)
+
+
 def test_only_the_tokens_read_move():
     """Each rank receives only the K/V tokens its queries read, per KV head: a few percent of an
     all-gather under a strided S2 pattern, every earlier token under a dense causal one (the
