@@ -378,6 +378,85 @@ def test_tensor_parallel_training_matches_one_rank(tmp_path):
     assert losses[1][-1] < losses[1][0]
 
 
+def _cp_training_body(rank, world, out_path):
+    """Context parallelism over ``world`` gloo ranks (TP = 1): each rank feeds the GPTModel its
+    shard of the tokens, positions, labels and causal mask (Megatron's layout: chunks r and
+    2W - 1 - r), its S2 layers run s2attn.distributed over the context-parallel group, and the
+    gradients are averaged over it as Megatron's data-parallel reduction does; rank 0 writes the
+    global mean losses of ``TP_STEPS`` SGD steps."""
+    import json
+
+    from s2attn.distributed import shard
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+    try:
+        config = make_config(context_parallel_size=world)
+        spec = s2mc.get_hhst_layer_spec(config, dense_layers=[0], **SETTINGS)
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = GPTModel(config, spec, vocab_size=128, max_sequence_length=64)
+        group = parallel_state.get_context_parallel_group()
+        expected = group if world > 1 else None
+        assert all(layer.self_attention.core_attention.cp_group is expected
+                   for layer in model.decoder.layers)  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        torch.manual_seed(6)
+        ids = torch.randint(0, 128, (2, 48))
+        pos = torch.arange(48)[None].expand(2, -1)
+        local_ids, local_pos = shard(ids, group), shard(pos, group)
+        local_mask = shard(causal_mask(48), group, seq_dim=2) if world > 1 else causal_mask(48)
+        if world > 1:  # a mask whose rows are not this rank's shard's: refused on every rank
+            with pytest.raises(NotImplementedError, match="not the causal mask"):
+                model(local_ids, local_pos, causal_mask(48)[:, :, :24], labels=local_ids)
+            cu = torch.tensor([0, 24], dtype=torch.int32)
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            with pytest.raises(NotImplementedError, match="packed sequences under context"):
+                model(local_ids[:1], local_pos[:1], None, packed_seq_params=packed)
+        losses = []
+        for _ in range(TP_STEPS):
+            loss = model(local_ids, local_pos, local_mask, labels=local_ids).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                torch.distributed.all_reduce(p.grad, group=group)
+                p.grad /= world
+            optimizer.step()
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total, group=group)
+            losses.append(total.item() / world)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(losses, f)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_context_parallel_needs_its_group():
+    config = make_config(context_parallel_size=2)
+    with pytest.raises(ValueError, match="no context-parallel group of that size"):
+        core_attention(config)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU")
+def test_context_parallel_training_matches_one_rank(tmp_path):
+    """Megatron's context parallelism (CP = 2 on two gloo processes) through s2attn.distributed:
+    the losses of a few training steps equal one rank's on the whole sequence, same data and
+    initial weights."""
+    import json
+
+    from gloo import spawn
+
+    losses = {}
+    for world in (1, 2):
+        path = tmp_path / f"cp{world}.json"
+        spawn(world, _cp_training_body, str(path))
+        losses[world] = json.loads(path.read_text())
+    print(f"losses per step, CP=1 {losses[1]}, CP=2 {losses[2]}")
+    torch.testing.assert_close(losses[2], losses[1], rtol=1e-5, atol=1e-6)
+    assert losses[1][-1] < losses[1][0]
+
+
 def _indivisible_heads_body(rank, world):
     """Three heads over two tensor-parallel ranks: every rank refuses, and none hangs (they all
     reach the barrier after)."""

@@ -29,7 +29,13 @@ the same function at every tensor-parallel size. Packed sequences (``PackedSeqPa
 exactly the causal mask (Megatron's convention: True marks a masked-out pair), and bidirectional
 attention (``no_mask``, or ``padding`` with no mask tensor). Anything else (a padding mask, an
 arbitrary dense mask, attention bias, attention dropout in training, sliding windows, softmax
-offsets, context parallelism) raises an error naming it rather than being ignored.
+offsets, packed sequences under context parallelism) raises an error naming it rather than
+being ignored.
+
+Context parallelism: Megatron gives context-parallel rank ``r`` of ``W`` chunks ``r`` and
+``2W - 1 - r`` of the sequence's ``2W``, the layout :mod:`s2attn.distributed` takes, so each S2
+layer runs :func:`s2attn.distributed.context_parallel_attention` over the context-parallel group:
+a rank receives only the K/V tokens its pattern rows read.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..attention import sparse_attention
+from ..distributed import context_parallel_attention, shard
 from ..pattern import BlockPattern, dense_pattern, local_stride_pattern
 from ..reference import attention_reference
 
@@ -178,6 +185,20 @@ def layer_pattern(
     return _rank_pattern(settings, dense, num_heads, num_kv_heads, causal, tp_rank, tp_size)
 
 
+def _cp_group(pg_collection, size: int):
+    """The context-parallel group of ``size`` ranks, as Megatron's SelfAttention sees it."""
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_context_parallel_group()
+    if group is None or group.size() != size:
+        raise ValueError(
+            f"config.context_parallel_size={size}, but no context-parallel group of that size is "
+            "set up (parallel_state.initialize_model_parallel(context_parallel_size=...) or "
+            "pg_collection.cp)"
+        )
+    return group
+
+
 def _tp_rank_and_size(pg_collection) -> tuple[int, int]:
     """The tensor-parallel group's (rank, size), as Megatron's SelfAttention sees it."""
     group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
@@ -228,11 +249,12 @@ class S2CoreAttention(MegatronModule):
                 "S2CoreAttention supports self-attention only, got "
                 f"attention_type={attention_type!r}"
             )
+        # Megatron's context parallelism gives rank r chunks r and 2W - 1 - r of the sequence's
+        # 2W, the layout s2attn.distributed takes: each rank receives only the K/V its pattern
+        # rows read.
+        self.cp_group = None
         if config.context_parallel_size != 1:
-            raise NotImplementedError(
-                "S2CoreAttention does not support Megatron's context parallelism "
-                f"(config.context_parallel_size={config.context_parallel_size}); use 1"
-            )
+            self.cp_group = _cp_group(pg_collection, config.context_parallel_size)
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type != "vanilla":
             raise NotImplementedError(
@@ -287,8 +309,11 @@ class S2CoreAttention(MegatronModule):
         )
 
     # --------------------------------------------------------------------------- masks
-    def _check_mask(self, mask: torch.Tensor, causal: bool, seq_q: int, seq_k: int) -> None:
-        """Accept a mask tensor only when it adds nothing to the pattern's own masking."""
+    def _check_mask(
+        self, mask: torch.Tensor, causal: bool, seq_q: int, seq_k: int, shard_of: int = 0
+    ) -> None:
+        """Accept a mask tensor only when it adds nothing to the pattern's own masking. With
+        ``shard_of`` (context parallelism) the queries are this rank's shard of that sequence."""
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(mask)}")
         if mask.dtype != torch.bool:
@@ -308,6 +333,8 @@ class S2CoreAttention(MegatronModule):
         ):
             return
         q_pos = torch.arange(seq_q, device=mask.device) + (seq_k - seq_q)
+        if shard_of:
+            q_pos = shard(torch.arange(shard_of, device=mask.device), self.cp_group, seq_dim=0)
         k_pos = torch.arange(seq_k, device=mask.device)
         expected = k_pos[None, :] > q_pos[:, None] if causal else torch.zeros_like(mask[0, 0])
         if not torch.equal(mask, expected.expand_as(mask)):
@@ -385,12 +412,18 @@ class S2CoreAttention(MegatronModule):
             )
         attend = attention_reference if self.s2.reference else sparse_attention
         if packed:
+            if self.cp_group is not None:
+                raise NotImplementedError(
+                    "S2CoreAttention does not take packed sequences under context parallelism"
+                )
             return self._forward_packed(
                 attend, query, key, value, attn_mask_type, packed_seq_params
             )
 
         seq_q, seq_k = query.shape[0], key.shape[0]
         self._resolve_causal(attn_mask_type, seq_q)
+        if self.cp_group is not None:
+            return self._forward_context_parallel(query, key, value, attention_mask)
         if attention_mask is not None:
             self._check_mask(attention_mask, self.pattern.causal, seq_q, seq_k)
         # (seq, batch, heads, dim) -> (batch, seq, heads, dim): a view, read in place by the kernel.
@@ -399,6 +432,21 @@ class S2CoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
         )  # fmt: skip
         return out.transpose(0, 1).reshape(seq_q, query.shape[1], -1)
+
+    def _forward_context_parallel(self, query, key, value, attention_mask):
+        """This rank's shard of the sequence (Megatron's load-balanced layout) through
+        :func:`s2attn.distributed.context_parallel_attention`; a mask tensor must be the causal
+        (or, bidirectional, the empty) mask's rows of this rank's queries."""
+        local, batch = query.shape[0], query.shape[1]
+        if attention_mask is not None:
+            world = self.cp_group.size()
+            seq = local * world
+            self._check_mask(attention_mask, self.pattern.causal, local, seq, shard_of=seq)
+        out = context_parallel_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.pattern,
+            group=self.cp_group, softmax_scale=self.softmax_scale,
+        )  # fmt: skip
+        return out.transpose(0, 1).reshape(local, batch, -1)
 
     def _forward_packed(self, attend, query, key, value, attn_mask_type, params):
         query, key, value = (t.squeeze(1) if t.dim() == 4 else t for t in (query, key, value))
