@@ -364,16 +364,21 @@ def _tp_training_body(rank, world, out_path):
 def test_tensor_parallel_training_matches_one_rank(tmp_path):
     """TP = 2 on two gloo processes: the losses of a few training steps equal TP = 1's on the same
     data and initial weights, and fall."""
+    _assert_two_ranks_train_like_one(tmp_path, _tp_training_body, "TP")
+
+
+def _assert_two_ranks_train_like_one(tmp_path, body, kind: str) -> None:
+    """``body`` on one and on two gloo ranks writes the same per-step losses, which fall."""
     import json
 
     from gloo import spawn
 
     losses = {}
     for world in (1, 2):
-        path = tmp_path / f"tp{world}.json"
-        spawn(world, _tp_training_body, str(path))
+        path = tmp_path / f"{kind}{world}.json"
+        spawn(world, body, str(path))
         losses[world] = json.loads(path.read_text())
-    print(f"losses per step, TP=1 {losses[1]}, TP=2 {losses[2]}")
+    print(f"losses per step, {kind}=1 {losses[1]}, {kind}=2 {losses[2]}")
     torch.testing.assert_close(losses[2], losses[1], rtol=1e-5, atol=1e-6)
     assert losses[1][-1] < losses[1][0]
 
@@ -443,18 +448,7 @@ def test_context_parallel_training_matches_one_rank(tmp_path):
     """Megatron's context parallelism (CP = 2 on two gloo processes) through s2attn.distributed:
     the losses of a few training steps equal one rank's on the whole sequence, same data and
     initial weights."""
-    import json
-
-    from gloo import spawn
-
-    losses = {}
-    for world in (1, 2):
-        path = tmp_path / f"cp{world}.json"
-        spawn(world, _cp_training_body, str(path))
-        losses[world] = json.loads(path.read_text())
-    print(f"losses per step, CP=1 {losses[1]}, CP=2 {losses[2]}")
-    torch.testing.assert_close(losses[2], losses[1], rtol=1e-5, atol=1e-6)
-    assert losses[1][-1] < losses[1][0]
+    _assert_two_ranks_train_like_one(tmp_path, _cp_training_body, "CP")
 
 
 def _indivisible_heads_body(rank, world):
