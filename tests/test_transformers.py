@@ -129,6 +129,36 @@ def test_compiled_decode_over_static_cache_matches_reference():
     assert cache.layers[2].paged.lengths == [n + new_tokens - 4 for n in lengths]
 
 
+def test_compiled_decode_serves_a_second_request_from_its_graph():
+    """One static S2Cache serving two requests (reset between, as a server reuses it): the
+    second generate runs the decode graph compiled for the first (no retrace), the reset finds
+    the host caught up with the device, and both requests' tokens equal the reference's."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, reference = tiny_llama()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compile_config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
+    compile_config._compile_all_devices = True
+    cache = s2hf.S2Cache(model.config, static=True)
+    torch._dynamo.reset()
+    for request in range(2):
+        ids = torch.randint(2, 128, (1, PROMPT - 10 * request), device=DEVICE)
+        mask = torch.ones_like(ids)
+        cache.reset()
+        got = generate(model, ids, mask, new_tokens=12, past_key_values=cache,
+                       compile_config=compile_config)  # fmt: skip
+        assert_same_generation(got, generate(reference, ids, mask, new_tokens=12))
+        assert cache.layers[1].paged.lengths == [ids.shape[1] + 11]
+        if request == 0:
+            compiled = len(graphs)
+    assert compiled >= 1 and len(graphs) == compiled, "the second request retraced"
+
+
 def test_left_padded_batch_matches_reference():
     model, reference = tiny_llama(dense_layers=(), num_layers=2)
     lengths = [PROMPT, 45]
