@@ -15,10 +15,16 @@ and checks:
 * packed sequences: a pack of two sequences (``PackedSeqParams``, thd) gives the logits of each
   sequence run alone (relative error under 2e-2 in bf16).
 
-Tensor parallelism is the world size: every rank holds its head range of every pattern.
+Tensor parallelism is the world size over ``--cp``: every rank holds its head range of every
+pattern. With ``--cp N`` Megatron's context parallelism splits each sequence over N ranks (its
+layout: rank r holds chunks r and 2N - 1 - r), the S2 layers run ``s2attn.distributed`` over the
+context-parallel group, the gradients are averaged over it (as Megatron's data-parallel reduction
+does), and the layer checks gather the sequence to compare each rank's shard with the reference
+on the whole of it; packed sequences are not checked there.
 
     python benchmarks/megatron_gpt.py                                 # GPU, TP=1
     torchrun --nproc-per-node 2 benchmarks/megatron_gpt.py --tag tp2  # GPU, TP=2
+    torchrun --nproc-per-node 2 benchmarks/megatron_gpt.py --cp 2 --tag cp2   # GPU, CP=2
     python benchmarks/megatron_gpt.py --smoke                         # CPU: a tiny model
 
 Needs megatron-core (0.16 or later; ``pip install 's2attn[megatron]'``). Rank 0 writes markdown and
@@ -78,6 +84,7 @@ def arguments():
     ap.add_argument("--local-blocks", type=int, default=4)
     ap.add_argument("--vert-stride", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel size (divides the world)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, float32")
     args = ap.parse_args()
     if args.smoke:
@@ -90,8 +97,9 @@ def arguments():
 
 
 # ------------------------------------------------------------------------------- set-up
-def init_parallel(seed: int) -> tuple[int, int]:
-    """Process group (torchrun's, or one local process) and Megatron's TP = world size."""
+def init_parallel(seed: int, cp: int) -> tuple[int, int]:
+    """Process group (torchrun's, or one local process) and Megatron's TP = world size / cp;
+    returns (rank, TP size)."""
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:  # under torchrun
@@ -105,11 +113,16 @@ def init_parallel(seed: int) -> tuple[int, int]:
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
         )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    if dist.get_world_size() % cp:
+        raise SystemExit(f"--cp {cp} does not divide the world size {dist.get_world_size()}")
+    tp = dist.get_world_size() // cp
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp
+    )
     if cuda:  # Megatron initialises GPU weights under its own RNG tracker
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(), tp
 
 
 def build(args, tp: int):
@@ -120,7 +133,8 @@ def build(args, tp: int):
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.kv_heads, ffn_hidden_size=4 * args.hidden,
-        tensor_model_parallel_size=tp, attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=tp, context_parallel_size=args.cp, attention_dropout=0.0,
+        hidden_dropout=0.0,
         params_dtype=dtype, use_cpu_initialization=not cuda,
     )  # fmt: skip
     spec = s2mc.get_hhst_layer_spec(
@@ -170,9 +184,11 @@ def worst(value: float) -> float:
 
 
 # ------------------------------------------------------------------------------- checks
-def check_layer(model, args, layer: int, ids, pos, rank: int, tp: int) -> dict:
+def check_layer(model, args, layer: int, ids, pos, tp: int) -> dict:
     """The layer's core attention on the inputs Megatron hands it against the dense-mask
-    reference under the independently built pattern: output and gradients."""
+    reference under the independently built pattern: output and gradients. Under context
+    parallelism the reference runs on the whole sequence, gathered from the ranks, and each rank
+    compares its shard."""
     core = model.decoder.layers[layer].self_attention.core_attention
     captured = {}
 
@@ -191,24 +207,30 @@ def check_layer(model, args, layer: int, ids, pos, rank: int, tp: int) -> dict:
             args.heads, args.seq, args.block_size, args.local_blocks, args.vert_stride,
             num_kv_heads=args.kv_heads,
         )  # fmt: skip
-    expected = full[s2mc.tp_head_range(args.heads, rank, tp)]
+    expected = full[
+        s2mc.tp_head_range(args.heads, parallel_state.get_tensor_model_parallel_rank(), tp)
+    ]
     same_pattern = torch.equal(core.pattern.mask, expected.mask)
 
     q, k, v = (t.clone().requires_grad_() for t in captured["qkv"])
     out = core(q, k, v, None)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
+    cp_group = core.cp_group
+    whole, part = _whole_and_part(cp_group)
 
     def reference(dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The dense-mask reference's output and q/k/v gradients, computed in ``dtype`` on
         copies of the inputs cast to it (outside autocast, which would compute its matmuls in
         bf16 whatever ``dtype`` says)."""
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [whole(t.detach()).to(dtype).requires_grad_() for t in (q, k, v)]
         with torch.autocast(q.device.type, enabled=False):
             ref = s2attn.attention_reference(
                 *(t.transpose(0, 1) for t in leaves), expected, compute_dtype=dtype
-            ).transpose(0, 1).reshape(out.shape)  # fmt: skip
-            return ref, torch.autograd.grad(ref, leaves, grad.to(dtype))
+            ).transpose(0, 1)  # fmt: skip
+            ref = ref.reshape(*ref.shape[:2], -1)
+            ref_grads = torch.autograd.grad(ref, leaves, whole(grad).to(dtype))
+            return part(ref), tuple(part(g) for g in ref_grads)
 
     def errors_against(result, result_grads) -> dict[str, float]:
         found = {"out": rel(result, ref)}
@@ -229,6 +251,16 @@ def check_layer(model, args, layer: int, ids, pos, rank: int, tp: int) -> dict:
         same_pattern=same_pattern, errors=errors, baseline_errors=baseline,
         passed=same_pattern and within,
     )  # fmt: skip
+
+
+def _whole_and_part(cp_group):
+    """Gather a (seq, ...) shard into the whole sequence and cut this rank's shard back out of
+    it: identities without context parallelism."""
+    if cp_group is None:
+        return (lambda t: t), (lambda t: t)
+    from s2attn.distributed import shard, unshard
+
+    return (lambda t: unshard(t, cp_group, seq_dim=0)), (lambda t: shard(t, cp_group, seq_dim=0))
 
 
 def check_packed(model, args, tokens, device) -> dict:
@@ -263,7 +295,9 @@ def main() -> int:
 
 def _main() -> int:
     args = arguments()
-    rank, tp = init_parallel(args.seed)
+    rank, tp = init_parallel(args.seed, args.cp)
+    cp_group = parallel_state.get_context_parallel_group() if args.cp > 1 else None
+    _, local = _whole_and_part(cp_group)  # this rank's shard of a (seq, ...) tensor
     config, model, device, dtype = build(args, tp)
     corpus = byte_corpus(1 << 20 if args.smoke else 16 << 20)
     data = batches(corpus, args.batch, args.seq, args.seed)
@@ -274,7 +308,8 @@ def _main() -> int:
             for layer in model.decoder.layers
         ]
         print(f"GPTModel: {args.layers} layers {kinds}, hidden {args.hidden}, {args.heads} heads "
-              f"/ {args.kv_heads} KV, seq {args.seq}, batch {args.batch}, TP {tp}, {dtype}, "
+              f"/ {args.kv_heads} KV, seq {args.seq}, batch {args.batch}, TP {tp}, CP {args.cp}, "
+              f"{dtype}, "
               f"megatron-core {package_info.__version__}", flush=True)  # fmt: skip
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
@@ -287,11 +322,19 @@ def _main() -> int:
         tokens = next(data).to(device)
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         pos = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
+        ids, labels, pos = (local(t.T).T for t in (ids, labels, pos))  # sequence dim 1
         sync()
         t0 = time.perf_counter()
         loss = model(ids, pos, None, labels=labels).float().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if cp_group is not None:  # each rank's loss is a mean over its shard: average them
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=cp_group)
+                p.grad /= args.cp
+            loss = loss.detach()
+            dist.all_reduce(loss, group=cp_group)
+            loss /= args.cp
         optimizer.step()
         schedule.step()
         sync()
@@ -303,13 +346,17 @@ def _main() -> int:
     first, last = statistics.mean(losses[:5]), statistics.mean(losses[-5:])
     loss_check = dict(first5=first, last5=last, passed=last < LOSS_RATIO * first)
     tokens = next(data).to(device)
-    ids = tokens[:, :-1]
-    pos = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
+    ids = local(tokens[:, :-1].T).T
+    pos = local(torch.arange(args.seq, device=device)[None].expand(args.batch, -1).T).T
     layers = [
-        check_layer(model, args, layer, ids, pos, rank, tp)
+        check_layer(model, args, layer, ids, pos, tp)
         for layer in (args.dense_layers, 0)  # the first S2 layer, then a dense one
     ]
-    packed = check_packed(model, args, tokens, device)
+    packed = (
+        check_packed(model, args, tokens, device)
+        if cp_group is None
+        else dict(lengths="not under CP", error=float("nan"), passed=True)
+    )
     steady = times[3:] or times
     step_ms = statistics.median(steady)
     passed = loss_check["passed"] and packed["passed"] and all(c["passed"] for c in layers)
@@ -317,7 +364,7 @@ def _main() -> int:
     if rank == 0:
         env = environment()
         precision = str(dtype) + (" weights, bf16 autocast" if device == "cuda" else "")
-        env.update(megatron_core=package_info.__version__, tp=tp, dtype=precision)
+        env.update(megatron_core=package_info.__version__, tp=tp, cp=args.cp, dtype=precision)
         rows = [["loss, mean of first 5 -> last 5 steps", f"{first:.3f} -> {last:.3f}",
                  f"< {LOSS_RATIO}x", loss_check["passed"]]]  # fmt: skip
         for c in layers:
@@ -339,7 +386,8 @@ def _main() -> int:
             f"{args.layers} layers (first {args.dense_layers} dense), hidden {args.hidden}, "
             f"{args.heads} query / {args.kv_heads} KV heads, seq {args.seq}, batch {args.batch}, "
             f"block {args.block_size}, local {args.local_blocks} blocks, vertical stride "
-            f"{args.vert_stride}; TP {tp}; {dtype}; AdamW lr {args.lr} on stdlib bytes; "
+            f"{args.vert_stride}; TP {tp}, CP {args.cp}; {dtype}; AdamW lr {args.lr} on stdlib "
+            "bytes; "
             f"megatron-core {package_info.__version__}."
         )
         lines = [f"# Megatron-core HHST GPT — {env['device']}", "", versions_line(env), "",
