@@ -81,6 +81,46 @@ def peak_gib(fn) -> float:
     return mine.item()
 
 
+def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
+    """Dense causal attention over the same sequence under the context parallelism PyTorch
+    ships (ring attention over SDPA, GQA's K/V heads repeated), its forward and forward+backward
+    timed like ours; a row holds the error instead where the installed torch cannot run it."""
+    import torch.nn.functional as F
+
+    gather = communication_bytes(1, args.seq, args.kv_heads, args.dim, q.dtype, world) / 2**20
+    if not torch.cuda.is_available():
+        return [dict(pass_="fwd", error="not run (CUDA only)", all_gather_mib=gather)]
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cuda", (world,))
+        group = args.heads // args.kv_heads
+        # SDPA's (batch, heads, seq, dim); the buffers are sharded in place by the context.
+        qd, kd, vd, gd = (
+            t.transpose(1, 2).repeat_interleave(n, dim=1).contiguous()
+            for t, n in ((q, 1), (k, group), (v, group), (grad, 1))
+        )
+        rows = []
+        with context_parallel(mesh, buffers=[qd, kd, vd, gd], buffer_seq_dims=[2, 2, 2, 2]):
+            leaves = [t.detach().requires_grad_() for t in (qd, kd, vd)]
+
+            def fwd():
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(*leaves, is_causal=True)
+
+            def fwd_bwd():
+                F.scaled_dot_product_attention(*leaves, is_causal=True).backward(gd)
+
+            for name, fn, factor in (("fwd", fwd, 1), ("fwd+bwd", fwd_bwd, 2)):
+                rows.append(dict(pass_=name, cp_ms=timed_ms(fn, args.iters),
+                                 all_gather_mib=factor * gather))  # fmt: skip
+        return rows
+    except Exception as exc:  # report what the installed torch refused, keep our results
+        return [dict(pass_="fwd", error=f"failed: {type(exc).__name__}: {exc}",
+                     all_gather_mib=gather)]  # fmt: skip
+
+
 def main() -> int:
     ap = parser(__doc__)
     for flag, default in (
@@ -95,6 +135,12 @@ def main() -> int:
     ):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument(
+        "--dense-torch",
+        action="store_true",
+        help="also dense causal SDPA under PyTorch's context parallelism "
+        "(torch.distributed.tensor.experimental.context_parallel; CUDA only)",
+    )
     args = ap.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if "RANK" not in os.environ:  # plain python: a group of one
@@ -171,6 +217,7 @@ def main() -> int:
                 kv_held_mib=held / 2**20, peak_gib=peak_gib(cp),
             )
         )  # fmt: skip
+    dense_torch = dense_torch_rows(q, k, v, grad, world, args) if args.dense_torch else []
     if rank == 0:
         env = environment()
         lines = [
@@ -203,9 +250,15 @@ def main() -> int:
             ),  # fmt: skip
             "",
         ]
+        for r in dense_torch:
+            lines.append(
+                f"Dense causal SDPA under PyTorch's context parallelism, {r['pass_']}: "
+                + (f"{r['cp_ms']:.2f} ms per rank" if "cp_ms" in r else r["error"])
+                + f" (ring attention moves about an all-gather's {r['all_gather_mib']:.1f} MiB)."
+            )
         stem = result_stem(env, f"context_parallel_w{world}{'_' + args.tag if args.tag else ''}")
         payload = dict(env=env, args=vars(args) | {"out_dir": str(args.out_dir)}, errors=errors,
-                       rows=rows)  # fmt: skip
+                       rows=rows, dense_torch=dense_torch)  # fmt: skip
         write_results(args.out_dir, stem, "\n".join(lines), payload)
     dist.destroy_process_group()
     return 0 if ok else 1
