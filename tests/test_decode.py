@@ -253,13 +253,32 @@ def test_static_decode_opcheck(path, monkeypatch):
     torch.library.opcheck(torch.ops.s2attn.static_decode.default, args)
 
 
-def test_static_decode_operator_refuses_a_dynamic_cache():
+def test_static_decode_operator_refuses_bad_steps():
+    """A dynamic cache, and steps of the wrong shape, dtype or size, raise before anything is
+    written: the cache's lengths and pages stay as they were."""
     from s2attn.inference.decode_op import static_decode_step
 
-    cache, *_ = filled_cache(make_pattern("s2", 4, 2), [20], 2, 16, torch.float32)
-    q, k, v = step(cache, 4, 1, torch.float32)
+    dynamic, *_ = filled_cache(make_pattern("s2", 4, 2), [20], 2, 16, torch.float32)
+    q, k, v = step(dynamic, 4, 1, torch.float32)
     with pytest.raises(ValueError, match="static PagedKVCache"):
-        static_decode_step(q, cache, k, v, softmax_scale=0.25)
+        static_decode_step(q, dynamic, k, v, softmax_scale=0.25)
+    cache, *_ = filled_cache(make_pattern("s2", 4, 2), [20, 9], 2, 16, torch.float32, static=True)
+    pages = cache.k_pages.clone()
+    q, k, v = step(cache, 4, 1, torch.float32)
+    bad = [
+        ((q[:1], k[:1], v[:1]), "batch=2"),
+        ((q[..., :8], k, v), "dim=16"),
+        ((q[:, :, :3], k, v), "a multiple of 2"),
+        ((q, k[:, :, :1], v), "k and v must be"),
+        ((q.double(), k, v), "must be torch.float32"),
+        (step(cache, 4, 17, torch.float32), "1 to 16 new tokens"),
+        (step(cache, 6, 1, torch.float32), "pattern has 4 heads"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            static_decode_step(*args[:1], cache, *args[1:], softmax_scale=0.25)
+    assert cache.lengths == [20, 9] and cache.seq_lens.tolist() == [20, 9]
+    assert torch.equal(cache.k_pages, pages)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,8 @@ from ..ops.dispatch import supports_triton
 from ..ops.triton import decode as triton_decode
 from ..ops.triton.page_write import write_pages
 from ..pattern import BlockPattern
+from ..validation import check_tensor
+from .cache import DECODE_STEP_TOKENS as MAX_DECODE_TOKENS
 from .cache import PagedKVCache
 
 __all__ = ["static_decode_step"]
@@ -149,6 +151,39 @@ def _(q, k, v, k_pages, v_pages, page_table, seq_lens, pattern_key, softmax_scal
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _check_step(q, cache, k, v) -> None:
+    """Shapes, dtypes and devices a step must have; read while tracing, so a compiled graph
+    checks nothing per step (the cache's end is checked on the device)."""
+    if not isinstance(cache, PagedKVCache) or not cache.static:
+        raise ValueError("static_decode_step needs a static PagedKVCache (static=True)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dtype != cache.dtype or t.device != cache.device:
+            raise ValueError(
+                f"{name} must be {cache.dtype} on {cache.device} (the cache's), got {t.dtype} on "
+                f"{t.device}"
+            )
+    batch, kv_heads, dim = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    if q.dim() != 4 or q.shape[0] != batch or q.shape[-1] != dim or q.shape[2] % kv_heads:
+        raise ValueError(
+            f"q must be (batch={batch}, num_new, heads (a multiple of {kv_heads}), dim={dim}), "
+            f"got {tuple(q.shape)}"
+        )
+    if not 1 <= q.shape[1] <= MAX_DECODE_TOKENS:
+        raise ValueError(
+            f"a decode step holds 1 to {MAX_DECODE_TOKENS} new tokens, got {q.shape[1]}"
+        )
+    want = (batch, q.shape[1], kv_heads, dim)
+    if tuple(k.shape) != want or tuple(v.shape) != want:
+        raise ValueError(f"k and v must be {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
+    pattern = cache.pattern
+    if pattern is not None and pattern.num_heads not in (q.shape[2], kv_heads):
+        raise ValueError(
+            f"the cache's pattern has {pattern.num_heads} heads; expected the q heads "
+            f"({q.shape[2]}) or the KV heads ({kv_heads})"
+        )
+
+
 def static_decode_step(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -161,8 +196,7 @@ def static_decode_step(
     num_new, heads, dim) and the new ``k``/``v`` (batch, num_new, kv_heads, dim), in the cache's
     dtype and on its device. The cache's host lengths are left behind until its next eager use,
     which catches up (:meth:`PagedKVCache.catch_up`)."""
-    if not isinstance(cache, PagedKVCache) or not cache.static:
-        raise ValueError("static_decode_step needs a static PagedKVCache (static=True)")
+    _check_step(q, cache, k, v)
     key = _DENSE if cache.pattern is None else pattern_key(cache.pattern)
     cache._device_step = q.shape[1]  # the host's lengths now follow the device's (catch_up)
     return torch.ops.s2attn.static_decode(
