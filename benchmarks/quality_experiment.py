@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from run_info import environment, result_stem, versions_line
+from run_info import environment, result_stem, versions_line, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -322,30 +322,15 @@ def main() -> int:
     result_env = environment() if not args.report_only else recorded_environment(args.runs, done)
     rows = summarize(done, args.runs, args.train_len)
     text = markdown(rows, result_env, args, summary)
-    print(text)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(result_env, args.name)
-    (args.out_dir / f"{stem}.md").write_text(text)
-    (args.out_dir / f"{stem}.json").write_text(
-        json.dumps(
-            dict(
-                environment=result_env,
-                preset=args.preset,
-                steps=args.steps,
-                short_len=args.short_len,
-                short_steps=args.short_steps,
-                seed=args.seed,
-                train_args=args.train_args,
-                train_len=args.train_len,
-                lengths=args.lengths,
-                depths=args.depths,
-                samples=args.samples,
-                model=summary,
-                rows=rows,
-            ),
-            indent=1,
-        )
-    )
+    # "environment", not run_info's "env": the committed reports and quality_seeds.py read it.
+    payload = dict(
+        environment=result_env, preset=args.preset, steps=args.steps, short_len=args.short_len,
+        short_steps=args.short_steps, seed=args.seed, train_args=args.train_args,
+        train_len=args.train_len, lengths=args.lengths, depths=args.depths, samples=args.samples,
+        model=summary, rows=rows,
+    )  # fmt: skip
+    write_results(args.out_dir, stem, text, payload)
     plot_curves(
         done,
         args.runs,
