@@ -90,13 +90,21 @@ def test_generate_with_static_s2_cache_matches_reference():
     assert s2_layer.num_pages < cache.layers[0].paged.num_pages  # the dense layer: every block
 
 
-def test_compiled_decode_over_static_cache_matches_reference():
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compiled_decode_over_static_cache_matches_reference(compiler):
     """generate compiles its decode step for a static S2Cache (the cache says it is compileable):
     the whole step traces into one graph (fullgraph) whose attention is one s2attn operator of
     device work, so the graph serves every step without retracing per token (at most one
     retrace, when the growing 2-D mask's length turns dynamic); tokens equal the reference's,
-    and the host lengths catch up with the device's afterwards."""
+    and the host lengths catch up with the device's afterwards. Inductor runs the operator in
+    place on the cache's tensors (a copy would lose the pages' writes)."""
+    from torch._inductor.compile_fx import compile_fx
     from transformers.generation.configuration_utils import CompileConfig
+
+    compile_graph = {
+        "aot_eager": torch._dynamo.backends.debugging.aot_eager,
+        "inductor": compile_fx,
+    }
 
     model, reference = tiny_llama()
     lengths, new_tokens = [PROMPT, 45], 30
@@ -108,7 +116,7 @@ def test_compiled_decode_over_static_cache_matches_reference():
 
     def counting_backend(gm, example_inputs):
         graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+        return compile_graph[compiler](gm, example_inputs)
 
     compile_config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
     compile_config._compile_all_devices = True  # transformers compiles on GPUs only by default
