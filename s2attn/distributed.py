@@ -481,6 +481,8 @@ def context_parallel_kv_bytes(
     its shard, the tokens it receives and its two chunks' compact keys (see the module's notes).
     A dense pattern's last chunk needs the whole sequence; an S2 pattern's, the blocks it reads."""
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if world_size == 1:  # sparse_attention on the rank's own K and V
+        return [2 * batch * seq * kv_heads * dim * itemsize]
     rows = []
     for r in range(world_size):
         plan = _receive_plan(pattern, seq, world_size, r, kv_heads)

@@ -194,6 +194,7 @@ def test_a_rank_holds_keys_in_proportion_to_what_it_reads():
     dense = s2attn.dense_pattern(kv, seq, 16)
     got = context_parallel_kv_bytes(dense, 1, seq, kv, dim, torch.float16, world)[0]
     assert got == own + (full - own) + own // 2 + full
+    assert context_parallel_kv_bytes(s2, 1, seq, kv, dim, torch.float16, 1) == [full]
 
 
 def test_communication_bytes():
