@@ -186,7 +186,7 @@ def _walked_heads(pattern: BlockPattern, kv_heads: int) -> range:
     each GQA group's heads share one rule (a builder's pattern with ``num_kv_heads``): the
     compact pattern then has one head per KV head, and the plan costs a group's size less."""
     per_kv = pattern.num_heads // kv_heads
-    rules = pattern._rules
+    rules = pattern.rules
     if per_kv > 1 and rules is not None:
         if all(len(set(rules[g * per_kv : (g + 1) * per_kv])) == 1 for g in range(kv_heads)):
             return range(0, pattern.num_heads, per_kv)
@@ -528,10 +528,10 @@ def _fingerprint(pattern: BlockPattern) -> int:
     if fp is None:
         shape = struct.pack("<4q?", *pattern._shape, pattern.block_size, pattern.causal)
         fp = zlib.crc32(shape)
-        if pattern._rules is not None:
+        if pattern.rules is not None:
             # A builder's pattern by its rules, so that a long one never builds its lists here
             # (every rank builds it the same way, from the same call).
-            fp = zlib.crc32(repr(pattern._rules).encode(), fp)
+            fp = zlib.crc32(repr(pattern.rules).encode(), fp)
         else:
             fp = zlib.crc32(pattern.cols.numpy().tobytes(), fp)
             fp = zlib.crc32(pattern.row_offsets.numpy().tobytes(), fp)

@@ -205,6 +205,13 @@ class BlockPattern:
             self._lists = (_offsets_from_counts(counts), torch.cat([c for _, c in heads]))
         return self._lists
 
+    @property
+    def rules(self) -> tuple | None:
+        """Per head, the rule of a builder's pattern: ``(local_blocks, vert_stride, shift)``, or
+        ``()`` for a dense head; None for a pattern given by a mask or lists. Two patterns with
+        the same rules, shape, block size and causality are the same pattern."""
+        return self._rules
+
     def _head_rules(self, heads: slice) -> tuple | None:
         """The rules of a head range, or None when the pattern holds lists (or has built them:
         slices of those are cheaper from the lists)."""

@@ -439,6 +439,7 @@ def test_rule_patterns_equal_their_lists(
                 if isinstance(value, torch.Tensor):
                     assert torch.equal(getattr(got, name), value), (build.__name__, m, n, name)
     assert rule._lists is None  # only one head's blocks at a time, never the whole lists
+    assert len(rule.rules) == num_heads and lists.rules is None
     assert rule.num_kept_blocks == lists.num_kept_blocks
     for heads in (slice(None), slice(1, 3), slice(0, num_heads, 2)):
         if heads.step is None:  # coordinates take head ranges
