@@ -458,7 +458,18 @@ def padding_mask(
 ):
     """The mask hook: transformers' flash-attention one (the 2-D padding mask, or None when
     nothing is padded), except under ``torch.compile``, where whether anything is padded is data
-    and a branch on it would break the graph: there the 2-D mask goes to the attention as is."""
+    and a branch on it would break the graph: there the 2-D mask goes to the attention as is.
+
+    A static cache asks for masks of its fixed length (``kv_length`` past the mask's): the mask is
+    then left-padded with padding to that length, so a compiled decode step sees one shape at
+    every step (a growing one would retrace, and re-record CUDA graphs, per token). Left padding
+    leaves what the attention reads unchanged: the real tokens at the end of each row."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        missing = kv_length - attention_mask.shape[-1]
+        if missing > 0:
+            attention_mask = torch.cat(
+                [attention_mask.new_zeros(attention_mask.shape[0], missing), attention_mask], dim=1
+            )
     if attention_mask is not None and torch.compiler.is_compiling():
         return attention_mask[:, -kv_length:]
     return flash_attention_mask(
