@@ -463,13 +463,14 @@ def padding_mask(
     A static cache asks for masks of its fixed length (``kv_length`` past the mask's): the mask is
     then left-padded with padding to that length, so a compiled decode step sees one shape at
     every step (a growing one would retrace, and re-record CUDA graphs, per token). Left padding
-    leaves what the attention reads unchanged: the real tokens at the end of each row."""
+    leaves what the attention reads unchanged: the real tokens at the end of each row. Such a
+    mask is always handed on, even without padding, because deciding would read it on the host
+    at every step."""
     if attention_mask is not None and attention_mask.dim() == 2:
         missing = kv_length - attention_mask.shape[-1]
         if missing > 0:
-            attention_mask = torch.cat(
-                [attention_mask.new_zeros(attention_mask.shape[0], missing), attention_mask], dim=1
-            )
+            pad = attention_mask.new_zeros(attention_mask.shape[0], missing)
+            return torch.cat([pad, attention_mask], dim=1)
     if attention_mask is not None and torch.compiler.is_compiling():
         return attention_mask[:, -kv_length:]
     return flash_attention_mask(
