@@ -263,11 +263,13 @@ class _ReceivePlan:
 
 @dataclass(frozen=True)
 class _ExchangePlan:
-    """A rank's whole exchange, on its device: ``send[d]``, the rows of its shard rank ``d``
-    reads (``d``'s requests), ``recv[s]``, how many rows it receives from rank ``s``, and its
-    chunks' compact keys."""
+    """A rank's whole exchange, on its device: ``send``, the rows of its shard the other ranks
+    read (their requests), joined by destination rank, ``send_counts[d]`` of them for rank
+    ``d``; ``recv[s]``, how many rows it receives from rank ``s``; and its chunks' compact keys.
+    Joined once here, so that no call concatenates them again."""
 
-    send: list[torch.Tensor]
+    send: torch.Tensor
+    send_counts: list[int]
     recv: list[int]
     chunks: tuple[_Chunk, _Chunk]
 
@@ -356,8 +358,15 @@ def _compact_chunk(pattern: BlockPattern, reads: _ChunkReads, row_of: torch.Tens
     return _Chunk(reads.start, reads.end, gather, compact)
 
 
-def _has_exchange_plan(pattern, seq: int, world: int, rank: int, kv_heads: int, device) -> bool:
-    return (seq, world, rank, kv_heads, str(device)) in _PLANS.get(pattern, {})
+def _cached_exchange_plan(
+    pattern, seq: int, world: int, rank: int, kv_heads: int, device
+) -> _ExchangePlan | None:
+    """The rank's exchange plan if it was built before (see :func:`_exchange_plan`), else None."""
+    return _PLANS.get(pattern, {}).get(_plan_key(seq, world, rank, kv_heads, device))
+
+
+def _plan_key(seq: int, world: int, rank: int, kv_heads: int, device) -> tuple:
+    return seq, world, rank, kv_heads, str(device)
 
 
 def _exchange_plan(
@@ -382,11 +391,12 @@ def _exchange_plan(
     sizes = theirs.tolist()
     asked = _all_to_all(torch.cat(mine.requests).to(comm), counts, sizes, group)
     plan = _ExchangePlan(
-        [t.to(device) for t in asked.split(sizes)],
+        asked.to(device),
+        sizes,
         counts,
         tuple(_Chunk(c.start, c.end, c.gather.to(device), c.pattern) for c in mine.chunks),
     )
-    _PLANS.setdefault(pattern, {})[(seq, world, rank, kv_heads, str(device))] = plan
+    _PLANS.setdefault(pattern, {})[_plan_key(seq, world, rank, kv_heads, device)] = plan
     return plan
 
 
@@ -421,18 +431,16 @@ class _ExchangeKV(torch.autograd.Function):
         batch, _, _, dim = x.shape
         rows = x.reshape(batch, -1, dim)
         # Row-major by destination with the batch inside a row, so each rank's part is one span.
-        send = rows[:, torch.cat(plan.send)].transpose(0, 1)
-        sizes = [int(i.numel()) for i in plan.send]
-        return _all_to_all(send, sizes, plan.recv, group).transpose(0, 1)
+        send = rows[:, plan.send].transpose(0, 1)
+        return _all_to_all(send, plan.send_counts, plan.recv, group).transpose(0, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         plan, group = ctx.plan, ctx.group
         batch, _, _, dim = ctx.shape
-        sizes = [int(i.numel()) for i in plan.send]
-        returned = _all_to_all(grad.transpose(0, 1), plan.recv, sizes, group)
+        returned = _all_to_all(grad.transpose(0, 1), plan.recv, plan.send_counts, group)
         local = grad.new_zeros(batch, math.prod(ctx.shape[1:3]), dim)
-        local.index_add_(1, torch.cat(plan.send), returned.transpose(0, 1))
+        local.index_add_(1, plan.send, returned.transpose(0, 1))
         return local.view(ctx.shape), None, None
 
 
@@ -586,8 +594,9 @@ def _check_agreement(q, k, v, pattern, softmax_scale, group) -> bool:
     together)."""
     world, rank = _world(group)
     problem = _local_problem(q, k, v, pattern, world, softmax_scale)
-    have_plan = problem is None and _has_exchange_plan(
-        pattern, q.shape[1] * world, world, rank, k.shape[2], q.device
+    have_plan = problem is None and (
+        _cached_exchange_plan(pattern, q.shape[1] * world, world, rank, k.shape[2], q.device)
+        is not None
     )
     if problem is None:
         # The scale's float64 bits, so that ranks compare it exactly as an integer.
@@ -682,11 +691,11 @@ def context_parallel_attention(
         return sparse_attention(
             q, k, v, pattern, softmax_scale=softmax_scale, return_lse=return_lse
         )
-    plan_key = (q.shape[1] * world, world, rank, k.shape[2])
+    plan_key = (pattern, q.shape[1] * world, world, rank, k.shape[2], k.device)
     if every_plan:
-        plan = _PLANS[pattern][(*plan_key, str(k.device))]
+        plan = _cached_exchange_plan(*plan_key)
     else:
-        plan = _exchange_plan(pattern, *plan_key, k.device, group)
+        plan = _exchange_plan(*plan_key, group)
     k_store = _store(k, _ExchangeKV.apply(k, plan, group))
     v_store = _store(v, _ExchangeKV.apply(v, plan, group))
     chunk = q.shape[1] // 2
