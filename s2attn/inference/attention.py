@@ -307,10 +307,7 @@ def capture_decode_step(
         )
     num_new = q.shape[1]
     if num_splits is None:
-        longest = int(cache.decode_layout.list_lengths.max())
-        num_splits = triton_decode.decode_num_splits(
-            q.shape[0], cache.num_kv_heads, longest, q.device
-        )
+        num_splits = triton_decode.run_num_splits(cache.decode_layout, q.shape[0], q.device)
 
     def call():
         return sparse_attention_with_kvcache(

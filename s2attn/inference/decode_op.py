@@ -44,7 +44,7 @@ def _layout(key: int, block_size: int, kv_heads: int, max_blocks: int, device: t
     return decode_layout(pattern_for_key(key), kv_heads, device)
 
 
-def _block_mask(key: int, heads: int, max_blocks: int, device: torch.device) -> torch.Tensor:
+def _block_mask(key: int, max_blocks: int, device: torch.device) -> torch.Tensor:
     """(pattern heads, blocks, blocks) bool: which KV blocks each query block keeps."""
     if key == _DENSE:
         return torch.ones(1, max_blocks, max_blocks, dtype=torch.bool, device=device)
@@ -82,7 +82,7 @@ def _torch_step(q, k, v, k_pages, v_pages, page_table, seq_lens, key, scale):
     keys = keys.repeat_interleave(group, dim=1).float()
     values = values.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("bnhd,bhkd->bhnk", q.float(), keys) * scale
-    mask = _block_mask(key, page_table.shape[1], max_blocks, q.device)
+    mask = _block_mask(key, max_blocks, q.device)
     head_of = torch.arange(heads, device=q.device) // (heads // mask.shape[0])
     key_pos = torch.arange(max_blocks * block, device=q.device)
     # (batch, heads, new, keys): the pattern keeps the key's block for the query's block.
@@ -125,24 +125,20 @@ def static_decode(
     seq_lens.add_(q.shape[1])
     out, _ = triton_decode.decode(
         q, k_pages, v_pages, page_table, seq_lens, layout, softmax_scale=softmax_scale,
-        num_splits=_splits(layout, pattern_key, q.shape[0], q.device),
+        num_splits=_run_num_splits(layout, pattern_key, q.shape[0], q.device),
     )  # fmt: skip
     return out.contiguous()
 
 
-# (pattern key, KV heads, batch, device) -> the split count: fixed for every step of a run, so
-# that each replays the same launch; decided at the first (eager or warm-up) call, not in one
-# a CUDA graph records.
+# (pattern key, KV heads, batch, device) -> the run's split count (as capture_decode_step's), kept
+# so that a step not replayed from a graph does not scan the layout's list lengths again.
 _SPLITS: dict[tuple, int] = {}
 
 
-def _splits(layout, key: int, batch: int, device: torch.device) -> int:
+def _run_num_splits(layout, key: int, batch: int, device: torch.device) -> int:
     entry = (key, layout.num_kv_heads, batch, str(device))
     if entry not in _SPLITS:
-        longest = 1 if layout.dense else max(int(layout.list_lengths.max()), 1)
-        _SPLITS[entry] = triton_decode.decode_num_splits(
-            batch, layout.num_kv_heads, longest, device
-        )
+        _SPLITS[entry] = triton_decode.run_num_splits(layout, batch, device)
     return _SPLITS[entry]
 
 
