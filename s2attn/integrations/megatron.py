@@ -310,10 +310,10 @@ class S2CoreAttention(MegatronModule):
 
     # --------------------------------------------------------------------------- masks
     def _check_mask(
-        self, mask: torch.Tensor, causal: bool, seq_q: int, seq_k: int, shard_of: int = 0
+        self, mask: torch.Tensor, causal: bool, seq_q: int, seq_k: int, sharded: bool = False
     ) -> None:
         """Accept a mask tensor only when it adds nothing to the pattern's own masking. With
-        ``shard_of`` (context parallelism) the queries are this rank's shard of that sequence."""
+        ``sharded`` (context parallelism) the queries are this rank's shard of the keys."""
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(mask)}")
         if mask.dtype != torch.bool:
@@ -333,8 +333,8 @@ class S2CoreAttention(MegatronModule):
         ):
             return
         q_pos = torch.arange(seq_q, device=mask.device) + (seq_k - seq_q)
-        if shard_of:
-            q_pos = shard(torch.arange(shard_of, device=mask.device), self.cp_group, seq_dim=0)
+        if sharded:
+            q_pos = shard(torch.arange(seq_k, device=mask.device), self.cp_group, seq_dim=0)
         k_pos = torch.arange(seq_k, device=mask.device)
         expected = k_pos[None, :] > q_pos[:, None] if causal else torch.zeros_like(mask[0, 0])
         if not torch.equal(mask, expected.expand_as(mask)):
@@ -439,9 +439,8 @@ class S2CoreAttention(MegatronModule):
         (or, bidirectional, the empty) mask's rows of this rank's queries."""
         local, batch = query.shape[0], query.shape[1]
         if attention_mask is not None:
-            world = self.cp_group.size()
-            seq = local * world
-            self._check_mask(attention_mask, self.pattern.causal, local, seq, shard_of=seq)
+            seq = local * self.cp_group.size()
+            self._check_mask(attention_mask, self.pattern.causal, local, seq, sharded=True)
         out = context_parallel_attention(
             query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.pattern,
             group=self.cp_group, softmax_scale=self.softmax_scale,

@@ -376,14 +376,17 @@ def attention_forward(
 def _compiled_decode(layer: S2CacheLayer, q, k, v, scaling: float | None) -> torch.Tensor:
     """A decode step inside a compiled graph: one operator of device work alone (see
     ``s2attn.inference.decode_op``), so the graph serves every step, replayed or not. The
-    cache's host lengths follow the device's from then on (``PagedKVCache.catch_up``)."""
+    cache's host lengths follow the device's from then on (``PagedKVCache.catch_up``). Dtypes
+    follow ``sparse_attention_with_kvcache``'s rule: cast to the cache's under autocast, the
+    output back to the region's; refused when they differ outside it."""
     paged = layer.paged
     region = autocast_dtype(q)
+    if region is not None:
+        q, k, v = cast_inputs(paged.dtype, q.device.type, q, k, v)
     out = static_decode_step(
-        q.to(paged.dtype).contiguous(), paged, k.to(paged.dtype), v.to(paged.dtype),
-        softmax_scale=check_softmax_scale(scaling, q.shape[-1]),
-    )  # fmt: skip
-    return out.to(region or q.dtype)
+        q.contiguous(), paged, k, v, softmax_scale=check_softmax_scale(scaling, q.shape[-1])
+    )
+    return out if region is None else out.to(region)
 
 
 def reference_attention_forward(
