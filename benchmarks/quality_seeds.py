@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from run_info import result_stem, versions_line, write_results
+from run_info import cell, result_stem, versions_line, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -35,7 +35,8 @@ def join_seeds(runs: list[dict]) -> list[dict]:
         for row in run["rows"]:
             if any(r["variant"] == row["variant"] for r in seed_run["rows"]):
                 raise ValueError(f"seed {run['seed']} has two {row['variant']!r} runs")
-            seed_run["rows"].append(dict(row))
+            # Rows of one seed may come from different machines: each keeps its own.
+            seed_run["rows"].append(dict(row, device=run["environment"]["device"]))
     for run in joined.values():
         dense = next((r["val_bpb"] for r in run["rows"] if r["variant"] == "dense"), None)
         for row in run["rows"]:
@@ -81,12 +82,13 @@ def recipe(run: dict) -> str:
     return f"{first}{run['steps']} steps at {run['train_len']} tokens"
 
 
-def markdown(rows: list[dict], runs: list[dict], paths: list[str]) -> str:
+def markdown(rows: list[dict], runs: list[dict], paths: list[str], seed_runs: list[dict]) -> str:
     env = runs[0]["environment"]
+    devices = " and ".join(sorted({run["environment"]["device"] for run in runs}))
     lines = [
         "# HHST quality over seeds",
         "",
-        f"{env['device']} · {versions_line(env)}",
+        f"{devices} · {versions_line(env)}",
         "",
         f"{len(paths)} runs (seeds {sorted({run['seed'] for run in runs})}) of preset "
         f"`{runs[0]['preset']}`, {recipe(runs[0])}: {', '.join(Path(p).name for p in paths)}. "
@@ -108,6 +110,22 @@ def markdown(rows: list[dict], runs: list[dict], paths: list[str]) -> str:
             f"| {r['variant']} | {len(r['seeds'])} | {val} | {gap} | {r['needle_mean']:.3f} | "
             f"{'—' if low is None else f'{low:.2f}'} |"
         )
+    lines += [
+        "",
+        "Each run:",
+        "",
+        "| seed | variant | device | val bits/byte | vs dense, same seed | needle mean | lowest "
+        "needle cell at train len |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in sorted(seed_runs, key=lambda run: run["seed"]):
+        for r in sorted(run["rows"], key=lambda r: r["variant"] != "dense"):
+            gap = "—" if r.get("vs_dense") is None else f"{100 * r['vs_dense']:+.2f}%"
+            val, low = cell(r["val_bpb"], "{:.4f}"), cell(r["needle_min_at_train_len"], "{:.2f}")
+            lines.append(
+                f"| {run['seed']} | {r['variant']} | {r['device']} | {val} | {gap} | "
+                f"{r['needle_mean']:.3f} | {low} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -133,8 +151,8 @@ def main() -> int:
     write_results(
         args.out_dir,
         result_stem(env, args.name),
-        markdown(rows, runs, args.runs),
-        dict(env=env, runs=[str(p) for p in args.runs], rows=rows),
+        markdown(rows, runs, args.runs, seed_runs),
+        dict(env=env, runs=[str(p) for p in args.runs], rows=rows, seed_runs=seed_runs),
     )
     return 0
 
