@@ -12,6 +12,9 @@ GPU memory peak (which counts the full-sequence tensors held for the comparison)
 
     python benchmarks/context_parallel.py                          # world size 1
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
+    torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq 1048576 --pattern dense
+    torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq-per-rank 262144 --tag weak
+    torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq 4194304 --no-reference
     torchrun --nproc-per-node 2 benchmarks/context_parallel.py --seq 512 --heads 4 --kv-heads 2 \
         --dim 32 --block-size 16 --local-blocks 2 --stride 4 --dtype float32   # CPU smoke, gloo
 
@@ -29,7 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from run_info import environment, parser, result_stem, table, versions_line, write_results
+from run_info import cell, environment, parser, result_stem, table, versions_line, write_results
 
 import s2attn
 from s2attn.distributed import (
@@ -156,7 +159,27 @@ def main() -> int:
         help="also dense causal SDPA under PyTorch's context parallelism "
         "(torch.distributed.tensor.experimental.context_parallel; CUDA only)",
     )
+    ap.add_argument(
+        "--pattern",
+        default="s2",
+        choices=["s2", "dense"],
+        help="s2: local + stride with staggered heads; dense: every visible block",
+    )
+    ap.add_argument(
+        "--seq-per-rank",
+        type=int,
+        default=None,
+        help="weak scaling: the sequence is this many tokens times the world size (over --seq)",
+    )
+    ap.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="for lengths one device cannot hold: each rank draws only its shards, and neither "
+        "the exactness check nor the one-device time is made",
+    )
     args = ap.parse_args()
+    if args.no_reference and args.dense_torch:
+        ap.error("--dense-torch needs the full tensors that --no-reference does not make")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if "RANK" not in os.environ:  # plain python: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
@@ -169,37 +192,52 @@ def main() -> int:
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = getattr(torch, args.dtype)
+    if args.seq_per_rank is not None:
+        args.seq = args.seq_per_rank * world
 
-    pattern = s2attn.local_stride_pattern(
-        args.heads, args.seq, args.block_size, args.local_blocks, args.stride,
-        num_kv_heads=args.kv_heads,
-    )  # fmt: skip
-    g = torch.Generator(device=device).manual_seed(0)
-    shape_q = (1, args.seq, args.heads, args.dim)
-    shape_kv = (1, args.seq, args.kv_heads, args.dim)
+    if args.pattern == "dense":
+        pattern = s2attn.dense_pattern(args.heads, args.seq, args.block_size)
+    else:
+        pattern = s2attn.local_stride_pattern(
+            args.heads, args.seq, args.block_size, args.local_blocks, args.stride,
+            num_kv_heads=args.kv_heads,
+        )  # fmt: skip
+    # Without the reference each rank draws its own shards (a different stream per rank): the
+    # full tensors of a 4M-token sequence would not fit beside them.
+    g = torch.Generator(device=device).manual_seed(rank if args.no_reference else 0)
+    seq = args.seq // world if args.no_reference else args.seq
+    shape_q = (1, seq, args.heads, args.dim)
+    shape_kv = (1, seq, args.kv_heads, args.dim)
     q, k, v = (
         torch.randn(s, device=device, dtype=dtype, generator=g)
         for s in (shape_q, shape_kv, shape_kv)
     )
     grad = torch.randn(shape_q, device=device, dtype=dtype, generator=g)
 
-    # Exactness: each rank's shards against the same shards of one device's call on the whole
-    # sequence. Not unsharded: at 1M tokens a gathered copy per rank does not fit beside the rest.
-    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, pattern)
-    out.backward(shard(grad))
-    qf, kf, vf = (t.requires_grad_() for t in (q, k, v))
-    ref = s2attn.sparse_attention(qf, kf, vf, pattern)
-    ref.backward(grad)
-    with torch.no_grad():
-        errors = {
-            name: worst_shard_err(mine, full)
-            for name, mine, full in (
-                ("out", out, ref), ("dq", ql.grad, qf.grad), ("dk", kl.grad, kf.grad),
-                ("dv", vl.grad, vf.grad),
-            )
-        }  # fmt: skip
-    del out, ref
+    if args.no_reference:
+        ql, kl, vl = (t.requires_grad_() for t in (q, k, v))
+        grad_local = grad
+        errors: dict[str, float] = {}
+    else:
+        # Exactness: each rank's shards against the same shards of one device's call on the
+        # whole sequence. Not unsharded: at 1M tokens a gathered copy per rank does not fit
+        # beside the rest.
+        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        grad_local = shard(grad)
+        out = context_parallel_attention(ql, kl, vl, pattern)
+        out.backward(grad_local)
+        qf, kf, vf = (t.requires_grad_() for t in (q, k, v))
+        ref = s2attn.sparse_attention(qf, kf, vf, pattern)
+        ref.backward(grad)
+        with torch.no_grad():
+            errors = {
+                name: worst_shard_err(mine, full)
+                for name, mine, full in (
+                    ("out", out, ref), ("dq", ql.grad, qf.grad), ("dk", kl.grad, kf.grad),
+                    ("dv", vl.grad, vf.grad),
+                )
+            }  # fmt: skip
+        del out, ref
     ok = all(e < TOL[dtype] for e in errors.values())
 
     def cp_fwd():
@@ -207,7 +245,7 @@ def main() -> int:
             context_parallel_attention(ql, kl, vl, pattern)
 
     def cp_fwd_bwd():
-        context_parallel_attention(ql, kl, vl, pattern).backward(shard(grad))
+        context_parallel_attention(ql, kl, vl, pattern).backward(grad_local)
 
     def one_fwd():
         with torch.no_grad():
@@ -226,11 +264,13 @@ def main() -> int:
         ("fwd", cp_fwd, one_fwd, moved),
         ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved),
     ):
-        t_cp, t_one = timed_ms(cp, args.iters), timed_ms(one, args.iters)
+        t_cp = timed_ms(cp, args.iters)
+        t_one = None if args.no_reference else timed_ms(one, args.iters)
         rows.append(
             dict(
                 pass_=name, world=world, seq=args.seq, cp_ms=t_cp, one_device_ms=t_one,
-                efficiency=t_one / (world * t_cp), mib_per_rank=bytes_moved / 2**20,
+                efficiency=None if t_one is None else t_one / (world * t_cp),
+                mib_per_rank=bytes_moved / 2**20,
                 all_gather_mib=(gather if name == "fwd" else 2 * gather) / 2**20,
                 kv_held_mib=held / 2**20, peak_gib=peak_gib(cp),
             )
@@ -244,10 +284,20 @@ def main() -> int:
             versions_line(env),
             "",
             f"seq {args.seq}, {args.heads} query / {args.kv_heads} KV heads of {args.dim}, "
-            f"{args.dtype}, block {args.block_size}, local {args.local_blocks}, stride "
-            f"{args.stride}. Relative errors against one device: "
-            + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
-            + f" ({'ok' if ok else 'FAILED'}).",
+            f"{args.dtype}, block {args.block_size}, "
+            + (
+                "dense pattern"
+                if args.pattern == "dense"
+                else f"local {args.local_blocks}, stride {args.stride}"
+            )
+            + ". "
+            + (
+                "Not checked against one device (--no-reference)."
+                if args.no_reference
+                else "Relative errors against one device, worst rank: "
+                + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+                + f" ({'ok' if ok else 'FAILED'})."
+            ),
             "",
             *table(
                 HEADERS,
@@ -256,8 +306,8 @@ def main() -> int:
                         r["pass_"],
                         world,
                         f"{r['cp_ms']:.2f}",
-                        f"{r['one_device_ms']:.2f}",
-                        f"{r['efficiency']:.2f}",
+                        cell(r["one_device_ms"], "{:.2f}"),
+                        cell(r["efficiency"], "{:.2f}"),
                         f"{r['mib_per_rank']:.1f}",
                         f"{r['all_gather_mib']:.1f}",
                         f"{r['kv_held_mib']:.1f}",

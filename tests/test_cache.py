@@ -136,6 +136,17 @@ def test_eviction_schedule_matches_the_token_mask(kind):
     for q in range(NB):
         got = schedule.read_from(q, slice(0, NB))
         assert torch.equal(got, future[:, q * BS]), f"query block {q}"
+    if kind == "dense":
+        return
+    # What a sequence may free when its queries move on from block a to block b: the blocks read
+    # from a on but not from b on, in (head, block) order (the token mask's answer again).
+    for a in range(NB):
+        for b in range(a, NB + 1):
+            heads, blocks = schedule.last_read_in(a, b)
+            expected = future[:, a * BS] & ~future[:, b * BS]
+            assert torch.equal(
+                torch.stack([heads, blocks]), torch.stack(expected.nonzero(as_tuple=True))
+            ), (a, b)
 
 
 def test_default_pool_covers_the_peak_and_memory_report_adds_up():

@@ -114,19 +114,15 @@ def _new_counts(
 
 
 def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):
-    batch, num_new, num_heads, _ = q.shape
-    layout = cache.decode_layout
     if num_splits is None:
-        blocks = [(n - num_new) // cache.block_size for n in cache.lengths]
-        longest = int(layout.list_lengths[blocks].max())
-        num_splits = triton_decode.decode_num_splits(batch, cache.num_kv_heads, longest, q.device)
+        num_splits = cache.decode_num_splits(q.shape[1])
     return triton_decode.decode(
         q,
         cache.k_pages,
         cache.v_pages,
         cache.page_table,
         cache.seq_lens,
-        layout,
+        cache.decode_layout,
         softmax_scale=scale,
         num_splits=num_splits,
     )

@@ -37,6 +37,7 @@ import torch
 
 from ..layout import DecodeLayout, decode_layout, dense_decode_layout
 from ..ops.dispatch import supports_triton
+from ..ops.triton import decode as triton_decode
 from ..ops.triton.page_write import write_pages
 from ..pattern import BlockPattern
 from ..validation import check_cu_seqlens, check_int, check_tensor
@@ -46,6 +47,11 @@ __all__ = ["DECODE_STEP_TOKENS", "ModelKVCache", "PagedKVCache"]
 
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (sequence, head, block, page) of no page at all; pages are int32, as in the page table
+_NO_PAGES = (
+    *(torch.zeros(0, dtype=torch.int64) for _ in range(3)),
+    torch.zeros(0, dtype=torch.int32),
+)
 # Appends of more (token, KV head) rows than this are prefills: they filter unstored rows.
 _FILTER_WRITES_ABOVE = 4096
 # Batched appends of at most this many tokens per sequence (decode steps) write with one kernel.
@@ -203,6 +209,7 @@ class PagedKVCache:
         # Per sequence: the query block from which on its queries still read the cache.
         self._keep_block = [0] * batch_size
         self._layout: DecodeLayout | None = None
+        self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
         # Tokens per step of compiled decode steps (s2attn.inference.decode_op), set once one is
         # traced: those advance the device's lengths alone, and catch_up brings the host's along.
         self._device_step: int | None = None
@@ -341,12 +348,26 @@ class PagedKVCache:
         """The decode kernel's lists for this cache's pattern, built once on its device."""
         if self._layout is None:
             if self.dense:
-                self._layout = dense_decode_layout(
+                layout = dense_decode_layout(
                     self.block_size, self.num_kv_heads, self.max_blocks, self.device
                 )
             else:
-                self._layout = decode_layout(self.pattern, self.num_kv_heads, self.device)
+                layout = decode_layout(self.pattern, self.num_kv_heads, self.device)
+            self._list_lengths = layout.list_lengths.tolist()
+            self._layout = layout
         return self._layout
+
+    @_host_synced
+    def decode_num_splits(self, num_new: int) -> int:
+        """Programs per (sequence, KV head) for a decode step of ``num_new`` tokens whose keys
+        are in the cache already: from the longest list the step's query blocks walk (host data,
+        no sync)."""
+        layout = self.decode_layout
+        bs, lists = self.block_size, self._list_lengths
+        longest = max(lists[(n - num_new) // bs] for n in self._lengths)
+        return triton_decode.decode_num_splits(
+            self.batch_size, layout.num_kv_heads, longest, self.device
+        )
 
     # --------------------------------------------------------------------------- writes
     def _new_token_counts(
@@ -405,33 +426,31 @@ class PagedKVCache:
         counts = self._new_token_counts(k, v, cu_seqlens)
         old = self._lengths
         new = [a + n for a, n in zip(old, counts)]
-        for b, n in enumerate(new):
-            if n > self.max_seq_len:
-                raise ValueError(
-                    f"sequence {b} would hold {n} tokens, past the cache's max_seq_len "
-                    f"{self.max_seq_len}"
-                )
+        if max(new) > self.max_seq_len:
+            b = max(range(self.batch_size), key=new.__getitem__)
+            raise ValueError(
+                f"sequence {b} would hold {new[b]} tokens, past the cache's max_seq_len "
+                f"{self.max_seq_len}"
+            )
         if keep_from is None:
             keep_from = old if max(counts) <= DECODE_STEP_TOKENS else new
-        elif len(keep_from) != self.batch_size:
-            raise ValueError(f"keep_from needs one position per sequence, got {len(keep_from)}")
-        keep_block = []
-        for b, pos in enumerate(keep_from):
-            if not isinstance(pos, int) or not 0 <= pos <= new[b]:
-                raise ValueError(
-                    f"keep_from[{b}] must be an integer in [0, {new[b]}] (the sequence's new "
-                    f"length), got {pos!r}"
-                )
-            keep_block.append(max(pos // self.block_size, self._keep_block[b]))
+        else:
+            self._check_keep_from(keep_from, new)
+        bs = self.block_size
+        keep_block = [max(pos // bs, kb) for pos, kb in zip(keep_from, self._keep_block)]
 
         if self.static:
             self._append_static(k, v, counts, cu_seqlens, old, new, keep_block)
             return
+        if keep_block == self._keep_block and not self._shared and self._within_blocks(old, new):
+            # Most decode steps: no block entered, none left behind, no page shared. Nothing to
+            # plan, so write at once (the host work here is paid on every layer of every token).
+            self._store(k, v, counts, cu_seqlens, new, keep_block)
+            return
         # Plan everything before changing anything, so a pool too small leaves the cache as it was.
-        evicted = self._evictions(keep_block)
+        evict_seq, evict_heads, evict_blk, released = self._evictions(keep_block)
         seq, heads, blk = self._allocations(old, new, keep_block)
-        released = torch.cat([pages for *_, pages in evicted]) if evicted else None
-        freed = self._would_free(released).numel() if released is not None else 0
+        freed = self._would_free(released).numel()
         copies = self._copies_on_write(old, new, released)
         needed = seq.numel() + copies[0].numel()
         if needed > self._num_free + freed:
@@ -444,10 +463,10 @@ class PagedKVCache:
             )
         changed: list[torch.Tensor] = []  # flat page-table indices whose entry changed
         h, nb = self.num_kv_heads, self.max_blocks
-        for b, evict_heads, evict_blocks, pages in evicted:
-            self._release(pages)
-            self._table[b, evict_heads, evict_blocks] = -1
-            changed.append((b * h + evict_heads) * nb + evict_blocks)
+        if released.numel():
+            self._release(released)
+            self._table[evict_seq, evict_heads, evict_blk] = -1
+            changed.append((evict_seq * h + evict_heads) * nb + evict_blk)
         if copies[0].numel():
             self._copy_pages(*copies, changed)
         if seq.numel():
@@ -459,6 +478,22 @@ class PagedKVCache:
             idx = torch.cat(changed)
             self.page_table.view(-1)[self._upload(idx)] = self._upload(self._table.view(-1)[idx])
         self._store(k, v, counts, cu_seqlens, new, keep_block)
+
+    def _check_keep_from(self, keep_from: Sequence[int], new: list[int]) -> None:
+        if len(keep_from) != self.batch_size:
+            raise ValueError(f"keep_from needs one position per sequence, got {len(keep_from)}")
+        for b, pos in enumerate(keep_from):
+            if not isinstance(pos, int) or not 0 <= pos <= new[b]:
+                raise ValueError(
+                    f"keep_from[{b}] must be an integer in [0, {new[b]}] (the sequence's new "
+                    f"length), got {pos!r}"
+                )
+
+    def _within_blocks(self, old: list[int], new: list[int]) -> bool:
+        """Whether every sequence's new tokens fall in the block that already holds its last
+        token (or it has none): then no page is allocated."""
+        bs = self.block_size
+        return all(a == n or (a % bs and (n - 1) // bs == a // bs) for a, n in zip(old, new))
 
     def _store(self, k, v, counts, cu_seqlens, new, keep_block) -> None:
         """Write the new tokens and take the new lengths, on the host and the device."""
@@ -514,22 +549,31 @@ class PagedKVCache:
 
     def _evictions(
         self, keep_block: list[int]
-    ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(sequence, heads, blocks, pages) of the pages whose block's last reader lies before
-        the sequence's keep block."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sequence, head, block, page) of each page whose block's last reader lies before the
+        sequence's keep block, by sequence, then head, then block."""
         if not self.eviction.evicts:
-            return []
-        out = []
-        for b, q0 in enumerate(keep_block):
-            if q0 <= self._keep_block[b]:
-                continue
-            # A stored block j has last use >= j, so only blocks before q0 can go.
-            table = self._table[b, :, :q0]
-            drop = (table >= 0) & ~self.eviction.read_from(q0, slice(0, q0))
-            if drop.any():
-                heads, blocks = drop.nonzero(as_tuple=True)
-                out.append((b, heads, blocks, table[heads, blocks].clone()))
-        return out
+            return _NO_PAGES
+        # Sequences moving their keep block over the same range drop the same blocks (a batch
+        # decoding in step moves together): look those up once, then read every table at once.
+        moves: dict[tuple[int, int], list[int]] = {}
+        for b, (before, q0) in enumerate(zip(self._keep_block, keep_block)):
+            if q0 > before:
+                moves.setdefault((before, q0), []).append(b)
+        parts = []
+        for (before, q0), seqs in moves.items():
+            # Every stored block is read from its sequence's keep block on (stored only if so,
+            # freed once not): what goes is what was last read in [before, q0), where held.
+            heads, blocks = self.eviction.last_read_in(before, q0)
+            seq = torch.tensor(seqs, dtype=torch.int64)
+            pages = self._table[seq[:, None], heads, blocks]  # (sequences, blocks)
+            rows, cols = (pages >= 0).nonzero(as_tuple=True)
+            parts.append((seq[rows], heads[cols], blocks[cols], pages[rows, cols]))
+        if not parts:
+            return _NO_PAGES
+        seq, heads, blocks, pages = (torch.cat(t) for t in zip(*parts))
+        order = torch.argsort(seq, stable=True)  # the pool's free list takes them in this order
+        return seq[order], heads[order], blocks[order], pages[order]
 
     def _allocations(
         self, old: list[int], new: list[int], keep_block: list[int]
@@ -579,7 +623,7 @@ class PagedKVCache:
         self._push_free(gone.to(torch.int32))
 
     def _copies_on_write(
-        self, old: list[int], new: list[int], released: torch.Tensor | None
+        self, old: list[int], new: list[int], released: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sequence, head, block) of the shared pages the new tokens write into (the block
         holding each sequence's old end), counted after this append's evictions."""
@@ -587,8 +631,7 @@ class PagedKVCache:
         if not self._shared:
             return empty, empty, empty
         refs = self._refs.clone()
-        if released is not None:
-            refs.index_add_(0, released.long(), torch.full_like(released, -1))
+        refs.index_add_(0, released.long(), torch.full_like(released, -1))
         seqs = [b for b, (a, n) in enumerate(zip(old, new)) if n > a and a % self.block_size]
         if not seqs:
             return empty, empty, empty

@@ -110,11 +110,28 @@ class EvictionSchedule:
         self.last_use = last_use
         self.num_kv_heads = num_kv_heads
         self.num_blocks = num_blocks
+        # last_use flattened and sorted, built at the first eviction (see last_read_in)
+        self._by_last_use: torch.Tensor | None = None
+        self._sorted_last_use: torch.Tensor | None = None
 
     @property
     def evicts(self) -> bool:
         """Whether any block is ever freed before its sequence is."""
         return not self.dense and self.kv_efficient
+
+    def last_read_in(self, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heads, blocks) of the KV blocks whose last reader is a query block in
+        ``[first, stop)``, in (head, block) order: what a sequence may free when its queries
+        move on from ``first`` to ``stop``. The cost is that of the blocks found, not of the
+        sequence's length (a decode step pays it in every layer)."""
+        if self._by_last_use is None:
+            flat = self.last_use.flatten()
+            self._by_last_use = torch.argsort(flat, stable=True)
+            self._sorted_last_use = flat[self._by_last_use]
+        bounds = torch.tensor([first, stop], dtype=torch.int64)
+        lo, hi = torch.searchsorted(self._sorted_last_use, bounds).tolist()
+        flat_index = self._by_last_use[lo:hi].sort().values
+        return flat_index // self.num_blocks, flat_index % self.num_blocks
 
     def read_from(
         self, from_block: int | torch.Tensor, blocks: torch.Tensor | slice
