@@ -1,14 +1,15 @@
-"""Context parallelism: exactness against one GPU, time per rank, bytes moved, strong scaling.
+"""Context parallelism: exactness against one GPU, time and balance per rank, bytes, scaling.
 
 Every rank builds the same full q, k, v and output gradient, takes its shard with
 ``s2attn.distributed.shard``, runs ``context_parallel_attention`` forward and backward, and
 checks each rank's shards of the output and dq/dk/dv against the same shards of one-device
 ``sparse_attention`` on the whole sequence (the worst rank's relative error under 1e-2 in bf16,
 2e-3 in fp16, 1e-4 in fp32). Then it times forward and forward+backward (median of ``--iters``
-after a barrier; the slowest rank is reported) and the one-device call on the whole sequence,
-and reports strong-scaling efficiency (one-device time / (W x time per rank)), the K/V bytes each
-rank receives and holds (its shard, what it receives, its chunks' compact keys), and each call's
-GPU memory peak (which counts the full-sequence tensors held for the comparison).
+after a barrier; the slowest rank is reported, and its ratio to the mean rank's) and the
+one-device call on the whole sequence, and reports strong-scaling efficiency (one-device time /
+(W x time per rank)), the K/V bytes each rank receives and holds (its shard, what it receives,
+its chunks' compact keys), and each call's GPU memory peak (which counts the full-sequence
+tensors held for the comparison).
 
     python benchmarks/context_parallel.py                          # world size 1
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
@@ -44,8 +45,9 @@ from s2attn.distributed import (
 )
 
 HEADERS = [
-    "pass", "ranks", "ms per rank", "one device ms", "efficiency", "MiB in, busiest rank",
-    "all-gather MiB", "K/V held MiB, busiest rank", "GPU peak GiB, busiest rank",
+    "pass", "ranks", "ms per rank", "slowest / mean rank", "one device ms", "efficiency",
+    "MiB in, busiest rank", "all-gather MiB", "K/V held MiB, busiest rank",
+    "GPU peak GiB, busiest rank",
 ]  # fmt: skip
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
@@ -53,6 +55,12 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 def timed_ms(fn, iters: int) -> float:
     """Median ms of ``fn`` over ``iters`` runs, each started together on every rank; the slowest
     rank's."""
+    return rank_times_ms(fn, iters)[0]
+
+
+def rank_times_ms(fn, iters: int) -> tuple[float, float]:
+    """The slowest rank's and the mean rank's median ms of ``fn`` over ``iters`` runs, each run
+    started together on every rank (their ratio is the balance)."""
     on_gpu = torch.cuda.is_available()
     times = []
     for i in range(iters + 2):
@@ -66,8 +74,10 @@ def timed_ms(fn, iters: int) -> float:
         if i >= 2:  # the first two warm up (compilation, layouts)
             times.append((time.perf_counter() - t0) * 1e3)
     mine = torch.tensor([statistics.median(times)], device="cuda" if on_gpu else "cpu")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return mine.item()
+    slowest, total = mine.clone(), mine.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return slowest.item(), total.item() / dist.get_world_size()
 
 
 def worst_shard_err(mine: torch.Tensor, full: torch.Tensor) -> float:
@@ -264,11 +274,12 @@ def main() -> int:
         ("fwd", cp_fwd, one_fwd, moved),
         ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved),
     ):
-        t_cp = timed_ms(cp, args.iters)
+        t_cp, t_mean = rank_times_ms(cp, args.iters)
         t_one = None if args.no_reference else timed_ms(one, args.iters)
         rows.append(
             dict(
-                pass_=name, world=world, seq=args.seq, cp_ms=t_cp, one_device_ms=t_one,
+                pass_=name, world=world, seq=args.seq, cp_ms=t_cp, balance=t_cp / t_mean,
+                one_device_ms=t_one,
                 efficiency=None if t_one is None else t_one / (world * t_cp),
                 mib_per_rank=bytes_moved / 2**20,
                 all_gather_mib=(gather if name == "fwd" else 2 * gather) / 2**20,
@@ -306,6 +317,7 @@ def main() -> int:
                         r["pass_"],
                         world,
                         f"{r['cp_ms']:.2f}",
+                        f"{r['balance']:.3f}",
                         cell(r["one_device_ms"], "{:.2f}"),
                         cell(r["efficiency"], "{:.2f}"),
                         f"{r['mib_per_rank']:.1f}",
