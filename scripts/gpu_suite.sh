@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The test suite on every visible GPU at once: the test files dealt out by size, one `pytest -n W`
+# per GPU (one process per GPU is compile-bound), each GPU's log in LOG_DIR (default: .).
+#
+#     LOG_DIR=$OUT scripts/gpu_suite.sh [WORKERS_PER_GPU]
+#
+# Exit status: 0 when every GPU's run passed. Each log ends with pytest's summary of failures.
+set -u
+workers=${1:-8}
+log_dir=${LOG_DIR:-.}
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -lt 1 ]; then
+    echo "no GPU visible" >&2
+    exit 2
+fi
+# Largest files first, each to the GPU with the fewest bytes so far: a rough balance.
+mapfile -t files < <(ls -S tests/test_*.py)
+declare -a load sel
+for ((g = 0; g < gpus; g++)); do load[g]=0; sel[g]=""; done
+for f in "${files[@]}"; do
+    best=0
+    for ((g = 1; g < gpus; g++)); do
+        if [ "${load[g]}" -lt "${load[best]}" ]; then best=$g; fi
+    done
+    load[best]=$((load[best] + $(stat -c %s "$f")))
+    sel[best]="${sel[best]} $f"
+done
+pids=()
+for ((g = 0; g < gpus; g++)); do
+    # shellcheck disable=SC2086  # the file list is meant to split into words
+    CUDA_VISIBLE_DEVICES=$g python -m pytest -n "$workers" -q -rfE -p no:cacheprovider ${sel[g]} \
+        > "$log_dir/gpu_suite_$g.log" 2>&1 &
+    pids+=($!)
+done
+status=0
+for ((g = 0; g < gpus; g++)); do
+    wait "${pids[g]}" || status=1
+    echo "GPU $g:$(tail -n 1 "$log_dir/gpu_suite_$g.log")"
+done
+exit $status
