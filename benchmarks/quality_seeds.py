@@ -6,7 +6,8 @@ apart) and it tabulates, per variant, the mean and the range of the validation l
 dense (within each seed, then averaged), and the needle accuracy, so a claimed difference can be
 read against the seed-to-seed spread. Runs of one seed may come as several files (one variant each,
 as when each run trains alone): they are joined by seed, and each variant's gap is taken against
-the dense run of its own seed (none where that seed has no dense run).
+the dense run of its own seed (none where that seed has no dense run). A second table lists every
+run with the device it ran on, since the runs of one comparison may come from different machines.
 
     python benchmarks/quality_seeds.py benchmarks/results/*_quality_seed*.json
 
