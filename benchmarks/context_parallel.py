@@ -33,7 +33,16 @@ import time
 
 import torch
 import torch.distributed as dist
-from run_info import cell, environment, parser, result_stem, table, versions_line, write_results
+from run_info import (
+    cell,
+    environment,
+    parser,
+    rel_err,
+    result_stem,
+    table,
+    versions_line,
+    write_results,
+)
 
 import s2attn
 from s2attn.distributed import (
@@ -83,13 +92,7 @@ def rank_times_ms(fn, iters: int) -> tuple[float, float]:
 def worst_shard_err(mine: torch.Tensor, full: torch.Tensor) -> float:
     """The largest over the ranks of the relative error of a rank's shard against the same shard
     of the one-device tensor."""
-    theirs = shard(full)
-    # Summed in float64 over pieces of the sequence: a float64 copy of a 1M-token shard is 16 GiB.
-    diff2 = ref2 = 0.0
-    for a, b in zip(mine.split(8192, dim=1), theirs.split(8192, dim=1)):
-        diff2 += (a.double() - b.double()).square().sum().item()
-        ref2 += b.double().square().sum().item()
-    err = torch.tensor([(diff2 / ref2) ** 0.5], device=mine.device)
+    err = torch.tensor([rel_err(mine, shard(full))], device=mine.device)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     return err.item()
 

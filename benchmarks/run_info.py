@@ -78,10 +78,17 @@ def host_ms(fn: Callable[[], object], calls: int) -> float:
 
 
 # ------------------------------------------------------------------------------------- tables
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor, piece: int = 8192) -> float:
     """Relative error of ``a`` against the reference ``b``: the norm of the difference over the
-    norm of ``b``, in float64."""
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    norm of ``b``, in float64, summed over pieces of ``piece`` along the longest dimension (a
+    float64 copy of a whole 1M-token tensor would be 16 GiB)."""
+    dim = max(range(a.dim()), key=a.shape.__getitem__) if a.dim() else 0
+    pieces = zip(a.split(piece, dim), b.split(piece, dim)) if a.dim() else [(a, b)]
+    diff2 = ref2 = 0.0
+    for x, y in pieces:
+        diff2 += (x.double() - y.double()).square().sum().item()
+        ref2 += y.double().square().sum().item()
+    return (diff2 / ref2) ** 0.5
 
 
 def cell(x: float | None, spec: str = "{:.3f}") -> str:
