@@ -17,6 +17,7 @@ import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
 from s2attn.ops.options import TritonDecodeConfig
 from s2attn.ops.triton import decode as triton_decode
+from s2attn.ops.triton.launcher import _arg_key
 
 BS = 16
 MAX_LEN = 256
@@ -115,6 +116,56 @@ def test_split_k_merge_is_exact(num_splits):
     pattern = make_pattern("s2", heads, kv_heads)
     cache, ks, vs = filled_cache(pattern, [150, 90], kv_heads, dim, dtype)
     check_step(cache, ks, vs, heads, 2, dtype, f"splits={num_splits}", num_splits=num_splits)
+
+
+def test_split_merge_over_many_steps_leaves_counters_at_zero():
+    # The last split to finish merges, counted by the cache's counters: on a GPU the splits run
+    # concurrently, so many steps give the count many chances to go wrong.
+    torch.manual_seed(6)
+    heads, kv_heads, dim, dtype = 4, 2, 32, DTYPES[0]
+    pattern = make_pattern("per_query_head", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [150, 90, 201], kv_heads, dim, dtype)
+    for i in range(12):
+        check_step(cache, ks, vs, heads, 1 + i % 3, dtype, f"step {i}", num_splits=3 + i % 5)
+        assert not cache.split_counters.any(), f"step {i} left a split count behind"
+
+
+def test_launcher_keys_follow_triton_specialization():
+    # Calls share a compiled kernel only when Triton would have specialized them alike: same
+    # dtypes, the same 16-byte alignment of every tensor, the same value of every other argument.
+    buf = torch.zeros(64, dtype=torch.float16)
+    a, b, shifted = buf[:8], buf[8:16], buf[1:9]
+    assert _arg_key(a) == _arg_key(b)
+    assert _arg_key(a) != _arg_key(shifted)
+    assert _arg_key(a) != _arg_key(a.float())
+    assert _arg_key(16) != _arg_key(17)
+    assert _arg_key(1) != _arg_key(True)
+    assert _arg_key(0.5) == _arg_key(0.5)
+
+
+@skip_without_gpu
+def test_repeated_launches_reuse_only_a_matching_compiled_kernel():
+    torch.manual_seed(7)
+    heads, kv_heads, dim, dtype = 4, 2, 64, torch.bfloat16
+    pattern = make_pattern("s2", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [150, 90], kv_heads, dim, dtype)
+    q = torch.randn(2, 1, heads, dim, device=DEVICE, dtype=dtype)
+    memo = triton_decode._DECODE.compiled
+    first = sparse_attention_with_kvcache(q, cache, num_splits=3)
+    keys = len(memo)
+    again = sparse_attention_with_kvcache(q.clone(), cache, num_splits=3)  # the direct launch
+    assert len(memo) == keys
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    # A query 2 bytes off 16-byte alignment: Triton would specialize anew, so must the memo.
+    spare = torch.empty(q.numel() + 1, device=DEVICE, dtype=dtype)
+    shifted = spare[1:].view(q.shape).copy_(q)
+    assert shifted.data_ptr() % 16
+    out = sparse_attention_with_kvcache(shifted, cache, num_splits=3)
+    assert len(memo) == keys + 1
+    torch.testing.assert_close(out, first, rtol=0, atol=0)
+    # And a call through the memo is exact against the reference.
+    check_step(cache, ks, vs, heads, 1, dtype, "after the memo's launches", num_splits=3)
+    check_step(cache, ks, vs, heads, 1, dtype, "a memo hit", num_splits=3)
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,7 @@ def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):
         cache.decode_layout,
         softmax_scale=scale,
         num_splits=num_splits,
+        split_counters=cache.split_counters,
     )
 
 

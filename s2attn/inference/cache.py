@@ -210,6 +210,7 @@ class PagedKVCache:
         self._keep_block = [0] * batch_size
         self._layout: DecodeLayout | None = None
         self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
+        self._split_counters: torch.Tensor | None = None
         # Tokens per step of compiled decode steps (s2attn.inference.decode_op), set once one is
         # traced: those advance the device's lengths alone, and catch_up brings the host's along.
         self._device_step: int | None = None
@@ -356,6 +357,15 @@ class PagedKVCache:
             self._list_lengths = layout.list_lengths.tolist()
             self._layout = layout
         return self._layout
+
+    @property
+    def split_counters(self) -> torch.Tensor:
+        """The decode kernel's count of finished splits per (sequence, KV head), zero between
+        launches. One per cache: its steps launch in order on one stream, so they can share it."""
+        if self._split_counters is None:
+            n = self.batch_size * self.num_kv_heads
+            self._split_counters = torch.zeros(n, dtype=torch.int32, device=self.device)
+        return self._split_counters
 
     @_host_synced
     def decode_num_splits(self, num_new: int) -> int:

@@ -9,8 +9,9 @@ hides the unwritten end of the last page). A KV block is one page of ``block_siz
 through the page table.
 
 With one split, the program writes the output directly. With more, each writes its normalised
-partial output and natural-log LSE, and ``_merge_kernel`` combines them exactly: at long contexts
-and small batches there are too few (sequence, KV head) pairs to fill the GPU otherwise.
+partial output and natural-log LSE, and the last of a (sequence, KV head)'s programs to finish
+(counted by an atomic) combines them exactly, in the same launch: at long contexts and small
+batches there are too few (sequence, KV head) pairs to fill the GPU otherwise.
 
 The kernels know layouts, page tables and strides, never patterns. The cache's page writes are
 in ``page_write.py``.
@@ -29,6 +30,7 @@ from ..env import POISON_OUTPUTS
 from ..launch import LOG2E, lse_dtype
 from ..options import TritonDecodeConfig
 from .common import dot_precision, padded_head_dim
+from .launcher import Launcher
 
 __all__ = ["MAX_DECODE_ROWS", "decode", "decode_num_splits", "default_config"]
 
@@ -136,6 +138,7 @@ def _decode_kernel(
     Lse,
     OutSplit,
     LseSplit,
+    Counters,
     page_table,
     seq_lens,
     full_offsets,
@@ -253,74 +256,79 @@ def _decode_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
     lse = tl.where(empty, float("-inf"), lse)
+    out_ptrs = (
+        Out + b.to(tl.int64) * stride_ob + t[:, None] * stride_os + h[:, None] * stride_oh
+        + offs_d[None, :] * stride_od
+    )  # fmt: skip
+    lse_ptrs = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_ls
     if not SPLIT:
-        tl.store(
-            Out + b.to(tl.int64) * stride_ob + t[:, None] * stride_os + h[:, None] * stride_oh
-            + offs_d[None, :] * stride_od,
-            out.to(Out.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
-        tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_ls, lse, mask=row_ok)
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse, mask=row_ok)
     else:
-        # Scratch (batch, new, heads, splits, dim), contiguous: a merge row reads one run.
+        # Scratch (batch, new, heads, splits, dim), contiguous: a row's splits lie in one run.
         row = (b.to(tl.int64) * NUM_NEW + t) * (NUM_KV_HEADS * GQA_GROUP) + h
-        slot = row * num_splits + split
         tl.store(
-            OutSplit + slot[:, None] * HEAD_DIM + offs_d[None, :],
+            OutSplit + (row * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :],
             out,
             mask=row_ok[:, None] & d_ok[None, :],
         )
-        tl.store(LseSplit + slot, lse, mask=row_ok)
+        tl.store(LseSplit + row * num_splits + split, lse, mask=row_ok)
+        # The last of a (sequence, KV head)'s splits to finish merges them all, so a step is one
+        # launch (a merge kernel of its own cost a second launch's host time on every layer).
+        # Every thread's stores come before the counter's release (the barrier, then the atomic
+        # at GPU scope); the last program's acquire comes before its loads, which bypass L1.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            merged, merged_lse = _merge_splits(
+                OutSplit, LseSplit, row, row_ok, offs_d, d_ok, num_splits, HEAD_DIM, BLOCK_M,
+                BLOCK_D,
+            )
+            tl.store(
+                out_ptrs, merged.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :]
+            )
+            tl.store(lse_ptrs, merged_lse, mask=row_ok)
+            tl.store(Counters + pid, 0)  # every split has arrived: ready for the next launch
 
 
 @triton.jit
-def _merge_kernel(
-    OutSplit,
-    LseSplit,
-    Out,
-    Lse,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    num_splits,
-    NUM_NEW: tl.constexpr,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """One program per (sequence, new token, query head): the exact LSE-weighted sum of splits."""
-    row = tl.program_id(0).to(tl.int64)
-    h = row % NUM_HEADS
-    t = (row // NUM_HEADS) % NUM_NEW
-    b = row // (NUM_HEADS * NUM_NEW)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_DIM
-    lse_s = tl.load(LseSplit + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
+def _merge_splits(
+    OutSplit, LseSplit, row, row_ok, offs_d, d_ok, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The exact LSE-weighted sum of ``row``'s splits, in split order (deterministic whichever
+    program merges): (out float32 (BLOCK_M, BLOCK_D), natural-log lse (BLOCK_M,))."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(
+            LseSplit + row * num_splits + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        m = tl.maximum(m, lse_s)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_ref)
-    denom = tl.sum(w, 0)
-    o = tl.load(
-        OutSplit + (row * num_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(
+            LseSplit + row * num_splits + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        w = tl.exp(lse_s - m_ref)
+        o = tl.load(
+            OutSplit + (row * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += w[:, None] * o
+        denom += w
     empty = denom == 0.0
-    out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, denom)
+    out = acc / tl.where(empty, 1.0, denom)[:, None]
     lse = tl.where(empty, float("-inf"), m_ref + tl.log(tl.where(empty, 1.0, denom)))
-    tl.store(
-        Out + b * stride_ob + t * stride_os + h * stride_oh + offs_d * stride_od,
-        out.to(Out.dtype.element_ty),
-        mask=d_ok,
-    )
-    tl.store(Lse + b * stride_lb + h * stride_lh + t * stride_ls, lse)
+    return out, lse
+
+
+# A decode step's launches cost more host time than their GPU work: skip Triton's binding when
+# the arguments repeat (every step of a layer, as the cache's tensors are updated in place).
+_DECODE = Launcher(_decode_kernel)
 
 
 @functools.cache
@@ -373,9 +381,10 @@ def decode(
     *,
     softmax_scale: float,
     num_splits: int = 1,
+    split_counters: torch.Tensor | None = None,
     config: TritonDecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the decode kernel (and the merge when ``num_splits > 1``) on validated inputs.
+    """Launch the decode kernel on validated inputs.
 
     Args:
         q: (batch, num_new, heads, dim): the new tokens' queries, the last ``num_new`` positions of
@@ -389,6 +398,10 @@ def decode(
         layout: the decode layout, over ``kv_heads`` KV heads and pages of ``block_size``.
         softmax_scale: the score scale.
         num_splits: programs per (sequence, KV head); see :func:`decode_num_splits`.
+        split_counters: int32, at least ``batch * kv_heads`` zeros on q's device, for
+            ``num_splits > 1``: each (sequence, KV head)'s count of finished splits, which the
+            kernel leaves at zero again. A caller that launches in order (a cache's steps) keeps
+            one; None allocates zeros for this call.
         config: launch settings for tuning sweeps; the fields left None take
             :func:`default_config`'s.
 
@@ -403,8 +416,10 @@ def decode(
     if num_splits > 1:
         out_split = torch.empty((*split_shape, head_dim), dtype=torch.float32, device=q.device)
         lse_split = torch.empty(split_shape, dtype=torch.float32, device=q.device)
+        if split_counters is None:
+            split_counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     else:
-        out_split = lse_split = lse  # not written
+        out_split = lse_split = split_counters = lse  # not read or written
     if POISON_OUTPUTS:
         for t in (out, lse, out_split, lse_split):
             t.fill_(float("nan"))
@@ -420,8 +435,8 @@ def decode(
     block_m = max(16, triton.next_power_of_2(group * num_new))
     block_d = padded_head_dim(head_dim)
     grid = (batch * num_kv_heads, num_splits)
-    _decode_kernel[grid](
-        q, k_pages, v_pages, out, lse, out_split, lse_split, page_table, seq_lens,
+    _DECODE[grid](
+        q, k_pages, v_pages, out, lse, out_split, lse_split, split_counters, page_table, seq_lens,
         layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_mid,
         layout.partial_cols, layout.partial_bits,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *page_table.stride(),
@@ -442,13 +457,4 @@ def decode(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if num_splits > 1:
-        _merge_kernel[(batch * num_new * num_heads,)](
-            out_split, lse_split, out, lse, *out.stride(), *lse.stride(), num_splits,
-            NUM_NEW=num_new,
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-        )
     return out, lse

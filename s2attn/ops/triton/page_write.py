@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import Launcher
+
 __all__ = ["write_pages"]
 
 
@@ -62,6 +64,9 @@ def _write_kernel(
         tl.store(VPages + page_row * stride_vp + slot * stride_vn + offs * stride_vpd, v, mask=ok)
 
 
+_WRITE = Launcher(_write_kernel)  # a step's launch, every layer of every token
+
+
 def write_pages(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -75,7 +80,7 @@ def write_pages(
     batch, num_new, num_kv_heads, head_dim = k.shape
     if k.numel() == 0:
         return
-    _write_kernel[(batch * num_new, num_kv_heads)](
+    _WRITE[(batch * num_new, num_kv_heads)](
         k, v, k_pages, v_pages, page_table, seq_lens,
         *k.stride(), *v.stride(), *k_pages.stride(), *v_pages.stride(), *page_table.stride(),
         NUM_NEW=num_new, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),

@@ -1,0 +1,97 @@
+"""Launching a small Triton kernel again without Triton's per-call binding.
+
+A decode step launches kernels of a few microseconds of GPU work, once per layer per token, so
+the host's cost of a launch decides its speed. ``kernel[grid](...)`` pays Triton's binder (each
+argument's specialization), its cache key and launch metadata on every call: 40-50 µs per launch
+on an H100 host for the decode kernel's 38 arguments, more than the kernel itself. :class:`Launcher`
+remembers the compiled kernel that Triton chose for a set of arguments and launches it directly
+when the same kind of arguments come again.
+
+What Triton specializes a compiled kernel on is a function of each argument's *value* for
+integers (its width, divisibility by 16, equality to 1), and of a tensor's dtype and the 16-byte
+alignment of its address. The memo's key holds exactly those for tensors and the whole value for
+every other argument, so two calls with the same key would have made the same compiled kernel:
+a hit cannot launch a kernel specialized for other arguments. Anything else (the interpreter,
+launch hooks such as a profiler's, arguments not on a GPU) takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+# Keys are few in practice (one per shape and dtype of the calls a model makes); the bound only
+# keeps a pathological caller (every call a new shape) from growing the memo without end.
+_MAX_KEYS = 256
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps each as a chain of hooks, empty when none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _arg_key(arg: Any) -> Any:
+    if type(arg) is torch.Tensor or isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() & 15)
+    return (type(arg), arg)
+
+
+class Launcher:
+    """``Launcher(kernel)[grid](*args, **kwargs)`` launches ``kernel`` as ``kernel[grid]`` would,
+    reusing the compiled kernel of an earlier call whose arguments Triton would have specialized
+    the same way.
+
+    Positional arguments are the kernel's leading parameters; keyword arguments name the rest
+    (constexprs) and launch options (``num_warps``, ``num_stages``).
+    """
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+        self.direct = isinstance(kernel, JITFunction)  # False under the interpreter
+        self.names = [p.name for p in kernel.params] if self.direct else []
+        self.compiled: dict[tuple, Any] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        first = args[0]
+        if (
+            not self.direct
+            or not isinstance(first, torch.Tensor)
+            or first.device.type != "cuda"
+            or _hooked(knobs.runtime.launch_enter_hook)
+            or _hooked(knobs.runtime.launch_exit_hook)
+            or self.kernel.pre_run_hooks
+        ):
+            self.kernel[grid](*args, **kwargs)
+            return
+        # Triton compiles for, and launches on, the current device and stream (not the tensors').
+        device = triton.runtime.driver.active.get_current_device()
+        key = (
+            device, knobs.runtime.debug, tuple([_arg_key(a) for a in args]), tuple(kwargs.items())
+        )  # fmt: skip
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if hasattr(compiled, "result"):  # Triton's asynchronous compilation mode
+                compiled = compiled.result()
+            if set(self.names[len(args) :]) <= kwargs.keys():  # else defaults fill the rest
+                if len(self.compiled) >= _MAX_KEYS:
+                    self.compiled.clear()
+                self.compiled[key] = compiled
+            return
+        # The launcher takes every parameter in the signature's order, constexprs included (it
+        # skips them), after the grid, stream, function and Triton's launch metadata and hooks
+        # (none here: a hook sends the call down Triton's own path above).
+        bound = args + tuple(kwargs[name] for name in self.names[len(args) :])
+        grid3 = (*grid, 1, 1)
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        compiled.run(
+            grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
+            None, None, None, *bound,
+        )  # fmt: skip
