@@ -14,6 +14,9 @@ Times (medians of ``triton.testing.do_bench``, ms):
 * ``s2 step``: a whole decode step, ``sparse_attention_with_kvcache(q, cache, k, v)``: append the
   token's K/V, evict, attend; mean over 32 consecutive steps (CUDA events).
 * ``SDPA``: dense SDPA on the dense cache.
+* ``Flex``: FlexAttention (``torch.compile``-d ``flex_attention``, which decodes a one-token query
+  with its split-K decoding kernel) on the dense cache with the pattern's block mask for the new
+  token's query block; launched as a user would call it, host work included like ``s2 call``.
 
 KV memory: the S2 cache's live pages, what its pattern needs, and the dense cache. ``rel err``
 compares sequence 0's S2 output with the dense-mask reference.
@@ -92,6 +95,36 @@ def step_time(cache: PagedKVCache, q, k, v) -> float:
     return start.elapsed_time(end) / STEPS
 
 
+_FLEX = None
+
+
+def flex_fn(pattern, q, k_full, v_full, scale: float):
+    """FlexAttention over the dense cache, masked to the blocks the pattern keeps for the new
+    token (the last key): a callable, and its output once."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    kv_len = k_full.shape[2]
+    group = HEADS // KV_HEADS
+    # The new token's query block's row per KV head; keys past it do not exist, so it is causal.
+    row = (kv_len - 1) // BLOCK
+    keep = torch.zeros(KV_HEADS, pattern.num_kv_blocks, dtype=torch.bool)
+    for head in range(KV_HEADS):
+        keep[head, pattern.row_blocks(head, row, row + 1)[1]] = True
+    keep = keep.to(q.device)
+
+    def kept(b, h, q_idx, kv_idx):
+        return keep[h // group, kv_idx // BLOCK]
+
+    mask = create_block_mask(kept, None, HEADS, 1, kv_len, device=q.device, BLOCK_SIZE=(128, BLOCK))
+    fn = functools.partial(
+        _FLEX, q.transpose(1, 2), k_full, v_full, block_mask=mask, scale=scale, enable_gqa=True
+    )
+    return fn, fn().transpose(1, 2)
+
+
 def kernel_fn(
     cache: PagedKVCache, q, scale: float, splits: int, config: TritonDecodeConfig | None = None
 ):
@@ -160,6 +193,9 @@ def run_stride(
     kernel_ms = median_ms(kernel)
     kernel_graph_ms = graph_ms(kernel)
     call_ms = median_ms(functools.partial(sparse_attention_with_kvcache, q, cache))
+    flex, flex_out = flex_fn(pattern, q, k_full, v_full, scale)
+    flex_ms = median_ms(flex)
+    flex_err = ((flex_out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
     report = cache.memory_report()
     best = sweep(cache, q, scale, kernel_ms) if do_sweep else None
     step_ms = step_time(cache, q, k1, v1)
@@ -175,6 +211,8 @@ def run_stride(
         s2_call_ms=call_ms,
         s2_step_ms=step_ms,
         sdpa_ms=sdpa_ms,
+        flex_ms=flex_ms,
+        flex_rel_err=flex_err,
         s2_kernel_graph_ms=kernel_graph_ms,
         sdpa_graph_ms=sdpa_graph_ms,
         speedup_vs_sdpa=sdpa_ms / kernel_ms,
@@ -189,7 +227,7 @@ def run_stride(
     print(
         f"    V{stride}: kernel {kernel_ms:.4f} ms ({row['read_gbps']:.0f} GB/s, {splits} splits, "
         f"{blocks} blocks) graph {kernel_graph_ms or float('nan'):.4f} call {call_ms:.4f} "
-        f"step {step_ms:.4f} | KV live "
+        f"step {step_ms:.4f} | Flex {flex_ms:.4f} (err {flex_err:.1e}) | KV live "
         f"{row['live_mib']:.0f} need {row['needed_mib']:.0f} dense {row['dense_mib']:.0f} MiB | "
         f"x{row['speedup_vs_sdpa']:.1f} vs SDPA | rel err {err:.1e}",
         flush=True,
@@ -197,16 +235,29 @@ def run_stride(
     return row
 
 
+def device_limits() -> dict:
+    """What a captured decode step is read against: the GPU's copy rate (a 1 GiB copy, replayed
+    from a CUDA graph; bytes read plus bytes written per second) and one launch (a one-element
+    add replayed the same way: the kernel and the gap between kernels in a graph)."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_ms = graph_ms(lambda: dst.copy_(src)) or median_ms(lambda: dst.copy_(src))
+    one = torch.zeros(1, device=DEVICE)
+    launch_ms = graph_ms(lambda: one.add_(1)) or median_ms(lambda: one.add_(1))
+    limits = dict(copy_gbps=2 * n / copy_ms / 1e6, launch_ms=launch_ms)
+    print(f"  copy {limits['copy_gbps']:.0f} GB/s, one launch {launch_ms * 1e3:.1f} us", flush=True)
+    return limits
+
+
 def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
     torch.manual_seed(0)
-    k_dense = torch.randn(batch, KV_HEADS, ctx, DIM, device=DEVICE, dtype=DTYPE)
-    v_dense = torch.randn_like(k_dense)
+    # The dense cache: the context plus the new token (the last position), made in place so that
+    # the largest cases (128k x 64 sequences: 32 GiB) need no second copy.
+    k_full = torch.randn(batch, KV_HEADS, ctx + 1, DIM, device=DEVICE, dtype=DTYPE)
+    v_full = torch.randn_like(k_full)
     q = torch.randn(batch, 1, HEADS, DIM, device=DEVICE, dtype=DTYPE)
-    k1, v1 = (torch.randn(batch, 1, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(2))
-    # Dense SDPA over the context plus the new token, as a dense cache would hold them.
-    k_full = torch.cat([k_dense, k1.transpose(1, 2)], dim=2)
-    v_full = torch.cat([v_dense, v1.transpose(1, 2)], dim=2)
-    del k_dense, v_dense
+    k1, v1 = (t[:, :, ctx:].transpose(1, 2).contiguous() for t in (k_full, v_full))
     sdpa = functools.partial(
         F.scaled_dot_product_attention, q.transpose(1, 2), k_full, v_full, enable_gqa=True
     )
@@ -254,9 +305,14 @@ COLUMNS = [
     ("s2 call ms", lambda r: f"{r['s2_call_ms']:.4f}"),
     ("s2 step ms", lambda r: f"{r['s2_step_ms']:.4f}"),
     ("SDPA ms", lambda r: f"{r['sdpa_ms']:.4f}"),
+    ("Flex ms", lambda r: cell(r.get("flex_ms"), "{:.4f}")),
+    ("call x SDPA", lambda r: f"{r['sdpa_ms'] / r['s2_call_ms']:.1f}"),
+    ("call x Flex", lambda r: cell(_ratio(r.get("flex_ms"), r["s2_call_ms"]), "{:.1f}")),
     ("SDPA graph ms", lambda r: cell(r["sdpa_graph_ms"], "{:.4f}")),
     ("x SDPA", lambda r: f"{r['speedup_vs_sdpa']:.1f}"),
     ("x SDPA graph", lambda r: cell(_ratio(r["sdpa_graph_ms"], r["s2_kernel_graph_ms"]), "{:.1f}")),
+    ("bound ms", lambda r: cell(r.get("bound_ms"), "{:.4f}")),
+    ("graph / bound", lambda r: cell(_ratio(r["s2_kernel_graph_ms"], r.get("bound_ms")), "{:.2f}")),
     (
         "GB/s graph",
         lambda r: cell(_ratio(r["read_bytes"] / 1e6, r["s2_kernel_graph_ms"]), "{:.0f}"),
@@ -268,7 +324,7 @@ COLUMNS = [
 ]
 
 
-def markdown(rows: list[dict], env: dict) -> str:
+def markdown(rows: list[dict], env: dict, limits: dict) -> str:
     lines = heading(
         "Decode benchmark",
         env,
@@ -276,8 +332,13 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"block {BLOCK}, local_blocks {LOCAL}. Medians of `triton.testing.do_bench` (step: mean "
         f"of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
         "second by the kernel. KV MiB: live pages of the S2 cache, what the pattern needs, the "
-        "dense cache. `graph` columns: the same call replayed from a CUDA graph "
-        "(`do_bench_cudagraph`), i.e. GPU time without Python's launch overhead.",
+        "dense cache. `call x SDPA`, `call x Flex`: their ms / s2 call ms (the public call against "
+        "each, launched eagerly). `graph` columns: the same call replayed from a CUDA graph "
+        "(`do_bench_cudagraph`), i.e. GPU time without Python's launch overhead. `bound ms`: the "
+        f"bytes the kernel must read at the measured copy rate ({limits['copy_gbps']:.0f} GB/s, "
+        f"bytes read and written by a 1 GiB copy) plus one launch ({limits['launch_ms'] * 1e3:.1f} "
+        "us, a one-element add), both replayed from a CUDA graph; `graph / bound`: the captured "
+        "kernel against it. Replays of a small case read pages that stay in L2.",
     )
     lines += table([name for name, _ in COLUMNS], ([c(r) for _, c in COLUMNS] for r in rows))
     best = [r for r in rows if r["sweep_best"]]
@@ -303,14 +364,18 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     strides = [int(s) for s in args.strides.split(",")]
+    limits = device_limits()
     rows = []
     cases = list(itertools.product(contexts, batches))
     for i, (ctx, batch) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] context {ctx}, batch {batch}", flush=True)
         rows += run(ctx, batch, strides, args.sweep)
         torch.cuda.empty_cache()
+    for row in rows:  # the captured kernel against its bytes at the copy rate, plus one launch
+        row["bound_ms"] = row["read_bytes"] / (limits["copy_gbps"] * 1e6) + limits["launch_ms"]
     stem = result_stem(env, f"decode{args.tag}")
-    write_results(args.out_dir, stem, markdown(rows, env), dict(env=env, rows=rows))
+    write_results(args.out_dir, stem, markdown(rows, env, limits),
+                  dict(env=env, limits=limits, rows=rows))  # fmt: skip
     return 0
 
 

@@ -43,11 +43,12 @@ MODEL = dict(
 )
 
 
-def build_model(max_len: int):
+def build_model(max_len: int, shape: dict = MODEL):
+    """The Llama of ``shape`` with random weights (seed 0), bf16, in eval mode, on the GPU."""
     import transformers
 
     config = transformers.LlamaConfig(
-        **MODEL,
+        **shape,
         max_position_embeddings=max_len,
         bos_token_id=1,
         eos_token_id=None,
