@@ -6,8 +6,9 @@
 Batch 1, a causal local-stride pattern with staggered heads (block 64, local 16 blocks, stride 64
 by default), inputs made on the device. It reports:
 
-- **compilation**: one forward+backward at ``--warm-seq`` tokens first, which compiles the
-  kernels the long sequence uses;
+- **compilation**: one forward+backward at ``--warm-seq`` tokens first, which compiles most of
+  the kernels the long sequence uses (integer widths it changes compile again in the long call:
+  run twice, and the second process reads them from Triton's disk cache);
 - **host**: the wall time and the growth of the process's peak resident memory (``ru_maxrss``)
   while the pattern and its forward and backward layouts are built, i.e. what the first call
   costs beyond compiling the kernels; then the first forward+backward call itself, and its excess
@@ -26,6 +27,8 @@ Exit status 1 when a check fails. Writes markdown and JSON to ``benchmarks/resul
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import resource
 import statistics
 import time
@@ -135,6 +138,11 @@ def main() -> int:
     for flag, default in defaults:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="print cProfile's table of the first forward+backward's host time (where it goes)",
+    )
     args = ap.parse_args()
     args.kv_heads = args.kv_heads or args.heads
     dtype = getattr(torch, args.dtype)
@@ -142,9 +150,12 @@ def main() -> int:
     env = environment()
     print(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']}")
 
-    # Compilation apart: the same call on a short sequence compiles the kernels the long one
-    # launches (Triton specializes on dtypes, head counts, dims and block sizes, not on lengths),
-    # so the long sequence's first call below shows the host cost beyond compilation.
+    # Compilation apart: the same call on a short sequence compiles most kernels the long one
+    # launches. Not all: Triton also specializes on integer arguments' width and divisibility,
+    # which long sequences change (strides past 2**31 become 64-bit), so the long call may compile
+    # again; run the script twice and the second process finds those kernels in Triton's disk
+    # cache, which leaves the host cost beyond compilation. The warm-up's backward takes a tensor
+    # gradient as the long call's does (a first such backward imports more of torch, ~2 s).
     t0 = time.perf_counter()
     warm = [torch.randn(1, args.warm_seq, h, args.dim, device=device, dtype=dtype)
             for h in (args.heads, args.kv_heads, args.kv_heads)]  # fmt: skip
@@ -153,7 +164,9 @@ def main() -> int:
         args.heads, args.warm_seq, args.block_size, args.local_blocks, args.stride,
         num_kv_heads=args.kv_heads,
     )  # fmt: skip
-    s2attn.sparse_attention(*warm, warm_pattern).sum().backward()
+    warm_out = s2attn.sparse_attention(*warm, warm_pattern)
+    warm_out.backward(torch.randn_like(warm_out))
+    del warm_out
     sync()
     compile_s = time.perf_counter() - t0
     del warm
@@ -197,10 +210,17 @@ def main() -> int:
         out, _ = forward()
         out.backward(do)
 
+    profile = cProfile.Profile() if args.profile_first else None
     t0 = time.perf_counter()
+    if profile:
+        profile.enable()
     forward_backward()
     sync()
+    if profile:
+        profile.disable()
     first_s = time.perf_counter() - t0
+    if profile:
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():

@@ -2,7 +2,10 @@
 # The test suite on every visible GPU at once: the test files dealt out by size, one `pytest -n W`
 # per GPU (one process per GPU is compile-bound), each GPU's log in LOG_DIR (default: .).
 #
-#     LOG_DIR=$OUT scripts/gpu_suite.sh [WORKERS_PER_GPU]
+#     LOG_DIR=$OUT [SUITE_TIMEOUT=300] [SUITE_SKIP='test_a.py|test_b.py'] scripts/gpu_suite.sh [WORKERS]
+#
+# SUITE_TIMEOUT (seconds) stops each GPU's pytest when it runs past it, so a device call keeps time
+# for the work after the suite. SUITE_SKIP (an extended regex) leaves out test files already run.
 #
 # Exit status: 0 when every GPU's run passed. Each log ends with pytest's summary of failures.
 set -u
@@ -14,7 +17,7 @@ if [ "$gpus" -lt 1 ]; then
     exit 2
 fi
 # Largest files first, each to the GPU with the fewest bytes so far: a rough balance.
-mapfile -t files < <(ls -S tests/test_*.py)
+mapfile -t files < <(ls -S tests/test_*.py | grep -Ev "${SUITE_SKIP:-^$}")
 declare -a load sel
 for ((g = 0; g < gpus; g++)); do load[g]=0; sel[g]=""; done
 for f in "${files[@]}"; do
@@ -28,7 +31,7 @@ done
 pids=()
 for ((g = 0; g < gpus; g++)); do
     # shellcheck disable=SC2086  # the file list is meant to split into words
-    CUDA_VISIBLE_DEVICES=$g python -m pytest -n "$workers" -q -rfE -p no:cacheprovider ${sel[g]} \
+    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE -p no:cacheprovider ${sel[g]} \
         > "$log_dir/gpu_suite_$g.log" 2>&1 &
     pids+=($!)
 done
