@@ -1,5 +1,10 @@
-"""Attention time and effective TFLOP/s: s2attn against SDPA flash (FlashAttention-2), cuDNN SDPA
-and FlexAttention on the same inputs and the same pattern.
+"""Attention time and effective TFLOP/s: s2attn against SDPA flash (FlashAttention-2), cuDNN SDPA,
+FlexAttention (its Triton kernels) and FA4-Flex (FlexAttention on FlashAttention-4's CuTe
+block-sparse kernels, ``kernel_options={"BACKEND": "FLASH"}``) on the same inputs and pattern.
+
+FA4-Flex needs the ``flash-attn-4`` package and its CuTe DSL dependencies; where
+``flash_attn.cute`` does not import, its rows say so and the rest runs. Its forward takes 128x64
+block masks, its block-sparse backward 128x128 ones.
 
 Effective FLOPs count only what the pattern keeps (4 * dim per kept token pair and head forward,
 2.5x that backward); the dense kernels are credited with the FLOPs of causal dense attention, so
@@ -27,7 +32,8 @@ from run_info import cell, heading, median_ms, parser, result_stem, start, table
 import s2attn
 from s2attn.layout import forward_layout
 
-PROVIDERS = ("s2attn", "flash", "cudnn", "flex")
+PROVIDERS = ("s2attn", "flash", "cudnn", "flex", "fa4-flex")
+SPARSE_PROVIDERS = ("s2attn", "flex", "fa4-flex")  # credited with the kept FLOPs
 
 
 @dataclass(frozen=True)
@@ -98,25 +104,28 @@ def _s2attn(case: Case, q, k, v, pattern):
     return lambda: s2attn.sparse_attention(q, k, v, pattern)
 
 
-def flex_block_mask(pattern: s2attn.BlockPattern, seq: int, block: int, device: str = "cuda"):
-    """FlexAttention's BlockMask for the pattern, built from s2attn's own tile layout (full tiles
-    apart from partial ones) rather than by evaluating a mask over seq x seq tokens."""
+def flex_block_mask(
+    pattern: s2attn.BlockPattern, seq: int, block_q: int, block_kv: int, device: str = "cuda"
+):
+    """FlexAttention's BlockMask for the pattern over ``block_q`` x ``block_kv`` tiles, built from
+    s2attn's own tile layout (full tiles apart from partial ones) rather than by evaluating a mask
+    over seq x seq tokens."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    layout = forward_layout(pattern, block, block, device)
-    tiles = math.ceil(seq / block)
+    layout = forward_layout(pattern, block_q, block_kv, device)
+    q_tiles, kv_tiles = math.ceil(seq / block_q), math.ceil(seq / block_kv)
     heads, groups = layout.num_heads, layout.num_groups
 
     def dense_lists(offsets, cols):
-        counts = (offsets[1:] - offsets[:-1]).view(heads, groups)[:, :tiles]
-        indices = torch.zeros(heads * groups, tiles, dtype=torch.int32, device=device)
+        counts = (offsets[1:] - offsets[:-1]).view(heads, groups)[:, :q_tiles]
+        indices = torch.zeros(heads * groups, kv_tiles, dtype=torch.int32, device=device)
         row = torch.repeat_interleave(
             torch.arange(heads * groups, device=device), (offsets[1:] - offsets[:-1]).long()
         )
         pos = torch.arange(cols.numel(), device=device) - offsets[:-1].long()[row]
-        keep = cols < tiles
+        keep = cols < kv_tiles
         indices[row[keep], pos[keep]] = cols[keep]
-        indices = indices.view(heads, groups, tiles)[:, :tiles]
+        indices = indices.view(heads, groups, kv_tiles)[:, :q_tiles]
         return counts[None].int().contiguous(), indices[None].contiguous()
 
     token_blocks = pattern.mask.to(device)
@@ -132,16 +141,25 @@ def flex_block_mask(pattern: s2attn.BlockPattern, seq: int, block: int, device: 
         kv_idx,
         full_num,
         full_idx,
-        BLOCK_SIZE=block,
+        BLOCK_SIZE=(block_q, block_kv),
         mask_mod=mask_mod,
         seq_lengths=(seq, seq),
     )
 
 
+def fa4_missing() -> str | None:
+    """Why FA4-Flex cannot run here, or None when FlashAttention-4's CuTe kernels import."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as exc:  # ImportError, or a CuTe DSL that fails to load
+        return f"flash-attn-4 not importable ({type(exc).__name__}: {str(exc)[:60]})"
+    return None
+
+
 _FLEX = None
 
 
-def _flex(case: Case, q, k, v, pattern, block: int):
+def _flex(case: Case, q, k, v, pattern, block_q: int, block_kv: int, fa4: bool = False):
     global _FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -152,11 +170,13 @@ def _flex(case: Case, q, k, v, pattern, block: int):
         torch._dynamo.config.recompile_limit = 1024
         torch._dynamo.config.accumulated_recompile_limit = 4096
         _FLEX = torch.compile(flex_attention, dynamic=False)
-    mask = flex_block_mask(pattern, case.seq, block)
+    mask = flex_block_mask(pattern, case.seq, block_q, block_kv)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     gqa = case.kv_heads != case.heads
-    # Its default forward tile is 128x128; a 64-token block mask needs tiles that divide it.
-    options = None if block == 128 else {"BLOCK_M": block, "BLOCK_N": block}
+    if fa4:
+        options = {"BACKEND": "FLASH"}
+    else:  # its default forward tile is 128x128; a 64-token block mask needs tiles that divide it
+        options = None if block_q == 128 else {"BLOCK_M": block_q, "BLOCK_N": block_kv}
     return lambda: _FLEX(
         qt, kt, vt, block_mask=mask, enable_gqa=gqa, kernel_options=options
     ).transpose(1, 2)
@@ -181,9 +201,15 @@ def _variants(provider: str, backward: bool, case: Case, q, k, v, pattern):
         return [("", lambda: _s2attn(case, q, k, v, pattern))]
     if provider in ("flash", "cudnn"):
         return [("", lambda: _sdpa(provider)(case, q, k, v, pattern))]
+    if provider == "fa4-flex":
+        if fa4_missing():
+            return []
+        shape = (128, 128) if backward else (128, 64)
+        label = f"block {shape[0]}x{shape[1]}"
+        return [(label, lambda: _flex(case, q, k, v, pattern, *shape, fa4=True))]
     # FlexAttention's backward needs 128x128 blocks; its forward may do better at 64.
     return [
-        (f"block {b}", lambda b=b: _flex(case, q, k, v, pattern, b))
+        (f"block {b}", lambda b=b: _flex(case, q, k, v, pattern, b, b))
         for b in ((128,) if backward else (128, 64))
     ]
 
@@ -205,8 +231,9 @@ def run_case(case: Case, passes: list[str], providers: list[str]) -> list[dict]:
             t.requires_grad_(backward)
         flop_factor = 4 * case.dim * (3.5 if backward else 1.0)
         for provider in providers:
-            best, note, peak = math.inf, "", None
-            for label, make in _variants(provider, backward, case, q, k, v, pattern):
+            variants = _variants(provider, backward, case, q, k, v, pattern)
+            best, note, peak = math.inf, "" if variants else f"skipped: {fa4_missing()}", None
+            for label, make in variants:
                 try:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -219,7 +246,7 @@ def run_case(case: Case, passes: list[str], providers: list[str]) -> list[dict]:
                     continue
                 if ms < best:
                     best, note, peak = ms, label, mem
-            flops = (kept if provider in ("s2attn", "flex") else dense) * flop_factor
+            flops = (kept if provider in SPARSE_PROVIDERS else dense) * flop_factor
             row = dict(
                 case=case.name,
                 seq=case.seq,
@@ -251,7 +278,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         "Attention benchmark",
         env,
         "Batch 1, bf16, causal. Medians of `triton.testing.do_bench`. TFLOP/s: effective (the "
-        "pattern's kept FLOPs) for s2attn and FlexAttention, dense causal FLOPs for SDPA. "
+        "pattern's kept FLOPs) for s2attn, FlexAttention and FA4-Flex, dense causal FLOPs for "
+        "SDPA. "
         "`x peer` = peer time / s2attn time.",
     )
     keyed = {}
@@ -261,7 +289,7 @@ def markdown(rows: list[dict], env: dict) -> str:
     for (case, seq, pass_name), by in keyed.items():
         s2 = by.get("s2attn", {})
         ms = s2.get("ms")
-        peer_ms = {p: by.get(p, {}).get("ms") for p in ("flash", "cudnn", "flex")}
+        peer_ms = {p: by.get(p, {}).get("ms") for p in ("flash", "cudnn", "flex", "fa4-flex")}
         ratios = [cell(t / ms if t and ms else None, "{:.2f}") for t in peer_ms.values()]
         density = next(iter(by.values()))["density"]
         cells.append(
@@ -288,9 +316,11 @@ def markdown(rows: list[dict], env: dict) -> str:
             "FA2 ms",
             "cuDNN ms",
             "Flex ms",
+            "FA4-Flex ms",
             "x FA2",
             "x cuDNN",
             "x Flex",
+            "x FA4-Flex",
             "s2attn peak extra GiB",
         ],
         cells,
