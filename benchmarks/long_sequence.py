@@ -152,10 +152,11 @@ def main() -> int:
 
     # Compilation apart: the same call on a short sequence compiles most kernels the long one
     # launches. Not all: Triton also specializes on integer arguments' width and divisibility,
-    # which long sequences change (strides past 2**31 become 64-bit), so the long call may compile
-    # again; run the script twice and the second process finds those kernels in Triton's disk
-    # cache, which leaves the host cost beyond compilation. The warm-up's backward takes a tensor
-    # gradient as the long call's does (a first such backward imports more of torch, ~2 s).
+    # which long sequences change (at 1M tokens three kernels compiled again after a 65k warm-up,
+    # and a 2M warm-up did not spare 4M its excess); run the script twice and the second process
+    # finds those kernels in Triton's disk cache, which leaves the host cost beyond compilation.
+    # The warm-up's backward takes a tensor gradient as the long call's does (a first such
+    # backward imports more of torch, ~2 s).
     t0 = time.perf_counter()
     warm = [torch.randn(1, args.warm_seq, h, args.dim, device=device, dtype=dtype)
             for h in (args.heads, args.kv_heads, args.kv_heads)]  # fmt: skip
