@@ -35,6 +35,7 @@ def _hooked(hook: Any) -> bool:
 
 
 def _arg_key(arg: Any) -> Any:
+    # `type(...) is` first: plain tensors are the common case, and cheaper to test than isinstance.
     if type(arg) is torch.Tensor or isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() & 15)
     return (type(arg), arg)
