@@ -3,9 +3,10 @@
 A decode step launches kernels of a few microseconds of GPU work, once per layer per token, so
 the host's cost of a launch decides its speed. ``kernel[grid](...)`` pays Triton's binder (each
 argument's specialization), its cache key and launch metadata on every call: 40-50 µs per launch
-on an H100 host for the decode kernel's 38 arguments, more than the kernel itself. :class:`Launcher`
-remembers the compiled kernel that Triton chose for a set of arguments and launches it directly
-when the same kind of arguments come again.
+under cProfile on the GPU hosts here, for the decode kernel's 39 arguments, more than the kernel
+takes. :class:`Launcher` remembers the compiled kernel that Triton chose for a set of arguments
+and launches it directly when the same kind of arguments come again (a decode step's host time:
+137 -> 121 µs, 2 x H200 host; ``benchmarks/NOTES.md``, change 36).
 
 What Triton specializes a compiled kernel on is a function of each argument's *value* for
 integers (its width, divisibility by 16, equality to 1), and of a tensor's dtype and the 16-byte
