@@ -24,8 +24,14 @@ For each prompt length and configuration:
   model through s2attn with ``S2Cache`` against the same model through ``s2attn_reference`` (the
   dense-mask reference): the tokens must be equal.
 
+- **Compiled** (``--compiled``): the same decode rows over static caches (transformers'
+  ``StaticCache``, and ``S2Cache(static=True)``), whose decode step ``generate`` compiles with
+  CUDA graphs (``reduce-overhead``): Python's launch overhead out of the step. At the eager rows'
+  largest batches (lower where a static cache does not fit), for ``--compiled-prompts``.
+
     python benchmarks/bench_serving.py                       # 32k and 128k prompts
     python benchmarks/bench_serving.py --prompts 131072 --skip-dense
+    python benchmarks/bench_serving.py --compiled            # and compiled decode at 128k
 
 Writes markdown and JSON with the device, versions and date to benchmarks/results/.
 """
@@ -37,30 +43,35 @@ import sys
 import torch
 from bench_generate import DEVICE, DTYPE, GIB, build_model, sync_time
 from bench_generate import MODEL as GENERATE_MODEL
-from run_info import heading, parser, result_stem, start, table, write_results
+from run_info import cell, heading, parser, result_stem, start, table, write_results
 
 # The 1.1B model's Llama, scaled to the 7B shape (its heads, vocabulary and RoPE base kept).
 MODEL = {**GENERATE_MODEL, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32}
 KV_HEADS, HEAD_DIM = 8, 128
 
 
-def dense_cache(model, batch: int, ctx: int):
-    """transformers' DynamicCache holding ``ctx`` random tokens per sequence in every layer."""
-    from transformers import DynamicCache
+def dense_cache(model, batch: int, ctx: int, static_len: int | None = None):
+    """transformers' DynamicCache holding ``ctx`` random tokens per sequence in every layer, or its
+    StaticCache of ``static_len`` positions (what ``generate`` compiles its decode step over)."""
+    from transformers import DynamicCache, StaticCache
 
-    cache = DynamicCache(config=model.config)
+    if static_len is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=static_len)
     for i in range(MODEL["num_hidden_layers"]):
         k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         cache.update(k, torch.randn_like(k), i)
     return cache
 
 
-def s2_cache(model, batch: int, ctx: int, max_len: int):
+def s2_cache(model, batch: int, ctx: int, max_len: int, static: bool = False):
     """An S2Cache whose layers hold ``ctx`` random tokens per sequence, each sequence stored as its
-    prefill would store it (dense layers everything, S2 layers what later queries read)."""
+    prefill would store it (dense layers everything, S2 layers what later queries read); with
+    ``static``, its CUDA-graph-ready variant."""
     from s2attn.integrations.transformers import S2Cache
 
-    cache = S2Cache(model.config, max_seq_len=max_len)
+    cache = S2Cache(model.config, max_seq_len=max_len, static=static)
     probe = torch.empty(batch, KV_HEADS, 1, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     for layer in cache.layers:
         layer.lazy_initialization(probe, probe)
@@ -122,11 +133,16 @@ def largest_batch(model, ctx: int, new: int, fill, headroom: float, cap: int) ->
     free, _ = torch.cuda.mem_get_info()
     batch = max(1, min(cap, int((free - headroom * GIB) // per_seq)))
     print(f"    one sequence's cache {per_seq / GIB:.3f} GiB: trying batch {batch}", flush=True)
+    row = fitting_batch(model, ctx, new, fill, batch)
+    row["per_seq_gib"] = per_seq / GIB
+    return row
+
+
+def fitting_batch(model, ctx: int, new: int, fill, batch: int) -> dict:
+    """Decode at ``batch``, or at the largest smaller batch that does not run out of memory."""
     while True:
         try:
-            row = decode(model, batch, ctx, new, fill)
-            row["per_seq_gib"] = per_seq / GIB
-            return row
+            return decode(model, batch, ctx, new, fill)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             if batch == 1:
@@ -185,20 +201,26 @@ def markdown(rows: list[dict], checks: list[dict], env: dict, args, params: int)
         f"first {args.dense_layers} layers dense, the rest S2 (block 64, local 16, stride "
         f"{args.stride}). TTFT: one prompt through the model. Decode: caches filled with random "
         f"K/V for every sequence (as a prefill stores them), then {args.new} greedy tokens; "
-        "`x dense` compares with the dense row of the same prompt at its own largest batch. "
+        "`x dense` compares with the dense row of the same prompt and kind (eager, or static "
+        "caches with a compiled decode step) at its own largest batch. "
         "Peak: all GPU memory while decoding at the largest batch, weights included.",
         versions,
     )
-    dense = {r["prompt"]: r for r in rows if r["config"] == "dense SDPA"}
+
+    # Each row against the dense row of its prompt and kind (eager, or static and compiled).
+    def kind(r):
+        return r["prompt"], r["config"].endswith("static+compiled")
+
+    dense = {kind(r): r for r in rows if r["config"].startswith("dense SDPA")}
 
     def speedup(r):
-        d = dense.get(r["prompt"])
+        d = dense.get(kind(r))
         return f"{r['max']['tok_s'] / d['max']['tok_s']:.1f}" if d else "—"
 
     lines += table(
         ["prompt", "config", "TTFT s", "tok/s batch 1", "step ms batch 1", "largest batch",
          "tok/s largest", "step ms largest", "x dense", "KV GiB per seq", "peak GiB"],
-        ([r["prompt"], r["config"], f"{r['ttft_s']:.2f}", f"{r['one']['tok_s']:.1f}",
+        ([r["prompt"], r["config"], cell(r["ttft_s"], "{:.2f}"), f"{r['one']['tok_s']:.1f}",
           f"{r['one']['step_ms']:.1f}", r["max"]["batch"], f"{r['max']['tok_s']:.0f}",
           f"{r['max']['step_ms']:.1f}", speedup(r), f"{r['max']['per_seq_gib']:.3f}",
           f"{r['max']['peak_gib']:.1f}"] for r in rows),
@@ -227,6 +249,13 @@ def main() -> int:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--check-prompt", type=int, default=4096)
     ap.add_argument("--check-new", type=int, default=16)
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also static caches with generate's compiled decode step (StaticCache for dense, "
+        "S2Cache(static=True) for HHST), at --compiled-prompts",
+    )
+    ap.add_argument("--compiled-prompts", default="131072")
     args = ap.parse_args()
     env = start("a 7B-shaped model")
     if env is None:
@@ -267,6 +296,27 @@ def main() -> int:
             print(f"    batch {most['batch']}: {most['tok_s']:.0f} tok/s, "
                   f"peak {most['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
             rows.append(dict(config=name, prompt=ctx, ttft_s=first, one=one, max=most))
+            torch.cuda.empty_cache()
+
+    # Static caches, whose decode step generate compiles (mode "reduce-overhead": CUDA graphs),
+    # at the eager rows' largest batches (lower where a static cache holds more).
+    for name, implementation in configs if args.compiled else []:
+        model.set_attn_implementation(implementation)
+        if implementation == "sdpa":
+            fill = lambda batch, ctx: dense_cache(model, batch, ctx, ctx + 512)  # noqa: E731
+        else:
+            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + 512, True)  # noqa: E731
+        for ctx in [int(p) for p in args.compiled_prompts.split(",")]:
+            eager = next(r for r in rows if (r["config"], r["prompt"]) == (name, ctx))
+            print(f"[{name}, static, compiled] prompt {ctx}", flush=True)
+            one = decode(model, 1, ctx, args.new, lambda b, ctx=ctx: fill(b, ctx))
+            print(f"    batch 1: {one['tok_s']:.1f} tok/s", flush=True)
+            most = fitting_batch(model, ctx, args.new, lambda b, ctx=ctx: fill(b, ctx),
+                                 eager["max"]["batch"])  # fmt: skip
+            most["per_seq_gib"] = most["kv_gib"] / most["batch"]
+            print(f"    batch {most['batch']}: {most['tok_s']:.0f} tok/s", flush=True)
+            rows.append(dict(config=f"{name} static+compiled", prompt=ctx, ttft_s=None, one=one,
+                             max=most))  # fmt: skip
             torch.cuda.empty_cache()
 
     stem = result_stem(env, f"serving{args.tag}")
