@@ -42,6 +42,7 @@ from run_info import (
     heading,
     median_ms,
     parser,
+    rel_err,
     result_stem,
     start,
     table,
@@ -189,13 +190,13 @@ def run_stride(
         pattern,
         compute_dtype=torch.float32,
     )
-    err = ((out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
+    err = rel_err(out[:1], ref)
     kernel_ms = median_ms(kernel)
     kernel_graph_ms = graph_ms(kernel)
     call_ms = median_ms(functools.partial(sparse_attention_with_kvcache, q, cache))
     flex, flex_out = flex_fn(pattern, q, k_full, v_full, scale)
     flex_ms = median_ms(flex)
-    flex_err = ((flex_out[:1].float() - ref.float()).norm() / ref.float().norm()).item()
+    flex_err = rel_err(flex_out[:1], ref)
     report = cache.memory_report()
     best = sweep(cache, q, scale, kernel_ms) if do_sweep else None
     step_ms = step_time(cache, q, k1, v1)

@@ -48,6 +48,8 @@ from run_info import cell, heading, parser, result_stem, start, table, write_res
 # The 1.1B model's Llama, scaled to the 7B shape (its heads, vocabulary and RoPE base kept).
 MODEL = {**GENERATE_MODEL, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32}
 KV_HEADS, HEAD_DIM = 8, 128
+# Positions a cache holds past its prompt: the new tokens and room to spare.
+ROOM = 512
 
 
 def dense_cache(model, batch: int, ctx: int, static_len: int | None = None):
@@ -84,7 +86,9 @@ def s2_cache(model, batch: int, ctx: int, max_len: int, static: bool = False):
     return cache
 
 
-def generate(model, ids, new: int, cache=None):
+def generate(model, ids, new: int, cache=None, **options):
+    """Greedy ``generate`` of exactly ``new`` tokens after ``ids`` (nothing padded); ``options``
+    go to it (e.g. ``output_scores``)."""
     with torch.no_grad():
         return model.generate(
             ids,
@@ -93,6 +97,7 @@ def generate(model, ids, new: int, cache=None):
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
+            **options,
         )
 
 
@@ -162,12 +167,8 @@ def greedy_check(model, s2hf, args, dtype: torch.dtype) -> dict:
     for name in (s2hf.ATTN_IMPLEMENTATION, s2hf.REFERENCE_IMPLEMENTATION):
         model.set_attn_implementation(name)
         cache = s2hf.S2Cache(model.config) if name == s2hf.ATTN_IMPLEMENTATION else None
-        with torch.no_grad():
-            runs[name] = model.generate(
-                ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                max_new_tokens=args.check_new, min_new_tokens=args.check_new, do_sample=False,
-                return_dict_in_generate=True, output_scores=True,
-            )  # fmt: skip
+        runs[name] = generate(model, ids, args.check_new, cache, return_dict_in_generate=True,
+                              output_scores=True)  # fmt: skip
     model.set_attn_implementation(s2hf.ATTN_IMPLEMENTATION)
     model.to(DTYPE)
     got = runs[s2hf.ATTN_IMPLEMENTATION].sequences[0, args.check_prompt :].tolist()
@@ -263,7 +264,7 @@ def main() -> int:
     from s2attn.integrations import transformers as s2hf
 
     prompts = [int(p) for p in args.prompts.split(",")]
-    max_len = max(prompts) + 512  # the patterns' length: the longest prompt, new tokens, margin
+    max_len = max(prompts) + ROOM  # the patterns' length
     model = build_model(max_len, MODEL)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e9:.2f}B parameters", flush=True)
@@ -282,8 +283,8 @@ def main() -> int:
         else:
             # Each prompt's caches sized for it (the prompt, the new tokens, a margin): the page
             # pools hold what the patterns keep for that length, not for the longest prompt.
-            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + 512)  # noqa: E731
-            make_cache = lambda ctx: s2hf.S2Cache(model.config, max_seq_len=ctx + 512)  # noqa: E731
+            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + ROOM)  # noqa: E731
+            make_cache = lambda ctx: s2hf.S2Cache(model.config, max_seq_len=ctx + ROOM)  # noqa: E731
         ttft(model, min(2048, *prompts), make_cache)  # compiles what the prefill launches
         for ctx in prompts:
             print(f"[{name}] prompt {ctx}", flush=True)
@@ -303,9 +304,9 @@ def main() -> int:
     for name, implementation in configs if args.compiled else []:
         model.set_attn_implementation(implementation)
         if implementation == "sdpa":
-            fill = lambda batch, ctx: dense_cache(model, batch, ctx, ctx + 512)  # noqa: E731
+            fill = lambda batch, ctx: dense_cache(model, batch, ctx, ctx + ROOM)  # noqa: E731
         else:
-            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + 512, True)  # noqa: E731
+            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + ROOM, True)  # noqa: E731
         for ctx in [int(p) for p in args.compiled_prompts.split(",")]:
             eager = next(r for r in rows if (r["config"], r["prompt"]) == (name, ctx))
             print(f"[{name}, static, compiled] prompt {ctx}", flush=True)
