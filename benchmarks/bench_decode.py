@@ -106,6 +106,9 @@ def flex_fn(pattern, q, k_full, v_full, scale: float):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _FLEX is None:
+        # One compile per shape; past dynamo's default of 8 a call falls back to eager
+        # flex_attention, which materializes every score (what a 12-shape run met).
+        torch._dynamo.config.recompile_limit = 64
         _FLEX = torch.compile(flex_attention, dynamic=False)
     kv_len = k_full.shape[2]
     group = HEADS // KV_HEADS

@@ -126,13 +126,18 @@ def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
 
         mesh = init_device_mesh("cuda", (world,))
         group = args.heads // args.kv_heads
-        # SDPA's (batch, heads, seq, dim); the buffers are sharded in place by the context.
-        qd, kd, vd, gd = (
-            t.transpose(1, 2).repeat_interleave(n, dim=1).contiguous()
-            for t, n in ((q, 1), (k, group), (v, group), (grad, 1))
-        )
+        # SDPA's (batch, heads, seq, dim); the buffers are sharded in place by the context, which
+        # resizes them, so they must not be part of the graph of our own call's q, k, v. They are
+        # not used after it: no copies kept to restore them.
+        with torch.no_grad():
+            qd, kd, vd, gd = (
+                t.transpose(1, 2).repeat_interleave(n, dim=1).contiguous()
+                for t, n in ((q, 1), (k, group), (v, group), (grad, 1))
+            )
+        buffers = [qd, kd, vd, gd]
         rows = []
-        with context_parallel(mesh, buffers=[qd, kd, vd, gd], buffer_seq_dims=[2, 2, 2, 2]):
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2],
+                              no_restore_buffers=set(buffers)):  # fmt: skip
             leaves = [t.detach().requires_grad_() for t in (qd, kd, vd)]
 
             def fwd():
@@ -289,7 +294,15 @@ def main() -> int:
                 kv_held_mib=held / 2**20, peak_gib=peak_gib(cp),
             )
         )  # fmt: skip
-    dense_torch = dense_torch_rows(q, k, v, grad, world, args) if args.dense_torch else []
+    dense_torch = []
+    if args.dense_torch:
+        # Our gradients are done with: at 1M tokens they are the ~15 GiB per rank that dense
+        # SDPA's ring attention would otherwise lack.
+        for t in (q, k, v, ql, kl, vl):
+            t.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        dense_torch = dense_torch_rows(q, k, v, grad, world, args)
     if rank == 0:
         env = environment()
         lines = [

@@ -157,6 +157,31 @@ def test_grads_ragged_lengths(seq, causal):
     _check_grads(q, k, v, pattern, dtype, f"seq {seq} causal={causal}")
 
 
+def test_grads_with_element_offsets_past_2_31():
+    """Row x sequence stride passes 2^31 elements (at 32 heads of 128, from 512k tokens on): the
+    kernels must form such offsets in 64 bits. Here q, k, v and the upstream gradient are views a
+    2^26-element stride apart into one buffer that is never filled (virtual memory on the CPU), so
+    rows 32..47 sit past 2^31; 32-bit offsets read elsewhere (a segfault under the interpreter,
+    an illegal address on the GPU, as a 4M-token sequence over two GPUs showed)."""
+    dtype, seq, stride, dim = DTYPES[0], 48, 2**26, 16
+    buf = torch.empty(seq * stride + 4 * dim, dtype=dtype, device=DEVICE)
+    q, k, v, upstream = (
+        buf.as_strided((1, seq, 1, dim), (seq * stride, stride, dim, 1), storage_offset=i * dim)
+        for i in range(4)
+    )
+    gen = torch.Generator().manual_seed(0)
+    for t in (q, k, v, upstream):
+        t.copy_(_randn(t.shape, dtype, gen))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    pattern = _pattern(1, seq, block_size=16)
+    out = s2attn.sparse_attention(q, k, v, pattern)
+    out.backward(upstream)
+    (ref,), ref_grads = _reference_grads((q, k, v), pattern, [upstream])
+    assert_close(out, ref, dtype, "out")
+    for name, t, r in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
+        assert_close(t.grad, r, dtype, name)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 def test_grads_block_sizes(block_size, causal):

@@ -359,3 +359,27 @@ def test_bad_inputs_name_the_argument():
         big = torch.zeros(1, MAX_LEN + 1, 2, 16, device=DEVICE)
         cache.append(big, big)
     assert cache.lengths == [0] and cache.live_pages == 0
+
+
+def test_page_write_reads_new_tokens_past_2_31_elements():
+    """The decode step's page write takes the new K/V at any strides: sequence 2 of a batch
+    2^30 elements apart (views into a buffer never filled, virtual memory on the CPU) sits at
+    2^31, which needs 64-bit offsets, or its token is read from elsewhere."""
+    from s2attn.ops.triton.page_write import write_pages
+
+    dtype, dim, page, batch = DTYPES[0], 16, 16, 3
+    buf = torch.empty((batch - 1) * 2**30 + 2 * dim, dtype=dtype, device=DEVICE)
+    k, v = (
+        buf.as_strided((batch, 1, 1, dim), (2**30, dim, dim, 1), storage_offset=i * dim)
+        for i in range(2)
+    )
+    gen = torch.Generator().manual_seed(0)
+    for t in (k, v):
+        t.copy_(torch.randn(t.shape, generator=gen).to(DEVICE, dtype))
+    k_pages, v_pages = (torch.zeros(batch, page, dim, dtype=dtype, device=DEVICE) for _ in "kv")
+    page_table = torch.arange(batch, dtype=torch.int32, device=DEVICE).view(batch, 1, 1)
+    seq_lens = torch.tensor([3, 5, 7], dtype=torch.int32, device=DEVICE)
+    write_pages(k, v, k_pages, v_pages, page_table, seq_lens)
+    for b, pos in enumerate(seq_lens.tolist()):
+        assert torch.equal(k_pages[b, pos], k[b, 0, 0]) and torch.equal(v_pages[b, pos], v[b, 0, 0])
+    assert k_pages.count_nonzero() == v_pages.count_nonzero() == batch * dim

@@ -122,6 +122,7 @@ def _dkdv_entries(
         q_abs = t * BLOCK_M + offs_m
         rows = q_abs - q_offset
         row_ok = (rows >= 0) & (rows < q_len)
+        rows64 = rows.to(tl.int64)  # row x stride passes 2^31 in long sequences
         # Query tiles may straddle the sequence start (bottom-right alignment) or end, so rows are
         # always bounds-checked; padded rows load LSE +inf and so get probability 0.
         if USE_TMA:
@@ -132,17 +133,17 @@ def _dkdv_entries(
             do = do_desc.load([desc_b, row0, desc_h, 0]).reshape(BLOCK_M, BLOCK_D)
         else:
             q = tl.load(
-                q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                q_base + rows64[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0,
             )
             do = tl.load(
-                do_base + rows[:, None] * stride_gs + offs_d[None, :] * stride_gd,
+                do_base + rows64[:, None] * stride_gs + offs_d[None, :] * stride_gd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0,
             )
         # A literal: compiled kernels may read only constexpr globals (the interpreter reads any).
-        lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))
+        lse = tl.load(lse_base + rows64 * stride_ls, mask=row_ok, other=float("inf"))
         lse = lse * 1.4426950408889634
-        delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)
+        delta = tl.load(delta_base + rows64 * stride_ls, mask=row_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
@@ -399,12 +400,13 @@ def _dq_entries(
                 kv_mask = k_ok[:, None] & d_ok[None, :]
             else:
                 kv_mask = d_ok[None, :]
+            cols64 = cols.to(tl.int64)  # position x stride passes 2^31 in long sequences
             k = tl.load(
-                k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                k_base + cols64[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                 mask=kv_mask, other=0.0,
             )
             v = tl.load(
-                v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                v_base + cols64[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0,
             )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale

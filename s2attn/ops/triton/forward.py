@@ -56,8 +56,9 @@ def _kv_rows(
     k_ok = cols < seq_k
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    k_ptrs = k_base + cols[None, :] * stride_ks + offs_d[:, None] * stride_kd
-    v_ptrs = v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    cols64 = cols.to(tl.int64)  # position x stride passes 2^31 in long sequences
+    k_ptrs = k_base + cols64[None, :] * stride_ks + offs_d[:, None] * stride_kd
+    v_ptrs = v_base + cols64[:, None] * stride_vs + offs_d[None, :] * stride_vd
     # Only the loads that can run past seq_k or the padded head dim carry a mask.
     if BOUNDS:
         if BLOCK_D == HEAD_DIM:
@@ -302,8 +303,10 @@ def _forward_kernel(
     q_base = Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + kv_head.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + k_start * stride_vs + kv_head.to(tl.int64) * stride_vh
+    # Row x stride passes 2^31 elements beyond 2^31 / (heads x dim) tokens (1M at 32 x 128).
+    rows64 = rows.to(tl.int64)
     q = tl.load(
-        q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+        q_base + rows64[:, None] * stride_qs + offs_d[None, :] * stride_qd,
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
@@ -377,12 +380,12 @@ def _forward_kernel(
     lse = tl.where(empty, float("-inf"), lse)
     o_base = Out + b.to(tl.int64) * stride_ob + q_start * stride_os + h.to(tl.int64) * stride_oh
     tl.store(
-        o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od,
+        o_base + rows64[:, None] * stride_os + offs_d[None, :] * stride_od,
         out.to(Out.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
     l_base = Lse + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start * stride_ls
-    tl.store(l_base + rows * stride_ls, lse, mask=row_ok)
+    tl.store(l_base + rows64 * stride_ls, lse, mask=row_ok)
 
 
 @functools.cache

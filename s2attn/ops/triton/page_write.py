@@ -58,8 +58,9 @@ def _write_kernel(
         slot = pos % PAGE_SIZE
         offs = tl.arange(0, BLOCK_D)
         ok = offs < HEAD_DIM
-        k = tl.load(K + b * stride_kb + t * stride_ks + h * stride_kh + offs * stride_kd, mask=ok)
-        v = tl.load(V + b * stride_vb + t * stride_vs + h * stride_vh + offs * stride_vd, mask=ok)
+        b64 = b.to(tl.int64)  # a large batch's later sequences may start past 2^31 elements
+        k = tl.load(K + b64 * stride_kb + t * stride_ks + h * stride_kh + offs * stride_kd, mask=ok)
+        v = tl.load(V + b64 * stride_vb + t * stride_vs + h * stride_vh + offs * stride_vd, mask=ok)
         tl.store(KPages + page_row * stride_kp + slot * stride_kn + offs * stride_kpd, k, mask=ok)
         tl.store(VPages + page_row * stride_vp + slot * stride_vn + offs * stride_vpd, v, mask=ok)
 
