@@ -9,7 +9,10 @@ after a barrier; the slowest rank is reported, and its ratio to the mean rank's)
 one-device call on the whole sequence, and reports strong-scaling efficiency (one-device time /
 (W x time per rank)), the K/V bytes each rank receives and holds (its shard, what it receives,
 its chunks' compact keys), and each call's GPU memory peak (which counts the full-sequence
-tensors held for the comparison).
+tensors held for the comparison). With ``--no-reference`` (lengths one device cannot hold) each
+rank draws only its shards, span by span from seeded generators, and checks sampled query rows
+of its output, LSE and dq against float32 computed from keys drawn the same way
+(``--check-rows``).
 
     python benchmarks/context_parallel.py                          # world size 1
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
@@ -59,6 +62,95 @@ HEADERS = [
     "GPU peak GiB, busiest rank",
 ]  # fmt: skip
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+SPAN = 1 << 16  # --no-reference draws the sequence this many positions per generator
+TAGS = {"q": 1, "k": 2, "v": 3, "grad": 4}  # each tensor's seeds
+
+
+def span_rows(name: str, span: int, shape: tuple[int, int], dtype, device) -> torch.Tensor:
+    """Positions ``span * SPAN ..`` of the virtual full tensor ``name``, (SPAN, heads, dim):
+    standard normal from a generator of their own, so that any rank draws any positions alike
+    without the whole sequence."""
+    g = torch.Generator(device=device).manual_seed(TAGS[name] << 32 | span)
+    return torch.randn(SPAN, *shape, generator=g, device=device, dtype=dtype)
+
+
+def seeded_rows(name: str, positions: torch.Tensor, shape, dtype, device) -> torch.Tensor:
+    """The virtual full tensor ``name``'s rows at ``positions``: (len(positions), heads, dim)."""
+    out = torch.empty(len(positions), *shape, dtype=dtype, device=device)
+    spans = positions // SPAN
+    for span in spans.unique().tolist():
+        at = (spans == span).nonzero().flatten()
+        rows = (positions[at] - span * SPAN).to(device)
+        out[at.to(device)] = span_rows(name, span, shape, dtype, device)[rows]
+    return out
+
+
+def shard_positions(seq: int, world: int, rank: int) -> torch.Tensor:
+    """The global positions of this rank's shard, in its order (chunks r and 2W-1-r)."""
+    chunk = seq // (2 * world)
+    ranges = [torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * world - 1 - rank)]
+    return torch.cat(ranges)
+
+
+def sampled_row_errors(out, lse, dq, pattern, positions, args, dtype, device, rows: int) -> dict:
+    """Relative errors, worst rank, of ``rows`` sampled rows of this rank's out, LSE and dq
+    against float32 from the seeded inputs, for runs without the whole sequence anywhere: each
+    row's visible keys are drawn span by span and folded in with an online softmax (dq as
+    scale * (sum p dP k - delta sum p k), both sums rescaled like the output)."""
+    heads, group, scale = args.heads, args.heads // args.kv_heads, args.dim**-0.5
+    bs, q_shape, kv_shape = pattern.block_size, (heads, args.dim), (args.kv_heads, args.dim)
+    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    drawn = torch.randint(len(positions), (max(rows - 2, 0),), generator=gen).tolist()
+    local = [0, len(positions) - 1, *drawn]
+    pos = positions[local]
+    f32 = dict(dtype=torch.float32, device=device)
+    qr = seeded_rows("q", pos, q_shape, dtype, device).float()  # (rows, heads, dim)
+    dor = seeded_rows("grad", pos, q_shape, dtype, device).float()
+    # Per (row, head): its visible key positions, sorted.
+    keys = {}
+    for n, t in enumerate(pos.tolist()):
+        for h in range(heads):
+            _, j = pattern.row_blocks(h, t // bs, t // bs + 1)
+            kp = (j[:, None] * bs + torch.arange(bs)).flatten()
+            keys[n, h] = kp[(kp <= t) if pattern.causal else (kp < args.seq)]
+    m = torch.full((len(pos), heads), float("-inf"), **f32)
+    l_sum, o_acc, a_acc, b_acc = (torch.zeros(len(pos), heads, *s, **f32)
+                                  for s in ((), (args.dim,), (args.dim,), (args.dim,)))  # fmt: skip
+    for span in range(args.seq // SPAN + 1):
+        lo, hi = span * SPAN, (span + 1) * SPAN
+        if lo >= args.seq:
+            break
+        k_span = v_span = None
+        for (n, h), kp in keys.items():
+            sel = kp[(kp >= lo) & (kp < hi)]
+            if sel.numel() == 0:
+                continue
+            if k_span is None:
+                k_span = span_rows("k", span, kv_shape, dtype, device)
+                v_span = span_rows("v", span, kv_shape, dtype, device)
+            kk = k_span[(sel - lo).to(device), h // group].float()
+            vv = v_span[(sel - lo).to(device), h // group].float()
+            sc = kk @ qr[n, h] * scale
+            new_m = torch.maximum(m[n, h], sc.max())
+            keep, p = torch.exp(m[n, h] - new_m), torch.exp(sc - new_m)
+            dp = vv @ dor[n, h]
+            m[n, h] = new_m
+            l_sum[n, h] = l_sum[n, h] * keep + p.sum()
+            o_acc[n, h] = o_acc[n, h] * keep + p @ vv
+            a_acc[n, h] = a_acc[n, h] * keep + (p * dp) @ kk
+            b_acc[n, h] = b_acc[n, h] * keep + p @ kk
+    o_ref = o_acc / l_sum[..., None]
+    delta = (dor * o_ref).sum(-1, keepdim=True)
+    dq_ref = scale * (a_acc - delta * b_acc) / l_sum[..., None]
+    want = dict(out=o_ref, lse=m + l_sum.log(), dq=dq_ref)
+    idx = torch.tensor(local, device=device)
+    got = dict(out=out[0, idx], lse=lse[0, :, idx].transpose(0, 1), dq=dq[0, idx])
+    errors = {}
+    for name in want:
+        err = torch.tensor([rel_err(got[name].float(), want[name])], device=device)
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        errors[name] = err.item()
+    return errors
 
 
 def timed_ms(fn, iters: int) -> float:
@@ -192,9 +284,14 @@ def main() -> int:
     ap.add_argument(
         "--no-reference",
         action="store_true",
-        help="for lengths one device cannot hold: each rank draws only its shards, and neither "
-        "the exactness check nor the one-device time is made",
+        help="for lengths one device cannot hold: each rank draws only its shards (span by span "
+        "from seeded generators), no one-device time is made, and --check-rows sampled rows "
+        "replace the exactness check",
     )
+    ap.add_argument(
+        "--check-rows", type=int, default=6,
+        help="with --no-reference: query rows per rank checked against float32 (out, LSE, dq)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.no_reference and args.dense_torch:
         ap.error("--dense-torch needs the full tensors that --no-reference does not make")
@@ -220,23 +317,36 @@ def main() -> int:
             args.heads, args.seq, args.block_size, args.local_blocks, args.stride,
             num_kv_heads=args.kv_heads,
         )  # fmt: skip
-    # Without the reference each rank draws its own shards (a different stream per rank): the
-    # full tensors of a 4M-token sequence would not fit beside them.
-    g = torch.Generator(device=device).manual_seed(rank if args.no_reference else 0)
-    seq = args.seq // world if args.no_reference else args.seq
-    shape_q = (1, seq, args.heads, args.dim)
-    shape_kv = (1, seq, args.kv_heads, args.dim)
-    q, k, v = (
-        torch.randn(s, device=device, dtype=dtype, generator=g)
-        for s in (shape_q, shape_kv, shape_kv)
-    )
-    grad = torch.randn(shape_q, device=device, dtype=dtype, generator=g)
-
     if args.no_reference:
+        # Each rank draws only its shards (the full tensors of a 4M-token sequence would not fit
+        # beside them), span by span, so that the sampled rows' keys can be drawn alike.
+        positions = shard_positions(args.seq, world, rank)
+        q_shape, kv_shape = (args.heads, args.dim), (args.kv_heads, args.dim)
+        q, k, v, grad = (
+            seeded_rows(name, positions, shape, dtype, device)[None]
+            for name, shape in (("q", q_shape), ("k", kv_shape), ("v", kv_shape), ("grad", q_shape))
+        )
         ql, kl, vl = (t.requires_grad_() for t in (q, k, v))
         grad_local = grad
         errors: dict[str, float] = {}
+        if args.check_rows:
+            out, lse = context_parallel_attention(ql, kl, vl, pattern, return_lse=True)
+            out.backward(grad_local)
+            with torch.no_grad():
+                errors = sampled_row_errors(
+                    out, lse, ql.grad, pattern, positions, args, dtype, device, args.check_rows
+                )
+            del out, lse
+            ql.grad = kl.grad = vl.grad = None
     else:
+        g = torch.Generator(device=device).manual_seed(0)
+        shape_q = (1, args.seq, args.heads, args.dim)
+        shape_kv = (1, args.seq, args.kv_heads, args.dim)
+        q, k, v = (
+            torch.randn(s, device=device, dtype=dtype, generator=g)
+            for s in (shape_q, shape_kv, shape_kv)
+        )
+        grad = torch.randn(shape_q, device=device, dtype=dtype, generator=g)
         # Exactness: each rank's shards against the same shards of one device's call on the
         # whole sequence. Not unsharded: at 1M tokens a gathered copy per rank does not fit
         # beside the rest.
@@ -319,10 +429,13 @@ def main() -> int:
             )
             + ". "
             + (
-                "Not checked against one device (--no-reference)."
-                if args.no_reference
-                else "Relative errors against one device, worst rank: "
-                + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+                (
+                    f"Not run on one device (--no-reference); {args.check_rows} sampled query "
+                    "rows per rank against float32 from the seeded inputs, worst rank: "
+                    if args.no_reference
+                    else "Relative errors against one device, worst rank: "
+                )
+                + (", ".join(f"{n} {e:.1e}" for n, e in errors.items()) or "none")
                 + f" ({'ok' if ok else 'FAILED'})."
             ),
             "",
