@@ -242,6 +242,9 @@ def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
             for name, fn, factor in (("fwd", fwd, 1), ("fwd+bwd", fwd_bwd, 2)):
                 rows.append(dict(pass_=name, cp_ms=timed_ms(fn, args.dense_iters),
                                  all_gather_mib=factor * gather))  # fmt: skip
+                if dist.get_rank() == 0:  # as it comes: a run cut off by a time limit says how far
+                    print(f"dense SDPA under PyTorch's CP, {name}: {rows[-1]['cp_ms']:.1f} ms",
+                          flush=True)  # fmt: skip
         return rows
     except Exception as exc:  # report what the installed torch refused, keep our results
         return [dict(pass_="fwd", error=f"failed: {type(exc).__name__}: {exc}",
