@@ -3,6 +3,7 @@
 ``TRITON_INTERPRET=1`` replaces at import).
 
     python tests/hopper_build.py forward-128
+    python tests/hopper_build.py decode-128      # the Triton decode kernel, 5 splits, 1 token
 
 Each launcher runs on CPU tensors with its kernel swapped for a recorder, so the build takes
 exactly the arguments and options a real launch passes.
@@ -19,13 +20,16 @@ from pathlib import Path
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
 from s2attn import local_stride_pattern
+from s2attn.inference.cache import PagedKVCache
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops.gluon import backward_sm90, forward_sm90
 from s2attn.ops.options import GluonDkdvConfig, GluonDqConfig, GluonForwardConfig
+from s2attn.ops.triton import decode as triton_decode
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 SEQ, HEADS = 1024, 4
@@ -42,9 +46,31 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
+def _decode_launch(dim: int) -> tuple:
+    """The Triton decode kernel's launch for a 7B-shaped layer (32/8 heads, block 64, local 16,
+    stride 64; a 2000-token context, one new token, 5 splits): it spilled at 4 warps when this
+    case was added (255 registers; its page loads are 64-bit pointer tensors)."""
+    pattern = local_stride_pattern(8, 4096, 64, 16, 64)
+    cache = PagedKVCache(pattern, batch_size=1, num_kv_heads=8, head_dim=dim,
+                         dtype=torch.bfloat16, device="cpu", max_seq_len=4096)  # fmt: skip
+    kv = torch.randn(1, 2000, 8, dim, dtype=torch.bfloat16)
+    cache.append(kv, kv)
+    recorder = _Recorder(triton_decode._decode_kernel)
+    triton_decode._DECODE = recorder
+    triton_decode.decode(
+        torch.randn(1, 1, 32, dim, dtype=torch.bfloat16), cache.k_pages, cache.v_pages,
+        cache.page_table, cache.seq_lens, cache.decode_layout, softmax_scale=0.1, num_splits=5,
+        split_counters=torch.zeros(8, dtype=torch.int32),
+    )  # fmt: skip
+    ((args, kwargs),) = recorder.calls
+    return recorder.kernel, args, kwargs
+
+
 def _launch(case: str) -> tuple:
     """(kernel, args, kwargs) of the launch the case's launcher makes."""
     name, dim = case.rsplit("-", 1)
+    if name == "decode":
+        return _decode_launch(int(dim))
     q, k, v, out, grad_out, grad = (
         torch.empty(1, SEQ, HEADS, int(dim), dtype=torch.bfloat16) for _ in range(6)
     )
@@ -110,7 +136,8 @@ def _launch(case: str) -> tuple:
 
 def ptxas_report(case: str) -> str:
     kernel, args, kwargs = _launch(case)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "maxnreg") if key in kwargs}
+    launch_options = ("num_warps", "num_stages", "maxnreg")
+    options = {key: kwargs.pop(key) for key in launch_options if key in kwargs}
     values = dict(zip(kernel.arg_names, args), **kwargs)
     signature, constexprs = {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
@@ -120,7 +147,8 @@ def ptxas_report(case: str) -> str:
             constexprs[(i,)] = value
         else:
             signature[name] = "fp32" if isinstance(value, float) else mangle_type(value)
-    source = GluonASTSource(kernel, signature, constexprs)
+    source_type = ASTSource if case.startswith("decode") else GluonASTSource
+    source = source_type(kernel, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
