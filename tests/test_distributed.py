@@ -92,6 +92,41 @@ def test_user_pattern_matches_one_process(world, causal):
     spawn(world, _compare_body, pattern, shape, _expected(pattern, shape))
 
 
+def _wide_strides_body(rank, world, pattern, shape, expected):
+    """Each rank's q shard and its gradient's upstream sit 2^27 elements a row apart in a buffer
+    never filled (16 GiB of virtual memory), so a chunk's rows 16.. pass 2^31 elements: the
+    kernels must form those offsets in 64 bits (4M tokens over two GPUs faulted when they did
+    not)."""
+    q, k, v, grad = (t.half() for t in _inputs(*shape))
+    stride = 2**27
+    local = shard(q)
+    buf = torch.empty(local.shape[1] * stride + 2 * local.shape[-1], dtype=torch.float16)
+    ql, gl = (
+        buf.as_strided(local.shape, (local.shape[1] * stride, stride, local.shape[-1], 1), i * 16)
+        for i in range(2)
+    )
+    ql.copy_(local)
+    gl.copy_(shard(grad))
+    ql.requires_grad_()
+    kl, vl = (shard(t).requires_grad_() for t in (k, v))
+    out = context_parallel_attention(ql, kl, vl, pattern)
+    out.backward(gl)
+    exp_out, exp_dq = expected
+    with torch.no_grad():
+        assert_close(unshard(out), exp_out, torch.float16, f"rank {rank} out")
+        assert_close(unshard(ql.grad), exp_dq, torch.float16, f"rank {rank} dq")
+
+
+def test_shards_with_element_offsets_past_2_31():
+    pattern = s2attn.local_stride_pattern(1, 128, 16, local_blocks=2, vert_stride=3)
+    shape = (1, 128, 1, 1, 16)
+    q, k, v, grad = (t.half().float() for t in _inputs(*shape))
+    q.requires_grad_()
+    out = s2attn.attention_reference(q, k, v, pattern)
+    out.backward(grad)
+    spawn(2, _wide_strides_body, pattern, shape, (out.detach(), q.grad), kernels=True)
+
+
 def _one_rank_body(rank, world, pattern, shape):
     q, k, v, _ = _inputs(*shape)
     out = context_parallel_attention(q, k, v, pattern, softmax_scale=0.3)
