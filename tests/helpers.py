@@ -32,6 +32,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return num / denom
 
 
+def views_rows_apart(count: int, rows: int, dim: int, row_stride: int, dtype) -> list:
+    """``count`` views (1, rows, 1, dim) side by side in one buffer that is never filled, their
+    rows ``row_stride`` elements apart: element offsets past 2^31 for the cost of the pages the
+    rows touch (virtual memory on the CPU)."""
+    buf = torch.empty(rows * row_stride + count * dim, dtype=dtype, device=DEVICE)
+    shape, strides = (1, rows, 1, dim), (rows * row_stride, row_stride, dim, 1)
+    return [buf.as_strided(shape, strides, storage_offset=i * dim) for i in range(count)]
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
     """Fail unless ``actual`` is within REL_TOL[dtype] of ``expected``; print the error either way.
 

@@ -12,7 +12,15 @@ import sys
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, ON_GPU, assert_close, gpu_only, skip_without_gpu
+from helpers import (
+    DEVICE,
+    DTYPES,
+    ON_GPU,
+    assert_close,
+    gpu_only,
+    skip_without_gpu,
+    views_rows_apart,
+)
 
 import s2attn
 from s2attn import BlockPattern, local_stride_pattern
@@ -163,12 +171,8 @@ def test_grads_with_element_offsets_past_2_31():
     2^26-element stride apart into one buffer that is never filled (virtual memory on the CPU), so
     rows 32..47 sit past 2^31; 32-bit offsets read elsewhere (a segfault under the interpreter,
     an illegal address on the GPU, as a 4M-token sequence over two GPUs showed)."""
-    dtype, seq, stride, dim = DTYPES[0], 48, 2**26, 16
-    buf = torch.empty(seq * stride + 4 * dim, dtype=dtype, device=DEVICE)
-    q, k, v, upstream = (
-        buf.as_strided((1, seq, 1, dim), (seq * stride, stride, dim, 1), storage_offset=i * dim)
-        for i in range(4)
-    )
+    dtype, seq, dim = DTYPES[0], 48, 16
+    q, k, v, upstream = views_rows_apart(4, seq, dim, 2**26, dtype)
     gen = torch.Generator().manual_seed(0)
     for t in (q, k, v, upstream):
         t.copy_(_randn(t.shape, dtype, gen))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo import spawn
-from helpers import assert_close
+from helpers import assert_close, views_rows_apart
 
 import s2attn
 from s2attn.distributed import (
@@ -98,13 +98,8 @@ def _wide_strides_body(rank, world, pattern, shape, expected):
     kernels must form those offsets in 64 bits (4M tokens over two GPUs faulted when they did
     not)."""
     q, k, v, grad = (t.half() for t in _inputs(*shape))
-    stride = 2**27
     local = shard(q)
-    buf = torch.empty(local.shape[1] * stride + 2 * local.shape[-1], dtype=torch.float16)
-    ql, gl = (
-        buf.as_strided(local.shape, (local.shape[1] * stride, stride, local.shape[-1], 1), i * 16)
-        for i in range(2)
-    )
+    ql, gl = views_rows_apart(2, local.shape[1], local.shape[-1], 2**27, torch.float16)
     ql.copy_(local)
     gl.copy_(shard(grad))
     ql.requires_grad_()
