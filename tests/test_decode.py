@@ -109,13 +109,15 @@ def test_decode_matches_reference(kind, num_new, dtype):
     check_step(cache, ks, vs, heads, num_new, dtype, f"{kind} new={num_new}", num_splits=1)
 
 
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_split_k_merge_is_exact(num_splits):
+# The merge loads 64 // rows splits at a time: 4 at 2 new tokens (16 rows), 1 at 20 (64 rows).
+@pytest.mark.parametrize("num_splits,num_new", [(2, 2), (5, 2), (13, 2), (5, 20)])
+def test_split_k_merge_is_exact(num_splits, num_new):
     torch.manual_seed(1)
     heads, kv_heads, dim, dtype = 4, 2, 32, torch.float32
     pattern = make_pattern("s2", heads, kv_heads)
     cache, ks, vs = filled_cache(pattern, [150, 90], kv_heads, dim, dtype)
-    check_step(cache, ks, vs, heads, 2, dtype, f"splits={num_splits}", num_splits=num_splits)
+    what = f"splits={num_splits} new={num_new}"
+    check_step(cache, ks, vs, heads, num_new, dtype, what, num_splits=num_splits)
 
 
 def test_split_merge_over_many_steps_leaves_counters_at_zero():
