@@ -32,11 +32,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return num / denom
 
 
-def views_rows_apart(count: int, rows: int, dim: int, row_stride: int, dtype) -> list:
+def views_rows_apart(
+    count: int, rows: int, dim: int, row_stride: int, dtype, device: str = DEVICE
+) -> list:
     """``count`` views (1, rows, 1, dim) side by side in one buffer that is never filled, their
     rows ``row_stride`` elements apart: element offsets past 2^31 for the cost of the pages the
     rows touch (virtual memory on the CPU)."""
-    buf = torch.empty(rows * row_stride + count * dim, dtype=dtype, device=DEVICE)
+    buf = torch.empty(rows * row_stride + count * dim, dtype=dtype, device=device)
     shape, strides = (1, rows, 1, dim), (rows * row_stride, row_stride, dim, 1)
     return [buf.as_strided(shape, strides, storage_offset=i * dim) for i in range(count)]
 

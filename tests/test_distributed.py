@@ -99,7 +99,8 @@ def _wide_strides_body(rank, world, pattern, shape, expected):
     not)."""
     q, k, v, grad = (t.half() for t in _inputs(*shape))
     local = shard(q)
-    ql, gl = views_rows_apart(2, local.shape[1], local.shape[-1], 2**27, torch.float16)
+    # On the CPU like every gloo rank's tensors (on a GPU machine too, where DEVICE is CUDA).
+    ql, gl = views_rows_apart(2, local.shape[1], local.shape[-1], 2**27, torch.float16, "cpu")
     ql.copy_(local)
     gl.copy_(shard(grad))
     ql.requires_grad_()
