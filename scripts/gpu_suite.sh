@@ -2,10 +2,14 @@
 # The test suite on every visible GPU at once: the test files dealt out by size, one `pytest -n W`
 # per GPU (one process per GPU is compile-bound), each GPU's log in LOG_DIR (default: .).
 #
-#     LOG_DIR=$OUT [SUITE_TIMEOUT=300] [SUITE_SKIP='test_a.py|test_b.py'] scripts/gpu_suite.sh [WORKERS]
+#     LOG_DIR=$OUT [SUITE_TIMEOUT=300] [SUITE_SKIP='test_a.py|test_b.py'] [SUITE_RESUME=dir] \
+#         scripts/gpu_suite.sh [WORKERS]
 #
 # SUITE_TIMEOUT (seconds) stops each GPU's pytest when it runs past it, so a device call keeps time
 # for the work after the suite. SUITE_SKIP (an extended regex) leaves out test files already run.
+# SUITE_RESUME: a folder holding an earlier call's gpu_suite_*.log files; the tests they passed
+# are left out (tests/conftest.py reads their ids), so on one GPU, where the whole suite takes
+# longer than one call, the next call goes on where the last was cut off.
 #
 # Exit status: 0 when every GPU's run passed. Each log ends with pytest's summary of failures.
 set -u
@@ -15,6 +19,12 @@ gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -lt 1 ]; then
     echo "no GPU visible" >&2
     exit 2
+fi
+if [ -n "${SUITE_RESUME:-}" ]; then
+    passed=$(mktemp)
+    cat "$SUITE_RESUME"/gpu_suite_*.log | grep -oE "PASSED tests/[^ ]+" | cut -d' ' -f2 | sort -u > "$passed"
+    echo "resuming: $(wc -l < "$passed") tests passed before are left out"
+    export SUITE_PASSED=$passed
 fi
 # Largest files first, each to the GPU with the fewest bytes so far: a rough balance.
 mapfile -t files < <(ls -S tests/test_*.py | grep -Ev "${SUITE_SKIP:-^$}")
