@@ -21,7 +21,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import mangle_type
 
 from s2attn import local_stride_pattern
@@ -147,7 +147,7 @@ def ptxas_report(case: str) -> str:
             constexprs[(i,)] = value
         else:
             signature[name] = "fp32" if isinstance(value, float) else mangle_type(value)
-    source_type = ASTSource if case.startswith("decode") else GluonASTSource
+    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     source = source_type(kernel, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,11 +15,16 @@ local-stride cases of ``bench_attention.py``.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 import s2attn
 from s2attn.layout import forward_layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
+from run_info import median_ms  # noqa: E402
 
 HEADS, DIM, BLOCK, TILE_M, TILE_N = 32, 128, 64, 128, 64
 
@@ -52,17 +57,11 @@ def counts(pattern: s2attn.BlockPattern) -> list[int]:
 
 
 def forward_ms(pattern: s2attn.BlockPattern, seq: int) -> float:
-    import triton
-
     q, k, v = (
         torch.randn(1, seq, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3)
     )
     with torch.no_grad():
-        s2attn.sparse_attention(q, k, v, pattern)
-        return triton.testing.do_bench(
-            lambda: s2attn.sparse_attention(q, k, v, pattern), warmup=25, rep=100,
-            return_mode="median",
-        )  # fmt: skip
+        return median_ms(lambda: s2attn.sparse_attention(q, k, v, pattern))
 
 
 def main() -> int:

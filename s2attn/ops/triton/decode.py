@@ -323,6 +323,8 @@ def _merge_splits(
         split = s0 + offs_c
         ok = row_ok2 & (split < num_splits)[None, :]  # (BLOCK_M, MERGE_CHUNK)
         at = row[:, None] * num_splits + split[None, :]
+        # The chunk's LSEs again, beside its outputs in the same round trip: picking columns of
+        # lse_all would take a masked reduction per split instead.
         lse_c = tl.load(LseSplit + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(
             OutSplit + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
