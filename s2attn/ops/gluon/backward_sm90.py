@@ -43,7 +43,6 @@ from ..options import GluonDkdvConfig, GluonDqConfig
 from .common_sm90 import (
     MAX_REGS,
     alloc_item_slots,
-    entries_reaching,
     entry_col,
     entry_list,
     free_slots,
@@ -54,6 +53,7 @@ from .common_sm90 import (
     next_run,
     num_sms,
     put_item,
+    query_item,
     query_tile_producer,
     store_rows,
     take_item,
@@ -61,7 +61,6 @@ from .common_sm90 import (
     unchecked_descriptor,
     warp_specialize,
     wgmma_layout,
-    work_item,
 )
 
 __all__ = ["default_dkdv_config", "default_dq_config", "dkdv", "dkdv_order", "dq"]
@@ -146,9 +145,9 @@ def _dq_consumer(
     j = 0  # work items taken
     t = take_item(q_ready, item_slots, 0)
     while t < num_items:
-        b, h, tile, full_start, n_full, partial_start, n_total = work_item(
-            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
-            heads_per_group, NUM_HEADS, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M,
+        slot = j % q_slots
+        b, h, tile, full_start, n_full, partial_start, n_total, n_mine = query_item(
+            item_slots, slot, HALF
         )
         q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
         rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
@@ -157,10 +156,6 @@ def _dq_consumer(
         l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows * stride_ls
         lse = gl.load(Lse + l_off, mask=row_ok, other=float("inf")) * 1.4426950408889634
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        n_mine = entries_reaching(
-            partial_cols, partial_start, n_full, n_total, q_row0 + ROWS - 1, BLOCK_N, CAUSAL
-        )
-        slot = j % q_slots
         q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS).load(a_layout)
         do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
         do = do.load(a_layout)
@@ -310,8 +305,8 @@ def _dq_kernel(
             q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
             kv_empty, full_offsets, full_cols, partial_offsets, partial_cols, seqlen_q, seqlen_k,
             layout_tiles, grid_tiles, heads_per_group, num_items, counter, item_slots, NUM_HEADS,
-            GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, 1, do_desc, do_bufs, o_desc,
-            o_bufs, True,
+            GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, 1, CAUSAL, do_desc, do_bufs,
+            o_desc, o_bufs, True,
         ),
         1,
     )

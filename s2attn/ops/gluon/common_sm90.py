@@ -113,25 +113,65 @@ def entry_col(full_cols, partial_cols, full_start, partial_start, n_full, e):
     return n
 
 
+# A work item's slot in shared memory holds its index and, for query tiles, what the producer
+# read of its list (``put_query_item``), so the consumers start without global loads of their own.
+_ITEM_FIELDS = gl.constexpr(16)  # index, b, h, tile, 4 list fields, 2 lengths; a power of two
+
+
 @gluon.jit
 def put_item(item_slots, slot, t):
     """Hand work item ``t`` from a producer (one warp) to its consumers through shared memory;
     the mbarrier arrival that follows publishes it."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    item_slots.index(slot).store(gl.full([1], t, gl.int32, layout=one))
+    item_slots.index(slot).slice(0, 1).store(gl.full([1], t, gl.int32, layout=one))
+
+
+@gluon.jit
+def put_query_item(
+    item_slots, slot, t, b, h, tile, full_start, n_full, partial_start, n_total, n_mine_0,
+    n_mine_1,
+):
+    """``put_item`` of a query tile's item with its list (``work_item``) and each half's
+    ``entries_reaching``: ``query_item`` reads them back."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    k = gl.arange(0, _ITEM_FIELDS, layout=one)
+    record = gl.where(k == 0, t, 0) + gl.where(k == 1, b, 0) + gl.where(k == 2, h, 0)
+    record += gl.where(k == 3, tile, 0) + gl.where(k == 4, full_start, 0)
+    record += gl.where(k == 5, n_full, 0) + gl.where(k == 6, partial_start, 0)
+    record += gl.where(k == 7, n_total, 0) + gl.where(k == 8, n_mine_0, 0)
+    record += gl.where(k == 9, n_mine_1, 0)
+    item_slots.index(slot).store(record)
 
 
 @gluon.jit
 def alloc_item_slots(n: gl.constexpr):
-    """Shared memory for ``n`` work-item indices (``put_item``, ``get_item``)."""
-    return gl.allocate_shared_memory(gl.int32, [n, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    """Shared memory for ``n`` work items (``put_item``, ``put_query_item``)."""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # of a slot, once indexed
+    return gl.allocate_shared_memory(gl.int32, [n, _ITEM_FIELDS], layout)
+
+
+@gluon.jit
+def _item_field(item_slots, slot, k: gl.constexpr):
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(item_slots.index(slot).slice(k, 1).load(one), 0)
 
 
 @gluon.jit
 def get_item(item_slots, slot):
     """The work item in ``slot``, read by a consumer warpgroup once its mbarrier has completed."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.max(item_slots.index(slot).load(one), 0)
+    return _item_field(item_slots, slot, 0)
+
+
+@gluon.jit
+def query_item(item_slots, slot, HALF: gl.constexpr):
+    """(b, h, tile, full_start, n_full, partial_start, n_total, n_mine) of the query tile item in
+    ``slot``, as ``put_query_item`` put them; n_mine is half ``HALF``'s."""
+    return (
+        _item_field(item_slots, slot, 1), _item_field(item_slots, slot, 2),
+        _item_field(item_slots, slot, 3), _item_field(item_slots, slot, 4),
+        _item_field(item_slots, slot, 5), _item_field(item_slots, slot, 6),
+        _item_field(item_slots, slot, 7), _item_field(item_slots, slot, 8 + HALF),
+    )
 
 
 @gluon.jit
@@ -198,13 +238,15 @@ def query_tile_producer(
     full_offsets, full_cols, partial_offsets, partial_cols,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, counter, item_slots,
     NUM_HEADS: gl.constexpr, GQA_GROUP: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ENTRIES: gl.constexpr, CAUSAL: gl.constexpr,
     do_desc=None, do_bufs=None, o_desc=None, o_bufs=None, WITH_GRAD: gl.constexpr = False,
 ):
     """Takes work items from ``counter`` and walks their entries, copying q (and dO and O,
     WITH_GRAD: the dQ kernel) and K/V tiles into the rings as soon as the consumers free a slot:
     the next tile's loads overlap this tile's end. Each q slot carries its item's index to the
-    consumers; past the last item it carries an index >= num_items. A K/V slot holds ENTRIES
+    consumers (past the last item, an index >= num_items), with its list and the length each half
+    of the tile walks (``entries_reaching``): this warp reads them long before the consumers
+    start the item, which would otherwise wait on those loads. A K/V slot holds ENTRIES
     consecutive entries; past the list's end it repeats the last one (finite data, masked out by
     the consumers)."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
@@ -221,8 +263,19 @@ def query_tile_producer(
         # Slots start free: the first pass waits on the phase before the barrier's first.
         slot = j % q_slots
         ready = q_ready.index(slot)
+        rows: gl.constexpr = BLOCK_M // 2
+        last_row_0 = tile * BLOCK_M + rows - 1
+        n_mine_0 = entries_reaching(
+            partial_cols, partial_start, n_full, n_total, last_row_0, BLOCK_N, CAUSAL
+        )
+        n_mine_1 = entries_reaching(
+            partial_cols, partial_start, n_full, n_total, last_row_0 + rows, BLOCK_N, CAUSAL
+        )
         mbarrier.wait(q_empty.index(slot), ((j // q_slots) & 1) ^ 1)
-        put_item(item_slots, slot, t)
+        put_query_item(
+            item_slots, slot, t, b, h, tile, full_start, n_full, partial_start, n_total,
+            n_mine_0, n_mine_1,
+        )
         q_row = tile * BLOCK_M - q_offset
         if WITH_GRAD:
             mbarrier.expect(ready, 3 * q_desc.block_type.nbytes)

@@ -22,7 +22,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -33,19 +35,18 @@ from ..options import GluonForwardConfig
 from .common_sm90 import (
     MAX_REGS,
     alloc_item_slots,
-    entries_reaching,
     free_slots,
     item_counter,
     masked_scores,
     next_run,
     num_sms,
+    query_item,
     query_tile_producer,
     store_rows,
     take_item,
     tma_descriptor,
     warp_specialize,
     wgmma_layout,
-    work_item,
 )
 
 __all__ = ["default_config", "forward"]
@@ -107,10 +108,9 @@ def _consumer(
     The two warpgroups share the K/V ring but never wait for each other: each frees a slot on
     its own (the empty barriers count two)."""
     (
-        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, item_slots, Out, Lse,
-        full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, item_slots, o_desc,
+        Out, Lse, full_cols, partial_cols, partial_bits, stride_ob, stride_os, stride_oh,
+        stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_items, qk_scale,
     ) = work
     ROWS: gl.constexpr = BLOCK_M // 2
     KEYS: gl.constexpr = ENTRIES * BLOCK_N  # keys per step
@@ -127,29 +127,31 @@ def _consumer(
     j = 0  # work items taken
     t = take_item(q_ready, item_slots, 0)
     while t < num_items:
-        b, h, tile, full_start, n_full, partial_start, n_total = work_item(
-            t, full_offsets, partial_offsets, seqlen_k, layout_tiles, grid_tiles,
-            heads_per_group, NUM_HEADS, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M,
+        slot = j % 2
+        # Causal: partial entries that start after this warpgroup's last row (the upper diagonal
+        # KV tile, for the first half of the rows) are wholly masked for it (n_mine drops them):
+        # it skips the steps made only of those, and just frees their slots.
+        b, h, tile, full_start, n_full, partial_start, n_total, n_mine = query_item(
+            item_slots, slot, HALF
         )
         n_steps = gl.cdiv(n_total, ENTRIES)
         q_row0 = tile * BLOCK_M + HALF * ROWS  # absolute position of this warpgroup's first row
-        # Causal: partial entries that start after this warpgroup's last row (the upper diagonal
-        # KV tile, for the first half of the rows) are wholly masked for it: it skips the steps
-        # made only of those, and just frees their slots.
-        n_mine = entries_reaching(
-            partial_cols, partial_start, n_full, n_total, q_row0 + ROWS - 1, BLOCK_N, CAUSAL
-        )
         my_steps = gl.cdiv(n_mine, ENTRIES)
         rows_abs = q_row0 + gl.arange(0, ROWS, layout=row_s)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        q_view = q_bufs.index(j % 2).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
+        q_view = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF * ROWS, ROWS)
         if Q_IN_REGS:
             # QK^T then reads only K from shared memory.
             q = q_view.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
             q = q_view
+        if j > 0:
+            # The previous item's output has been read out of its q slot by now (it left by bulk
+            # copy): the producer may refill the slot.
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(1 - slot))
         # Steps that no row of this warpgroup sees are skipped (their slots just freed); the
         # others are masked only where an entry is partial for these rows.
         first, masked = next_run(
@@ -219,7 +221,6 @@ def _consumer(
             mbarrier.arrive(kv_empty.index(last))
             first = held + 1  # steps from here on are skipped
         free_slots(k_ready, v_ready, kv_empty, c + first, c + n_steps)
-        mbarrier.arrive(q_empty.index(j % 2))
         c += n_steps
 
         # Rows that attend nothing: output 0 and LSE -inf, never 0/0.
@@ -228,19 +229,33 @@ def _consumer(
         lse = gl.where(empty, float("-inf"), lse)
         inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
         out = (acc * inv_l[:, None]).to(dtype)
-        rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
-        o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        store_rows(o_base, rows, out, stride_os, seqlen_q, o_layout)
+        o_row = q_row0 - q_offset  # of this warpgroup's first row, in the queries
+        if o_row >= 0:
+            # The output leaves through this warpgroup's rows of the item's q slot, by one bulk
+            # copy (rows past the sequence are clipped by the descriptor): storing 64 rows from
+            # registers took as long as two entries.
+            q_view.store(out)
+            fence_async_shared()
+            gl.thread_barrier()
+            o_smem = q_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=1)
+            tma.async_copy_shared_to_global(o_desc, [b, o_row, h, 0], o_smem)
+        else:
+            # A bulk store may not start before row 0 (on an H100 it faults: an illegal
+            # instruction). Only a bottom-right aligned call's first tile starts there.
+            rows = o_row + gl.arange(0, ROWS, layout=row_o)
+            o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+            store_rows(o_base, rows, out, stride_os, seqlen_q, o_layout)
         l_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_s)
         l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seqlen_q))
         j += 1
         t = take_item(q_ready, item_slots, j)
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _forward_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, counter,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, counter,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
     seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
@@ -275,10 +290,9 @@ def _forward_kernel(
     # The consumers' shared arguments travel as one tuple, their constexprs apart: a tuple assigned
     # to a name inside a kernel turns its constexprs into tensors.
     work = (
-        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, item_slots, Out, Lse,
-        full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-        seqlen_q, seqlen_k, layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale,
+        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, item_slots, o_desc,
+        Out, Lse, full_cols, partial_cols, partial_bits, stride_ob, stride_os, stride_oh,
+        stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_items, qk_scale,
     )
     warp_specialize(
         _consumer,
@@ -291,7 +305,7 @@ def _forward_kernel(
             q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
             kv_empty, full_offsets, full_cols, partial_offsets, partial_cols, seqlen_q, seqlen_k,
             layout_tiles, grid_tiles, heads_per_group, num_items, counter, item_slots, NUM_HEADS,
-            GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, ENTRIES,
+            GQA_GROUP, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, ENTRIES, CAUSAL,
         ),
         1,
     )
@@ -342,8 +356,8 @@ def forward(
     heads_per_group = heads_per_program_group(batch * num_heads, config.heads_per_group)
     _forward_kernel[(grid,)](
         tma_descriptor(q, layout.block_m), tma_descriptor(k, layout.block_n),
-        tma_descriptor(v, layout.block_n), out, lse, item_counter(q.device),
-        layout.full_offsets, layout.full_cols,
+        tma_descriptor(v, layout.block_n), tma_descriptor(out, layout.block_m // 2), out, lse,
+        item_counter(q.device), layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
         seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, num_items,
