@@ -17,7 +17,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..env import build_outside_graph_pool
@@ -101,6 +101,29 @@ def store_rows(base, rows, values, stride_s, seqlen, layout: gl.constexpr):
         values,
         mask=((rows >= 0) & (rows < seqlen))[:, None],
     )
+
+
+@gluon.jit
+def store_rows_by_copy(desc, tile_smem, ROW_START: gl.constexpr, b, h, first_row, values, base,
+                       stride_s, seqlen, layout: gl.constexpr):  # fmt: skip
+    """Store (rows, dim) ``values`` as rows ``first_row``.. of (batch b, head h) by one bulk copy
+    through rows ROW_START.. of ``tile_smem``, a (1, tile rows, 1, dim) buffer that no copy is
+    reading; rows past ``seqlen`` are clipped by ``desc``. 64 rows of stores from registers took
+    as long as two forward entries. A bulk store may not start before row 0 (on an H100 it
+    faults: an illegal instruction), so rows from a negative ``first_row`` (only a bottom-right
+    aligned call's first tile) go from registers to ``base + row * stride_s``, rows in [0,
+    seqlen)."""
+    rows: gl.constexpr = values.shape[0]
+    if first_row >= 0:
+        staged = tile_smem.reshape([tile_smem.type.shape[1], values.shape[1]])
+        staged.slice(ROW_START, rows).store(values)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's rows are in shared memory before the copy reads
+        rows_smem = tile_smem.slice(ROW_START, rows, dim=1)
+        tma.async_copy_shared_to_global(desc, [b, first_row, h, 0], rows_smem)
+    else:
+        offs = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
+        store_rows(base, offs, values, stride_s, seqlen, layout)
 
 
 @gluon.jit

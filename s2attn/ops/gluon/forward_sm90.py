@@ -22,7 +22,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -42,7 +41,7 @@ from .common_sm90 import (
     num_sms,
     query_item,
     query_tile_producer,
-    store_rows,
+    store_rows_by_copy,
     take_item,
     tma_descriptor,
     warp_specialize,
@@ -228,23 +227,14 @@ def _consumer(
         lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
         lse = gl.where(empty, float("-inf"), lse)
         inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
-        out = (acc * inv_l[:, None]).to(dtype)
-        o_row = q_row0 - q_offset  # of this warpgroup's first row, in the queries
-        if o_row >= 0:
-            # The output leaves through this warpgroup's rows of the item's q slot, by one bulk
-            # copy (rows past the sequence are clipped by the descriptor): storing 64 rows from
-            # registers took as long as two entries.
-            q_view.store(out)
-            fence_async_shared()
-            gl.thread_barrier()
-            o_smem = q_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=1)
-            tma.async_copy_shared_to_global(o_desc, [b, o_row, h, 0], o_smem)
-        else:
-            # A bulk store may not start before row 0 (on an H100 it faults: an illegal
-            # instruction). Only a bottom-right aligned call's first tile starts there.
-            rows = o_row + gl.arange(0, ROWS, layout=row_o)
-            o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-            store_rows(o_base, rows, out, stride_os, seqlen_q, o_layout)
+        # The output leaves through this warpgroup's rows of the item's q slot, which the
+        # producer refills only once the copy has read them (released with the next item).
+        store_rows_by_copy(
+            o_desc, q_bufs.index(slot), HALF * ROWS, b, h, q_row0 - q_offset,
+            (acc * inv_l[:, None]).to(dtype),
+            Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh, stride_os, seqlen_q,
+            o_layout,
+        )
         l_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_s)
         l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         gl.store(l_base + l_rows * stride_ls, lse, mask=(l_rows >= 0) & (l_rows < seqlen_q))
