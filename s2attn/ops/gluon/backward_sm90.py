@@ -56,7 +56,6 @@ from .common_sm90 import (
     query_item,
     query_tile_producer,
     store_rows,
-    store_rows_by_copy,
     take_item,
     tma_descriptor,
     unchecked_descriptor,
@@ -124,10 +123,10 @@ def _dq_consumer(
     dO are MMA operands from registers, so per entry the MMAs read only K and V from shared
     memory, whose bandwidth bounds this kernel; the tile's slot is free once they are loaded."""
     (
-        q_bufs, do_bufs, o_bufs, dq_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, item_slots, dq_desc, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols,
-        partial_offsets, partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb,
-        stride_lh, stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
+        q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+        item_slots, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets,
+        partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
+        stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
         layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
     ) = work
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -138,6 +137,7 @@ def _dq_consumer(
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_slots: gl.constexpr = q_bufs.type.shape[0]
     q_offset = seqlen_k - seqlen_q
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -241,24 +241,16 @@ def _dq_consumer(
         free_slots(k_ready, v_ready, kv_empty, c + first, c + n_total)
         c += n_total
 
-        # dQ leaves by one bulk copy through a staging tile, free once the previous item's copy
-        # has read it.
-        tma.store_wait(0)
-        gl.thread_barrier()
-        store_rows_by_copy(
-            dq_desc, dq_bufs.index(0), HALF * ROWS, b, h, q_row0 - q_offset,
-            (acc * softmax_scale).to(dtype),
-            dQ + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh, stride_qs, seqlen_q,
-            o_layout,
-        )
+        out_rows = q_row0 - q_offset + gl.arange(0, ROWS, layout=row_o)
+        base = dQ + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+        store_rows(base, out_rows, (acc * softmax_scale).to(dtype), stride_qs, seqlen_q, o_layout)
         j += 1
         t = take_item(q_ready, item_slots, j)
-    tma.store_wait(0)
 
 
 @gluon.jit
 def _dq_kernel(
-    q_desc, do_desc, o_desc, k_desc, v_desc, dq_desc, dQ, Lse, dLse, Delta, Stats, counter,
+    q_desc, do_desc, o_desc, k_desc, v_desc, dQ, Lse, dLse, Delta, Stats, counter,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
     stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls,
     stride_dlb, stride_dlh, stride_dls, stats_seq,
@@ -278,7 +270,6 @@ def _dq_kernel(
     q_bufs = gl.allocate_shared_memory(dtype, tile_shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, tile_shape, do_desc.layout)
     o_bufs = gl.allocate_shared_memory(dtype, tile_shape, o_desc.layout)
-    dq_bufs = gl.allocate_shared_memory(dtype, tile_shape, q_desc.layout)  # dQ's way out
     kv_shape: gl.constexpr = [NUM_BUFFERS] + k_desc.block_type.shape
     k_bufs = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
@@ -297,10 +288,10 @@ def _dq_kernel(
 
     # One tuple of shared arguments, constexprs apart (see forward_sm90.py).
     work = (
-        q_bufs, do_bufs, o_bufs, dq_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, item_slots, dq_desc, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols,
-        partial_offsets, partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb,
-        stride_lh, stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
+        q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+        item_slots, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets,
+        partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
+        stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
         layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
     )
     warp_specialize(
@@ -356,8 +347,7 @@ def dq(
     _dq_kernel[(grid,)](
         tma_descriptor(q, layout.block_m), tma_descriptor(grad_out, layout.block_m),
         tma_descriptor(out, layout.block_m), tma_descriptor(k, layout.block_n),
-        tma_descriptor(v, layout.block_n), tma_descriptor(dq, layout.block_m // 2), dq, lse,
-        lse if grad_lse is None else grad_lse, delta,
+        tma_descriptor(v, layout.block_n), dq, lse, lse if grad_lse is None else grad_lse, delta,
         delta if stats is None else stats, item_counter(q.device),
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
