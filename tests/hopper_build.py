@@ -156,7 +156,9 @@ def ptxas_report(case: str) -> str:
         cmd = [os.fspath(PTXAS), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".o"]
         if "maxnreg" in options:
             cmd.append(f"--maxrregcount={options['maxnreg']}")
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:  # say what ptxas said: its exit status alone tells nothing
+        raise RuntimeError(f"ptxas exited with {done.returncode}:\n{done.stdout}{done.stderr}")
     return done.stdout + done.stderr
 
 
