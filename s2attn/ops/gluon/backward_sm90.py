@@ -114,8 +114,8 @@ def _dq_step(
 
 @gluon.jit
 def _dq_consumer(
-    HALF: gl.constexpr, work, NUM_HEADS: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HALF: gl.constexpr, work, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_STATS: gl.constexpr,
 ):
@@ -124,10 +124,9 @@ def _dq_consumer(
     memory, whose bandwidth bounds this kernel; the tile's slot is free once they are loaded."""
     (
         q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-        item_slots, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets,
-        partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
-        stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
-        layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
+        item_slots, dQ, Lse, dLse, Delta, Stats, full_cols, partial_cols, partial_bits,
+        stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls, stride_dlb, stride_dlh,
+        stride_dls, stats_seq, seqlen_q, seqlen_k, num_items, qk_scale, softmax_scale,
     ) = work
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
@@ -289,16 +288,15 @@ def _dq_kernel(
     # One tuple of shared arguments, constexprs apart (see forward_sm90.py).
     work = (
         q_bufs, do_bufs, o_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-        item_slots, dQ, Lse, dLse, Delta, Stats, full_offsets, full_cols, partial_offsets,
-        partial_cols, partial_bits, stride_qb, stride_qs, stride_qh, stride_lb, stride_lh,
-        stride_ls, stride_dlb, stride_dlh, stride_dls, stats_seq, seqlen_q, seqlen_k,
-        layout_tiles, grid_tiles, heads_per_group, num_items, qk_scale, softmax_scale,
+        item_slots, dQ, Lse, dLse, Delta, Stats, full_cols, partial_cols, partial_bits,
+        stride_qb, stride_qs, stride_qh, stride_lb, stride_lh, stride_ls, stride_dlb, stride_dlh,
+        stride_dls, stats_seq, seqlen_q, seqlen_k, num_items, qk_scale, softmax_scale,
     )
     warp_specialize(
         _dq_consumer,
         (
-            work, NUM_HEADS, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-            COL_GROUP, BITS_PER_ROW, CAUSAL, HAS_DLSE, HAS_STATS,
+            work, NUM_HEADS, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW,
+            CAUSAL, HAS_DLSE, HAS_STATS,
         ),
         query_tile_producer,
         (

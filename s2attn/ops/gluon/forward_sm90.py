@@ -97,8 +97,8 @@ def _softmax_step(
 
 @gluon.jit
 def _consumer(
-    HALF: gl.constexpr, work, NUM_HEADS: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HALF: gl.constexpr, work, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
     ROW_GROUP: gl.constexpr, COL_GROUP: gl.constexpr, BITS_PER_ROW: gl.constexpr,
     CAUSAL: gl.constexpr, Q_IN_REGS: gl.constexpr, ENTRIES: gl.constexpr,
 ):
@@ -287,8 +287,8 @@ def _forward_kernel(
     warp_specialize(
         _consumer,
         (
-            work, NUM_HEADS, Q_HEADS_PER_PATTERN_HEAD, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP,
-            COL_GROUP, BITS_PER_ROW, CAUSAL, Q_IN_REGS, ENTRIES,
+            work, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_GROUP, COL_GROUP, BITS_PER_ROW, CAUSAL,
+            Q_IN_REGS, ENTRIES,
         ),
         query_tile_producer,
         (
