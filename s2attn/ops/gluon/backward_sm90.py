@@ -29,6 +29,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -488,9 +489,8 @@ def _dkdv_consumer(
     computed while dP^T runs, and dS while dV's MMA runs."""
     (
         q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty,
-        dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
-        qk_scale, softmax_scale, item_slots,
+        dk_desc, dv_desc, order, full_offsets, full_cols, partial_offsets, partial_cols,
+        partial_bits, kv_tiles, layout_tiles, num_items, qk_scale, softmax_scale, item_slots,
     ) = work
     num_buffers: gl.constexpr = q_bufs.type.shape[0] // 2
     dtype: gl.constexpr = q_bufs.dtype
@@ -543,12 +543,19 @@ def _dkdv_consumer(
                 dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
                 mbarrier.arrive(qd_empty.index(buf))
                 c += 1
-        # Free K/V before the stores, so the next item's copies overlap them.
+        # dK and dV leave by bulk copy through the item's K/V slot (its MMAs are done), which
+        # goes back to the producer once the copies have read it: 64 rows of stores from
+        # registers took as long as two forward entries each.
+        k_slot = k_bufs.index(STREAM)
+        v_slot = v_bufs.index(STREAM)
+        k_slot.reshape([BLOCK_N, HEAD_DIM]).store((dk * softmax_scale).to(dtype))
+        v_slot.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dk_desc, [b, n * BLOCK_N, kv_head, 0], k_slot)
+        tma.async_copy_shared_to_global(dv_desc, [b, n * BLOCK_N, kv_head, 0], v_slot)
+        tma.store_wait(0)
         mbarrier.arrive(kv_empty.index(STREAM))
-        rows = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
-        base = b.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh
-        store_rows(dK + base, rows, (dk * softmax_scale).to(dtype), stride_ks, seqlen_k, o_layout)
-        store_rows(dV + base, rows, dv.to(dtype), stride_ks, seqlen_k, o_layout)
         j += 1
         mbarrier.wait(kv_ready.index(STREAM), j & 1)
         t = get_item(item_slots, STREAM)
@@ -556,9 +563,9 @@ def _dkdv_consumer(
 
 @gluon.jit
 def _dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, stats_desc, dK, dV, counter, order,
+    q_desc, do_desc, k_desc, v_desc, stats_desc, dk_desc, dv_desc, counter, order,
     full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-    stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
+    seqlen_k, kv_tiles, layout_tiles, num_items,
     qk_scale, softmax_scale,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, Q_HEADS_PER_PATTERN_HEAD: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -592,9 +599,8 @@ def _dkdv_kernel(
     # One tuple of shared arguments, constexprs apart (see forward_sm90.py).
     work = (
         q_bufs, do_bufs, k_bufs, v_bufs, stats_bufs, kv_ready, kv_empty, qd_ready, qd_empty,
-        dK, dV, order, full_offsets, full_cols, partial_offsets, partial_cols, partial_bits,
-        stride_kb, stride_ks, stride_kh, seqlen_k, kv_tiles, layout_tiles, num_items,
-        qk_scale, softmax_scale, item_slots,
+        dk_desc, dv_desc, order, full_offsets, full_cols, partial_offsets, partial_cols,
+        partial_bits, kv_tiles, layout_tiles, num_items, qk_scale, softmax_scale, item_slots,
     )
     warp_specialize(
         _dkdv_consumer,
@@ -679,7 +685,7 @@ def dkdv(
     q_heads_per_pattern_head: int,
     config: GluonDkdvConfig,
 ) -> None:
-    """Fill ``dk`` and ``dv`` (like k; dk's strides for both) for batched inputs, on a 64x64
+    """Fill ``dk`` and ``dv`` (like k) for batched inputs, on a 64x64
     backward layout; ``stats`` as ``row_stats_descriptor`` takes it. ``config``'s fields left
     None take ``default_dkdv_config``."""
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -699,10 +705,11 @@ def dkdv(
     _dkdv_kernel[(grid,)](
         tma_descriptor(q, layout.block_m), tma_descriptor(grad_out, layout.block_m),
         tma_descriptor(k, layout.block_n), tma_descriptor(v, layout.block_n),
-        row_stats_descriptor(stats, seqlen_q, layout.block_m), dk, dv, counter, order,
+        row_stats_descriptor(stats, seqlen_q, layout.block_m), tma_descriptor(dk, layout.block_n),
+        tma_descriptor(dv, layout.block_n), counter, order,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
-        dk.stride(0), dk.stride(1), dk.stride(2), seqlen_k, kv_tiles, layout.num_groups,
+        seqlen_k, kv_tiles, layout.num_groups,
         num_items, softmax_scale * LOG2E, softmax_scale,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
