@@ -2,11 +2,14 @@
 # The test suite on every visible GPU at once: the test files dealt out by size, one `pytest -n W`
 # per GPU (one process per GPU is compile-bound), each GPU's log in LOG_DIR (default: .).
 #
-#     LOG_DIR=$OUT [SUITE_TIMEOUT=300] [SUITE_SKIP='test_a.py|test_b.py'] [SUITE_RESUME=dir] \
-#         scripts/gpu_suite.sh [WORKERS]
+#     LOG_DIR=$OUT [SUITE_TIMEOUT=300] [TEST_TIMEOUT=240] [SUITE_SKIP='test_a.py|test_b.py'] \
+#         [SUITE_RESUME=dir] scripts/gpu_suite.sh [WORKERS]
 #
 # SUITE_TIMEOUT (seconds) stops each GPU's pytest when it runs past it, so a device call keeps time
 # for the work after the suite. SUITE_SKIP (an extended regex) leaves out test files already run.
+# TEST_TIMEOUT (seconds, default 240) fails a single test that runs past it, where pytest-timeout
+# is installed (the GPU machine has it): a kernel that deadlocks then shows up by name in the log
+# instead of silently holding the whole call until SUITE_TIMEOUT.
 # SUITE_RESUME: a folder holding an earlier call's gpu_suite_*.log files; the tests they passed
 # are left out (tests/conftest.py reads their ids), so on one GPU, where the whole suite takes
 # longer than one call, the next call goes on where the last was cut off.
@@ -38,10 +41,14 @@ for f in "${files[@]}"; do
     load[best]=$((load[best] + $(stat -c %s "$f")))
     sel[best]="${sel[best]} $f"
 done
+per_test=()
+if python -c "import pytest_timeout" 2>/dev/null; then
+    per_test=(--timeout "${TEST_TIMEOUT:-240}")
+fi
 pids=()
 for ((g = 0; g < gpus; g++)); do
     # shellcheck disable=SC2086  # the file list is meant to split into words
-    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE -p no:cacheprovider ${sel[g]} \
+    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE -p no:cacheprovider "${per_test[@]}" ${sel[g]} \
         > "$log_dir/gpu_suite_$g.log" 2>&1 &
     pids+=($!)
 done

@@ -1,6 +1,9 @@
 """Per-kernel GPU time of one forward+backward: torch.profiler's CUDA kernel times, averaged over
 a few calls, and the time between CUDA events around the same calls, whose difference is the gaps
 the host leaves between kernels. Batch 1, 32 heads, bf16, causal, block 64, local 16 unless given.
+A few calls read about 10% under a sustained run, the benchmarks' regime: the clock falls once
+the load lasts a few tens of milliseconds (on an H100 at 32k V16, 7.2 ms of kernels over 3
+calls, 8.0 over 30). Compare with `bench_attention.py` at --calls 30.
 
     python scripts/time_kernels.py --seq 131072 --strides 16,64 --dim 128
     python scripts/time_kernels.py --block-size 16 --local-blocks 64
