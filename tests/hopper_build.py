@@ -80,13 +80,13 @@ def _launch(case: str) -> tuple:
     for module in (forward_sm90, backward_sm90):
         module.num_sms = lambda device: 132
         module.item_counter = lambda device: torch.zeros(1, dtype=torch.int32)
-    module, kernel_name = {
-        "forward": (forward_sm90, "_forward_kernel"),
-        "dq": (backward_sm90, "_dq_kernel"),
-        "dkdv": (backward_sm90, "_dkdv_kernel"),
+    module, launcher_name = {
+        "forward": (forward_sm90, "_FORWARD"),
+        "dq": (backward_sm90, "_DQ"),
+        "dkdv": (backward_sm90, "_DKDV"),
     }[name]
-    recorder = _Recorder(getattr(module, kernel_name))
-    setattr(module, kernel_name, recorder)
+    recorder = _Recorder(getattr(module, launcher_name).kernel)
+    setattr(module, launcher_name, recorder)
     if name == "forward":
         forward_sm90.forward(
             q,

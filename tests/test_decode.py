@@ -17,7 +17,6 @@ import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
 from s2attn.ops.options import TritonDecodeConfig
 from s2attn.ops.triton import decode as triton_decode
-from s2attn.ops.triton.launcher import _arg_key
 
 BS = 16
 MAX_LEN = 256
@@ -130,19 +129,6 @@ def test_split_merge_over_many_steps_leaves_counters_at_zero():
     for i in range(12):
         check_step(cache, ks, vs, heads, 1 + i % 3, dtype, f"step {i}", num_splits=3 + i % 5)
         assert not cache.split_counters.any(), f"step {i} left a split count behind"
-
-
-def test_launcher_keys_follow_triton_specialization():
-    # Calls share a compiled kernel only when Triton would have specialized them alike: same
-    # dtypes, the same 16-byte alignment of every tensor, the same value of every other argument.
-    buf = torch.zeros(64, dtype=torch.float16)
-    a, b, shifted = buf[:8], buf[8:16], buf[1:9]
-    assert _arg_key(a) == _arg_key(b)
-    assert _arg_key(a) != _arg_key(shifted)
-    assert _arg_key(a) != _arg_key(a.float())
-    assert _arg_key(16) != _arg_key(17)
-    assert _arg_key(1) != _arg_key(True)
-    assert _arg_key(0.5) == _arg_key(0.5)
 
 
 @skip_without_gpu

@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...layout import TileLayout
 from ..env import build_outside_graph_pool
 from ..launch import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
+from ..launcher import Launcher
 from ..options import GluonDkdvConfig, GluonDqConfig
 from .common_sm90 import (
     MAX_REGS,
@@ -311,6 +312,9 @@ def _dq_kernel(
     )
 
 
+_DQ = Launcher(_dq_kernel)  # repeat launches skip Triton's binding (see forward_sm90.py)
+
+
 def default_dq_config() -> GluonDqConfig:
     """The measured dQ launch: a ring of 3 K/V slots, persistent programs, one head's tiles at a
     time."""
@@ -343,7 +347,7 @@ def dq(
     num_items = batch * num_heads * num_tiles
     grid = min(num_items, num_sms(q.device)) if config.persistent else num_items
     heads_per_group = heads_per_program_group(batch * num_heads, config.heads_per_group)
-    _dq_kernel[(grid,)](
+    _DQ[(grid,)](
         tma_descriptor(q, layout.block_m), tma_descriptor(grad_out, layout.block_m),
         tma_descriptor(out, layout.block_m), tma_descriptor(k, layout.block_n),
         tma_descriptor(v, layout.block_n), dq, lse, lse if grad_lse is None else grad_lse, delta,
@@ -620,6 +624,9 @@ def _dkdv_kernel(
     )
 
 
+_DKDV = Launcher(_dkdv_kernel)
+
+
 def dkdv_order(
     layout: TileLayout, batch: int, num_heads: int, num_kv_heads: int, kv_tiles: int,
     q_heads_per_pattern_head: int, heads_per_group: int | None, streams: int,
@@ -702,7 +709,7 @@ def dkdv(
             q.device, lambda: dkdv_order(layout, *key[1:])
         )
     counter = item_counter(q.device)
-    _dkdv_kernel[(grid,)](
+    _DKDV[(grid,)](
         tma_descriptor(q, layout.block_m), tma_descriptor(grad_out, layout.block_m),
         tma_descriptor(k, layout.block_n), tma_descriptor(v, layout.block_n),
         row_stats_descriptor(stats, seqlen_q, layout.block_m), tma_descriptor(dk, layout.block_n),

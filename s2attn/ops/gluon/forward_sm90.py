@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...layout import TileLayout
 from ..launch import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
+from ..launcher import Launcher
 from ..options import GluonForwardConfig
 from .common_sm90 import (
     MAX_REGS,
@@ -301,6 +302,11 @@ def _forward_kernel(
     )
 
 
+# Repeat launches skip Triton's per-call binding: an 8k fwd+bwd is about as long on the host as on
+# the GPU (benchmarks/NOTES.md, Host time).
+_FORWARD = Launcher(_forward_kernel)
+
+
 @functools.cache
 def default_config(head_dim: int) -> GluonForwardConfig:
     """The measured launch per head dim (H100, benchmarks/NOTES.md, change 11).
@@ -344,7 +350,7 @@ def forward(
     num_items = batch * num_heads * num_tiles
     grid = min(num_items, num_sms(q.device)) if config.persistent else num_items
     heads_per_group = heads_per_program_group(batch * num_heads, config.heads_per_group)
-    _forward_kernel[(grid,)](
+    _FORWARD[(grid,)](
         tma_descriptor(q, layout.block_m), tma_descriptor(k, layout.block_n),
         tma_descriptor(v, layout.block_n), tma_descriptor(out, layout.block_m // 2), out, lse,
         item_counter(q.device), layout.full_offsets, layout.full_cols,

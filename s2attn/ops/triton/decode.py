@@ -28,9 +28,9 @@ import triton.language as tl
 from ...layout import DecodeLayout
 from ..env import POISON_OUTPUTS
 from ..launch import LOG2E, lse_dtype
+from ..launcher import Launcher
 from ..options import TritonDecodeConfig
 from .common import dot_precision, padded_head_dim
-from .launcher import Launcher
 
 __all__ = ["MAX_DECODE_ROWS", "decode", "decode_num_splits", "default_config"]
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import Launcher
+from ..launcher import Launcher
 
 __all__ = ["write_pages"]
 

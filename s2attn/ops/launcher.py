@@ -1,16 +1,19 @@
-"""Launching a small Triton kernel again without Triton's per-call binding.
+"""Launching a Triton or Gluon kernel again without Triton's per-call binding.
 
-A decode step launches kernels of a few microseconds of GPU work, once per layer per token, so
-the host's cost of a launch decides its speed. ``kernel[grid](...)`` pays Triton's binder (each
-argument's specialization), its cache key and launch metadata on every call: 40-50 µs per launch
-under cProfile on the GPU hosts here, for the decode kernel's 39 arguments, more than the kernel
-takes. :class:`Launcher` remembers the compiled kernel that Triton chose for a set of arguments
-and launches it directly when the same kind of arguments come again (a decode step's host time:
-137 -> 121 µs, 2 x H200 host; ``benchmarks/NOTES.md``, change 36).
+A decode step launches kernels of a few microseconds of GPU work, once per layer per token, and
+an 8k forward+backward three kernels of a few hundred, so the host's cost of a launch decides or
+bounds their speed. ``kernel[grid](...)`` pays Triton's binder (each argument's specialization),
+its cache key and launch metadata on every call: 40-50 µs per launch under cProfile on the GPU
+hosts here, for the decode kernel's 39 arguments, more than the kernel takes. :class:`Launcher`
+remembers the compiled kernel that Triton chose for a set of arguments and launches it directly
+when the same kind of arguments come again (a decode step's host time: 137 -> 121 µs, 2 x H200
+host; ``benchmarks/NOTES.md``, change 36).
 
 What Triton specializes a compiled kernel on is a function of each argument's *value* for
-integers (its width, divisibility by 16, equality to 1), and of a tensor's dtype and the 16-byte
-alignment of its address. The memo's key holds exactly those for tensors and the whole value for
+integers (its width, divisibility by 16, equality to 1), of a tensor's dtype and the 16-byte
+alignment of its address, and of a tensor descriptor's dtype, block shape and shared-memory
+layout (its base, shape and strides go to the launch, which builds the TMA descriptor each
+time). The memo's key holds exactly those for tensors and descriptors and the whole value for
 every other argument, so two calls with the same key would have made the same compiled kernel:
 a hit cannot launch a kernel specialized for other arguments. Anything else (the interpreter,
 launch hooks such as a profiler's, arguments not on a GPU) takes Triton's own path.
@@ -23,7 +26,9 @@ from typing import Any
 import torch
 import triton
 from triton import knobs
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Keys are few in practice (one per shape and dtype of the calls a model makes); the bound only
 # keeps a pathological caller (every call a new shape) from growing the memo without end.
@@ -35,11 +40,23 @@ def _hooked(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+_DESCRIPTORS = (GluonTensorDescriptor, TensorDescriptor)
+
+
 def _arg_key(arg: Any) -> Any:
     # `type(...) is` first: plain tensors are the common case, and cheaper to test than isinstance.
     if type(arg) is torch.Tensor or isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() & 15)
+    if isinstance(arg, _DESCRIPTORS):
+        # A descriptor's base is 16-byte aligned by construction.
+        layout = getattr(arg, "layout", None)
+        return (type(arg), arg.base.dtype, tuple(arg.block_shape), layout, arg.padding)
     return (type(arg), arg)
+
+
+def _on_gpu(arg: Any) -> bool:
+    base = arg.base if isinstance(arg, _DESCRIPTORS) else arg
+    return isinstance(base, torch.Tensor) and base.device.type == "cuda"
 
 
 class Launcher:
@@ -61,11 +78,9 @@ class Launcher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        first = args[0]
         if (
             not self.direct
-            or not isinstance(first, torch.Tensor)
-            or first.device.type != "cuda"
+            or not _on_gpu(args[0])
             or _hooked(knobs.runtime.launch_enter_hook)
             or _hooked(knobs.runtime.launch_exit_hook)
             or self.kernel.pre_run_hooks
