@@ -25,8 +25,18 @@ def _arguments() -> list:
     buf = torch.zeros(4096, dtype=torch.float16)
     rows = torch.zeros(2, 1030, 4, 128, dtype=torch.bfloat16)
     return [
-        buf[:8], buf[8:16], buf[1:9], buf[:8].float(),  # alignment, dtype
-        16, 17, 1, True, 0, 2**31, 0.5, 0.25,  # integer width, divisibility by 16, one; floats
+        buf[:8],
+        buf[8:16],
+        buf[1:9],
+        buf[:8].float(),  # alignment, dtype
+        16,
+        17,
+        1,
+        True,
+        0,
+        2**31,
+        0.5,
+        0.25,  # integer width, divisibility by 16, one; floats
         tma_descriptor(rows[:, :1024], 64),  # Gluon descriptors: other bases, shapes, strides
         tma_descriptor(rows[:, 2:1026], 64),
         tma_descriptor(rows[:1, :512], 64),
