@@ -67,13 +67,14 @@ def graph_ms(fn: Callable[[], object]) -> float | None:
 def host_ms(fn: Callable[[], object], calls: int) -> float:
     """Milliseconds of host time per call of ``fn``, over ``calls`` calls back to back after one
     warm-up; the GPU may still be busy with them when the calls return."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     host = (time.perf_counter() - t0) / calls * 1e3
-    torch.cuda.synchronize()
+    sync()
     return host
 
 

@@ -2,7 +2,12 @@
 of where it goes, for the forward or with --backward one forward+backward per call, at 8k (where
 host time can exceed kernel time). V16, batch 1, 32 heads, dim 128, bf16.
 
+On a GPU the calls run for real and the time is what the host spends enqueuing them. With
+``--stub-launches`` (the default without a GPU) the Triton launchers are replaced by no-ops, so
+what is left is s2attn's own Python and autograd's: the part that can be measured on any machine.
+
     python scripts/profile_host.py --backward --sort cumulative
+    python scripts/profile_host.py --backward --stub-launches --seq 8192
 """
 
 import argparse
@@ -23,11 +28,21 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--backward", action="store_true")
 ap.add_argument("--seq", type=int, default=8192)
 ap.add_argument("--sort", default="tottime", help="pstats key: tottime, cumulative")
+ap.add_argument("--stub-launches", action="store_true", help="no kernels (default on a CPU)")
 args = ap.parse_args()
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if args.stub_launches or device == "cpu":
+    # The kernels' host side is Triton's launcher; without them a call is s2attn's Python.
+    from s2attn.ops import dispatch
+
+    dispatch.supports_triton = lambda _: True
+    for name in ("forward", "row_delta", "dkdv", "dq"):
+        module = dispatch.triton_forward if name == "forward" else dispatch.triton_backward
+        setattr(module, name, lambda *_, **__: None)
 p = local_stride_pattern(32, args.seq, 64, 16, 16)
 q, k, v = (
     torch.randn(
-        1, args.seq, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward
+        1, args.seq, 32, 128, device=device, dtype=torch.bfloat16, requires_grad=args.backward
     )
     for _ in range(3)
 )
@@ -47,5 +62,6 @@ prof.enable()
 for _ in range(100):
     call()
 prof.disable()
-torch.cuda.synchronize()
+if device == "cuda":
+    torch.cuda.synchronize()
 pstats.Stats(prof).sort_stats(args.sort).print_stats(40)
