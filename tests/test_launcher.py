@@ -24,28 +24,22 @@ def _arguments() -> list:
     """Arguments that differ in every way Triton specializes on, and in ways it does not."""
     buf = torch.zeros(4096, dtype=torch.float16)
     rows = torch.zeros(2, 1030, 4, 128, dtype=torch.bfloat16)
-    return [
-        buf[:8],
-        buf[8:16],
-        buf[1:9],
-        buf[:8].float(),  # alignment, dtype
-        16,
-        17,
-        1,
-        True,
-        0,
-        2**31,
-        0.5,
-        0.25,  # integer width, divisibility by 16, one; floats
-        tma_descriptor(rows[:, :1024], 64),  # Gluon descriptors: other bases, shapes, strides
+    tensors = [buf[:8], buf[8:16], buf[1:9], buf[:8].float()]  # alignment, dtype
+    # Integer width, divisibility by 16, equality to one; floats.
+    scalars = [16, 17, 1, True, 0, 2**31, 0.5, 0.25]
+    gluon_descriptors = [
+        tma_descriptor(rows[:, :1024], 64),  # other bases, shapes and strides
         tma_descriptor(rows[:, 2:1026], 64),
         tma_descriptor(rows[:1, :512], 64),
         tma_descriptor(rows[:, :1024], 128),  # another block shape
         tma_descriptor(rows[:, :1024].half(), 64),  # another dtype
-        TensorDescriptor.from_tensor(buf.view(64, 64), [16, 16]),  # Triton's own descriptors
+    ]
+    triton_descriptors = [
+        TensorDescriptor.from_tensor(buf.view(64, 64), [16, 16]),
         TensorDescriptor.from_tensor(buf[64:].view(63, 64), [16, 16]),
         TensorDescriptor.from_tensor(buf.view(64, 64), [32, 16]),
     ]
+    return tensors + scalars + gluon_descriptors + triton_descriptors
 
 
 def test_keys_separate_what_triton_specializes():
