@@ -4,7 +4,8 @@ package: the A/B behind the "new/old" ratios of benchmarks/NOTES.md.
 Imports both in one process (the other as ``s2attn_base``, a copy of an older tree's s2attn/
 directory; the package uses relative imports only) and times them in alternating rounds, so
 that clock and host drift fall on both alike. The forward (with --backward, forward+backward),
-batch 1, 32 heads, bf16, causal, block 64, local 16; do_bench medians in ms, or with --host the
+batch 1, 32 heads, bf16, causal, local 16 blocks; each case is seq:dim:stride[:block] (block 64
+unless given; block 16 takes the Triton kernels); do_bench medians in ms, or with --host the
 host's time per call in ms.
 
     git archive HEAD s2attn | tar -x -C /tmp/base && mv /tmp/base/s2attn /tmp/base/s2attn_base
@@ -73,18 +74,18 @@ def _fmt(xs):
     return " ".join(f"{x:.3f}" for x in xs)
 
 
-cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+cases = [tuple(int(x) for x in (c + ":64").split(":")[:4]) for c in args.cases.split(",")]
 times = {(c, name): [] for c in cases for name in ("base", "new")}
 for rnd in range(args.rounds):
-    for seq, dim, stride in cases:
+    for seq, dim, stride, block in cases:
         q, k, v = (
             torch.randn(1, seq, 32, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
         )
         for name, lib in (("base", s2attn_base), ("new", s2attn))[:: 1 if rnd % 2 == 0 else -1]:
-            p = lib.local_stride_pattern(32, seq, 64, 16, stride)
-            times[(seq, dim, stride), name].append(_time(lib, q, k, v, p))
-print(f"{'seq':>7} {'dim':>4} {'V':>3} {'base ms':>24} {'new ms':>24} {'new/base':>8}")
+            p = lib.local_stride_pattern(32, seq, block, 16, stride)
+            times[(seq, dim, stride, block), name].append(_time(lib, q, k, v, p))
+print(f"{'seq':>7} {'dim':>4} {'V':>3} {'blk':>3} {'base ms':>24} {'new ms':>24} {'new/base':>8}")
 for c in cases:
     b, n = times[c, "base"], times[c, "new"]
     ratio = statistics.median(n) / statistics.median(b)
-    print(f"{c[0]:>7} {c[1]:>4} {c[2]:>3} {_fmt(b):>24} {_fmt(n):>24} {ratio:8.3f}")
+    print(f"{c[0]:>7} {c[1]:>4} {c[2]:>3} {c[3]:>3} {_fmt(b):>24} {_fmt(n):>24} {ratio:8.3f}")
