@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -65,17 +66,20 @@ def graph_ms(fn: Callable[[], object]) -> float | None:
 
 
 def host_ms(fn: Callable[[], object], calls: int) -> float:
-    """Milliseconds of host time per call of ``fn``, over ``calls`` calls back to back after one
-    warm-up; the GPU may still be busy with them when the calls return."""
+    """Median milliseconds of host time per call of ``fn``, over ``calls`` calls after one
+    warm-up. Each call starts on an idle GPU and is timed alone: calls back to back let the GPU's
+    queue fill, and then the host waits for the kernels (the timing reads the GPU, not the
+    host); the median drops the garbage collector's and the machine's odd slow call."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     fn()
-    sync()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
         fn()
-    host = (time.perf_counter() - t0) / calls * 1e3
+        times.append(time.perf_counter() - t0)
     sync()
-    return host
+    return statistics.median(times) * 1e3
 
 
 # ------------------------------------------------------------------------------------- tables

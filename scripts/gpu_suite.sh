@@ -14,7 +14,11 @@
 # are left out (tests/conftest.py reads their ids), so on one GPU, where the whole suite takes
 # longer than one call, the next call goes on where the last was cut off.
 #
-# Exit status: 0 when every GPU's run passed. Each log ends with pytest's summary of failures.
+# A machine's device time counts by the wall clock, whatever its GPU count: on one H100 the suite
+# takes about 14 minutes over two calls, so a 4-GPU machine, where lent, runs it in one.
+#
+# Exit status: 0 when every GPU's run passed. Each log ends with pytest's summary of failures and
+# the slowest tests.
 set -u
 workers=${1:-8}
 log_dir=${LOG_DIR:-.}
@@ -25,7 +29,8 @@ if [ "$gpus" -lt 1 ]; then
 fi
 if [ -n "${SUITE_RESUME:-}" ]; then
     passed=$(mktemp)
-    cat "$SUITE_RESUME"/gpu_suite_*.log | grep -oE "PASSED tests/[^ ]+" | cut -d' ' -f2 | sort -u > "$passed"
+    # Whole ids, to the line's end: a parametrized id may hold spaces.
+    sed -nE 's/.*PASSED (tests\/.*[^ ]) *$/\1/p' "$SUITE_RESUME"/gpu_suite_*.log | sort -u > "$passed"
     echo "resuming: $(wc -l < "$passed") tests passed before are left out"
     export SUITE_PASSED=$passed
 fi
@@ -48,7 +53,7 @@ fi
 pids=()
 for ((g = 0; g < gpus; g++)); do
     # shellcheck disable=SC2086  # the file list is meant to split into words
-    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE -p no:cacheprovider "${per_test[@]}" ${sel[g]} \
+    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE --durations=30 -p no:cacheprovider "${per_test[@]}" ${sel[g]} \
         > "$log_dir/gpu_suite_$g.log" 2>&1 &
     pids+=($!)
 done
