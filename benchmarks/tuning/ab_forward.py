@@ -4,12 +4,14 @@ package: the A/B behind the "new/old" ratios of benchmarks/NOTES.md.
 Imports both in one process (the other as ``s2attn_base``, a copy of an older tree's s2attn/
 directory; the package uses relative imports only) and times them in alternating rounds, so
 that clock and host drift fall on both alike. The forward (with --backward, forward+backward),
-batch 1, 32 heads, bf16, causal, local 16 blocks; each case is seq:dim:stride[:block] (block 64
-unless given; block 16 takes the Triton kernels); do_bench medians in ms, or with --host the
-host's time per call in ms.
+batch 1, 32 heads, bf16, causal. The cases: --cases seq:dim:stride[:block],... (local 16 blocks,
+block 64 unless given; blocks 16 and 32 take the Triton kernels), or --suite extras for
+bench_attention.py's (head dim 64, blocks 16 and 32, GQA 32/8, dense). do_bench medians in ms,
+or with --host the host's time per call in ms.
 
     git archive HEAD s2attn | tar -x -C /tmp/base && mv /tmp/base/s2attn /tmp/base/s2attn_base
     PYTHONPATH=/tmp/base python benchmarks/tuning/ab_forward.py --rounds 3
+    PYTHONPATH=/tmp/base python benchmarks/tuning/ab_forward.py --suite extras --seqs 8192,32768
 """
 
 import argparse
@@ -28,6 +30,7 @@ except ImportError:  # said after --help has had its say
     s2attn_base = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
+from bench_attention import Case, cases  # noqa: E402
 from run_info import host_ms  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -35,6 +38,12 @@ ap.add_argument(
     "--cases",
     default="131072:128:16,131072:128:64,32768:128:16,32768:128:64,32768:64:16,32768:64:64,8192:128:16,8192:64:16",
 )
+ap.add_argument(
+    "--suite",
+    choices=("main", "extras"),
+    help="bench_attention.py's cases at --seqs, instead of --cases",
+)
+ap.add_argument("--seqs", default="8192,32768,131072", help="with --suite")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--backward", action="store_true", help="time forward+backward")
 ap.add_argument(
@@ -74,18 +83,39 @@ def _fmt(xs):
     return " ".join(f"{x:.3f}" for x in xs)
 
 
-cases = [tuple(int(x) for x in (c + ":64").split(":")[:4]) for c in args.cases.split(",")]
-times = {(c, name): [] for c in cases for name in ("base", "new")}
+def _case(text):
+    seq, dim, stride, block = (int(x) for x in (text + ":64").split(":")[:4])
+    name = f"V{stride} dim{dim}" + (f" block{block}" if block != 64 else "")
+    return Case(name, seq, dim=dim, block=block, vert_stride=stride)
+
+
+def _pattern(lib, case):
+    """``case``'s pattern built by ``lib``, so each tree gets its own BlockPattern."""
+    if case.vert_stride is None:
+        return lib.dense_pattern(case.heads, case.seq, case.block)
+    kv_heads = case.kv_heads if case.kv_heads != case.heads else None
+    return lib.local_stride_pattern(
+        case.heads, case.seq, case.block, case.local_blocks, case.vert_stride,
+        num_kv_heads=kv_heads,
+    )  # fmt: skip
+
+
+if args.suite:
+    selected = cases(args.suite, [int(s) for s in args.seqs.split(",")])
+else:
+    selected = [_case(c) for c in args.cases.split(",")]
+times = {(c, name): [] for c in selected for name in ("base", "new")}
 for rnd in range(args.rounds):
-    for seq, dim, stride, block in cases:
-        q, k, v = (
-            torch.randn(1, seq, 32, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    for c in selected:
+        q = torch.randn(1, c.seq, c.heads, c.dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (
+            torch.randn(1, c.seq, c.kv_heads, c.dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)
         )
         for name, lib in (("base", s2attn_base), ("new", s2attn))[:: 1 if rnd % 2 == 0 else -1]:
-            p = lib.local_stride_pattern(32, seq, block, 16, stride)
-            times[(seq, dim, stride, block), name].append(_time(lib, q, k, v, p))
-print(f"{'seq':>7} {'dim':>4} {'V':>3} {'blk':>3} {'base ms':>24} {'new ms':>24} {'new/base':>8}")
-for c in cases:
+            times[c, name].append(_time(lib, q, k, v, _pattern(lib, c)))
+print(f"{'case':>18} {'seq':>7} {'base ms':>24} {'new ms':>24} {'new/base':>8}")
+for c in selected:
     b, n = times[c, "base"], times[c, "new"]
     ratio = statistics.median(n) / statistics.median(b)
-    print(f"{c[0]:>7} {c[1]:>4} {c[2]:>3} {c[3]:>3} {_fmt(b):>24} {_fmt(n):>24} {ratio:8.3f}")
+    print(f"{c.name:>18} {c.seq:>7} {_fmt(b):>24} {_fmt(n):>24} {ratio:8.3f}")
