@@ -32,13 +32,20 @@ ap.add_argument("--stub-launches", action="store_true", help="no kernels (defaul
 args = ap.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if args.stub_launches or device == "cpu":
-    # The kernels' host side is Triton's launcher; without them a call is s2attn's Python.
+    # The kernels' host side is Triton's launcher; without them a call is s2attn's Python. Every
+    # pass takes the Triton path, whose launchers are stubbed here: on an sm_90 GPU the Gluon
+    # kernels would otherwise still launch.
     from s2attn.ops import dispatch
 
     dispatch.supports_triton = lambda _: True
-    for name in ("forward", "row_delta", "dkdv", "dq"):
-        module = dispatch.triton_forward if name == "forward" else dispatch.triton_backward
-        setattr(module, name, lambda *_, **__: None)
+    for predicate in ("supports_gluon_forward", "supports_gluon_dq", "supports_gluon_dkdv"):
+        setattr(dispatch, predicate, lambda *_, **__: False)
+    for module, names in (
+        (dispatch.triton_forward, ("forward",)),
+        (dispatch.triton_backward, ("row_delta", "dkdv", "dq")),
+    ):
+        for name in names:
+            setattr(module, name, lambda *_, **__: None)
 p = local_stride_pattern(32, args.seq, 64, 16, 16)
 q, k, v = (
     torch.randn(
