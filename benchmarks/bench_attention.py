@@ -25,6 +25,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from run_info import cell, heading, median_ms, parser, result_stem, start, table, write_results
@@ -47,10 +48,11 @@ class Case:
     local_blocks: int = 16
     vert_stride: int | None = 16  # None: the all-dense pattern
 
-    def pattern(self) -> s2attn.BlockPattern:
+    def pattern(self, lib: ModuleType = s2attn) -> s2attn.BlockPattern:
+        """The case's pattern, built by ``lib`` (another tree's copy of s2attn, in an A/B)."""
         if self.vert_stride is None:
-            return s2attn.dense_pattern(self.heads, self.seq, self.block)
-        return s2attn.local_stride_pattern(
+            return lib.dense_pattern(self.heads, self.seq, self.block)
+        return lib.local_stride_pattern(
             self.heads,
             self.seq,
             self.block,

@@ -89,17 +89,6 @@ def _case(text):
     return Case(name, seq, dim=dim, block=block, vert_stride=stride)
 
 
-def _pattern(lib, case):
-    """``case``'s pattern built by ``lib``, so each tree gets its own BlockPattern."""
-    if case.vert_stride is None:
-        return lib.dense_pattern(case.heads, case.seq, case.block)
-    kv_heads = case.kv_heads if case.kv_heads != case.heads else None
-    return lib.local_stride_pattern(
-        case.heads, case.seq, case.block, case.local_blocks, case.vert_stride,
-        num_kv_heads=kv_heads,
-    )  # fmt: skip
-
-
 if args.suite:
     selected = cases(args.suite, [int(s) for s in args.seqs.split(",")])
 else:
@@ -113,7 +102,7 @@ for rnd in range(args.rounds):
             for _ in range(2)
         )
         for name, lib in (("base", s2attn_base), ("new", s2attn))[:: 1 if rnd % 2 == 0 else -1]:
-            times[c, name].append(_time(lib, q, k, v, _pattern(lib, c)))
+            times[c, name].append(_time(lib, q, k, v, c.pattern(lib)))
 print(f"{'case':>18} {'seq':>7} {'base ms':>24} {'new ms':>24} {'new/base':>8}")
 for c in selected:
     b, n = times[c, "base"], times[c, "new"]
