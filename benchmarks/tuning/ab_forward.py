@@ -6,8 +6,9 @@ directory; the package uses relative imports only) and times them in alternating
 that clock and host drift fall on both alike. The forward (with --backward, forward+backward),
 batch 1, 32 heads, bf16, causal. The cases: --cases seq:dim:stride[:block],... (local 16 blocks,
 block 64 unless given; blocks 16 and 32 take the Triton kernels), or --suite extras for
-bench_attention.py's (head dim 64, blocks 16 and 32, GQA 32/8, dense). do_bench medians in ms,
-or with --host the host's time per call in ms.
+bench_attention.py's (head dim 64, blocks 16 and 32, GQA 32/8, dense); --varlen packs each case's
+tokens as four sequences of unequal lengths, none a multiple of the block (the varlen path).
+do_bench medians in ms, or with --host the host's time per call in ms.
 
     git archive HEAD s2attn | tar -x -C /tmp/base && mv /tmp/base/s2attn /tmp/base/s2attn_base
     PYTHONPATH=/tmp/base python benchmarks/tuning/ab_forward.py --rounds 3
@@ -51,25 +52,42 @@ ap.add_argument(
     action="store_true",
     help="time the host per call (run_info.host_ms) rather than the GPU (do_bench)",
 )
+ap.add_argument(
+    "--varlen",
+    action="store_true",
+    help="each case's tokens as four packed sequences (cu_seqlens) of unequal lengths",
+)
 args = ap.parse_args()
 if s2attn_base is None:
     sys.exit("ab_forward.py compares with s2attn_base, a copy of another tree: see its docstring")
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
 
 
+def _packed_lengths(seq: int) -> list[int]:
+    """Four lengths summing to seq, longest first, none a multiple of 64."""
+    lengths = [seq // 2 - 37, seq // 4 + 11, seq // 8 + 29]
+    return lengths + [seq - sum(lengths)]
+
+
 def _time(lib, q, k, v, pattern):
+    kwargs = {}
+    if args.varlen:
+        lengths = torch.tensor([0] + _packed_lengths(q.shape[1]), device=q.device)
+        cu = lengths.cumsum(0).to(torch.int32)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+        q, k, v = (t[0] for t in (q, k, v))
     if args.backward:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         grad = torch.randn_like(q)
 
         def fn():
             q.grad = k.grad = v.grad = None  # no accumulation kernels
-            lib.sparse_attention(q, k, v, pattern).backward(grad)
+            lib.sparse_attention(q, k, v, pattern, **kwargs).backward(grad)
 
     else:
 
         def fn():
-            lib.sparse_attention(q, k, v, pattern)
+            lib.sparse_attention(q, k, v, pattern, **kwargs)
 
     fn()
     if args.host:
@@ -107,4 +125,5 @@ print(f"{'case':>18} {'seq':>7} {'base ms':>24} {'new ms':>24} {'new/base':>8}")
 for c in selected:
     b, n = times[c, "base"], times[c, "new"]
     ratio = statistics.median(n) / statistics.median(b)
-    print(f"{c.name:>18} {c.seq:>7} {_fmt(b):>24} {_fmt(n):>24} {ratio:8.3f}")
+    name = c.name + (" varlen" if args.varlen else "")
+    print(f"{name:>18} {c.seq:>7} {_fmt(b):>24} {_fmt(n):>24} {ratio:8.3f}")
