@@ -227,7 +227,9 @@ def _check_all(jobs, args):
 
 
 def _fix_backward_variants(args) -> None:
-    _fix_backward_variants(args)
+    """Pin the pass that a dK/dV or dQ row does not sweep to the variants the flags name."""
+    global FIXED_DKDV, FIXED_DQ
+    FIXED_DKDV, FIXED_DQ = DKDV[args.fixed_dkdv], DQ[args.fixed_dq]
 
 
 def _worker(jobs, args):
