@@ -112,3 +112,15 @@ class Launcher:
             grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
             None, None, None, *bound,
         )  # fmt: skip
+
+
+def launcher_for(kernel: Any) -> Any:
+    """``kernel``'s :class:`Launcher`, made on its first launch and kept on the kernel. A stand-in
+    that is not a Triton kernel (a test's spy or recorder) is returned as it is, so it sees
+    every call."""
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    launcher = kernel.__dict__.get("_s2attn_launcher")
+    if launcher is None:
+        launcher = kernel._s2attn_launcher = Launcher(kernel)
+    return launcher

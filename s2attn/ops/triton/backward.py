@@ -39,6 +39,7 @@ from ..launch import (
     query_tiles,
     sequence_lengths,
 )
+from ..launcher import launcher_for
 from ..options import TritonBackwardConfig
 from .common import (
     as_batched,
@@ -584,7 +585,7 @@ def row_delta(
     num_heads, head_dim = out.shape[-2], out.shape[-1]
     rows_total = out.shape[0] if varlen else out.shape[1]
     l_st = lse_strides(lse, varlen)
-    _row_delta_kernel[(o4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
+    launcher_for(_row_delta_kernel)[(o4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
         o4, g4, lse, grad_lse if grad_lse is not None else lse, delta,
         delta if stats is None else stats,
         *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
@@ -650,7 +651,7 @@ def dkdv(
     if contiguous:
         kv_tiles = math.ceil(seqlen_k / layout.block_n)
         group = heads_per_program_group(batch * num_kv_heads, config.heads_per_group)
-        _dkdv_kernel[(batch * num_kv_heads * kv_tiles,)](
+        launcher_for(_dkdv_kernel)[(batch * num_kv_heads * kv_tiles,)](
             q4, k4, v4, g4, lse, delta, dk4, dv4,
             layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_cols,
             layout.partial_bits, cu_q, cu_k, q_desc, do_desc,
@@ -665,7 +666,7 @@ def dkdv(
         )
     if gathered is not None:
         g = gathered
-        _dkdv_gathered_kernel[(g.num_tiles * batch,)](
+        launcher_for(_dkdv_gathered_kernel)[(g.num_tiles * batch,)](
             q4, k4, v4, g4, lse, delta, dk4, dv4,
             g.heads, g.blocks, g.full_offsets, g.full_cols, g.partial_offsets, g.partial_cols,
             g.partial_bits, cu_q, cu_k, q_desc, do_desc,
@@ -716,7 +717,7 @@ def dq(
     cu_k = cu_seqlens_k if varlen else lse
     num_tiles = query_tiles(layout.block_m, seqlen_q, seqlen_k, varlen)
     group = heads_per_program_group(batch * num_heads, config.heads_per_group)
-    _dq_kernel[(batch * num_heads * num_tiles,)](
+    launcher_for(_dq_kernel)[(batch * num_heads * num_tiles,)](
         q4, k4, v4, g4, lse, delta, dq4,
         layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_cols,
         layout.partial_bits, *gathered_lists(layout), cu_q, cu_k, k_desc, v_desc,

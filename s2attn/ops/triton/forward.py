@@ -31,6 +31,7 @@ from ..launch import (
     query_tiles,
     sequence_lengths,
 )
+from ..launcher import launcher_for
 from ..options import TritonForwardConfig
 from .common import (
     as_batched,
@@ -453,7 +454,7 @@ def forward(
         v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
     else:
         k_desc = v_desc = k  # not read
-    _forward_kernel[(batch * num_heads * num_tiles,)](
+    launcher_for(_forward_kernel)[(batch * num_heads * num_tiles,)](
         q4, k4, v4, o4, lse,
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
