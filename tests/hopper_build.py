@@ -4,6 +4,7 @@
 
     python tests/hopper_build.py forward-128
     python tests/hopper_build.py decode-128      # the Triton decode kernel, 5 splits, 1 token
+    python tests/hopper_build.py --sass dq-128   # its machine code (nvdisasm) instead
 
 Each launcher runs on CPU tensors with its kernel swapped for a recorder, so the build takes
 exactly the arguments and options a real launch passes.
@@ -134,7 +135,8 @@ def _launch(case: str) -> tuple:
     return recorder.kernel, args, kwargs
 
 
-def ptxas_report(case: str) -> str:
+def _ptx(case: str) -> tuple[str, list[str]]:
+    """The case's PTX for sm_90a and the ptxas flags its launch implies."""
     kernel, args, kwargs = _launch(case)
     launch_options = ("num_warps", "num_stages", "maxnreg")
     options = {key: kwargs.pop(key) for key in launch_options if key in kwargs}
@@ -150,17 +152,42 @@ def ptxas_report(case: str) -> str:
     source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     source = source_type(kernel, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+    flags = [f"--maxrregcount={options['maxnreg']}"] if "maxnreg" in options else []
+    return compiled.asm["ptx"], flags
+
+
+def _ptxas(ptx: str, flags: list[str], cubin: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        Path(ptx).write_text(compiled.asm["ptx"])
-        cmd = [os.fspath(PTXAS), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".o"]
-        if "maxnreg" in options:
-            cmd.append(f"--maxrregcount={options['maxnreg']}")
+        source = os.path.join(tmp, "kernel.ptx")
+        Path(source).write_text(ptx)
+        cmd = [os.fspath(PTXAS), "-arch=sm_90a", "-v", source, "-o", cubin, *flags]
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:  # say what ptxas said: its exit status alone tells nothing
         raise RuntimeError(f"ptxas exited with {done.returncode}:\n{done.stdout}{done.stderr}")
     return done.stdout + done.stderr
 
 
+def ptxas_report(case: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        return _ptxas(*_ptx(case), os.path.join(tmp, "kernel.o"))
+
+
+def sass(case: str) -> str:
+    """The case's sm_90a machine code as nvdisasm prints it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        _ptxas(*_ptx(case), cubin)
+        done = subprocess.run(
+            [os.fspath(PTXAS.with_name("nvdisasm")), "-c", cubin],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return done.stdout
+
+
 if __name__ == "__main__":
-    print(ptxas_report(sys.argv[1]))
+    if sys.argv[1] == "--sass":
+        print(sass(sys.argv[2]))
+    else:
+        print(ptxas_report(sys.argv[1]))
