@@ -57,6 +57,7 @@ from .common_sm90 import (
     put_item,
     query_item,
     query_tile_producer,
+    ring_slot,
     store_rows,
     take_item,
     tma_descriptor,
@@ -85,9 +86,8 @@ def _dq_step(
     ds_layout: gl.constexpr = gl.DotOperandLayout(
         operand_index=0, parent=acc.type.layout, k_width=2
     )
-    buf = pos % num_buffers
-    prev = held_pos % num_buffers
-    phase = (pos // num_buffers) & 1
+    buf, phase = ring_slot(pos, num_buffers)
+    prev, _ = ring_slot(held_pos, num_buffers)
     # dS travels between steps in the scores' layout and becomes an MMA operand here, as the
     # forward's P does.
     ds_op = gl.convert_layout(ds, ds_layout)
@@ -185,8 +185,7 @@ def _dq_consumer(
         free_slots(k_ready, v_ready, kv_empty, c, c + first)
         if first < n_mine:
             # The first entry: dS only; its dQ MMA is issued behind the next entry's score MMAs.
-            buf = (c + first) % num_buffers
-            phase = ((c + first) // num_buffers) & 1
+            buf, phase = ring_slot(c + first, num_buffers)
             mbarrier.wait(k_ready.index(buf), phase)
             k = k_bufs.index(buf).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -233,7 +232,7 @@ def _dq_consumer(
                     n_total, q_row0, seqlen_k, ROWS, BLOCK_N, 1, HALF * ROWS, ROW_GROUP,
                     BITS_PER_ROW, CAUSAL, num_buffers,
                 )
-            last = (c + held) % num_buffers
+            last, _ = ring_slot(c + held, num_buffers)
             k_last = k_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(gl.convert_layout(ds, ds_layout), k_last, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -425,8 +424,9 @@ def _dkdv_producer(
                 full_offsets, partial_offsets, h, n, layout_tiles, Q_HEADS_PER_PATTERN_HEAD
             )
             for e in range(n_total):
-                buf = STREAM * num_buffers + c % num_buffers
-                mbarrier.wait(qd_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
+                slot, phase = ring_slot(c, num_buffers)
+                buf = STREAM * num_buffers + slot
+                mbarrier.wait(qd_empty.index(buf), phase ^ 1)
                 # Full entries from the last one down (see above), then the partial ones.
                 at = gl.where(e < n_full, n_full - 1 - e, e)
                 m = entry_col(full_cols, partial_cols, full_start, partial_start, n_full, at)
@@ -520,8 +520,9 @@ def _dkdv_consumer(
                 full_offsets, partial_offsets, h, n, layout_tiles, Q_HEADS_PER_PATTERN_HEAD
             )
             for e in range(n_total):
-                buf = STREAM * num_buffers + c % num_buffers
-                mbarrier.wait(qd_ready.index(buf), (c // num_buffers) & 1)
+                slot, phase = ring_slot(c, num_buffers)
+                buf = STREAM * num_buffers + slot
+                mbarrier.wait(qd_ready.index(buf), phase)
                 q = q_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
                 do = do_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
                 stats = stats_bufs.index(buf).reshape([2, BLOCK_M])

@@ -81,14 +81,23 @@ def wgmma_layout(n):
 
 
 @gluon.jit
+def ring_slot(pos, n: gl.constexpr):
+    """(slot, mbarrier phase) of ring position ``pos`` (never negative) in a ring of ``n``
+    slots. Unsigned: a signed ``%`` and ``//`` make ptxas round toward zero, a handful of
+    uniform instructions per split, and each MMA step splits two or three positions."""
+    u = pos.to(gl.uint32)
+    return (u % n).to(gl.int32), ((u // n) & 1).to(gl.int32)
+
+
+@gluon.jit
 def free_slots(k_ready, v_ready, kv_empty, first, last):
     """Release ring positions first..last-1 that this warpgroup skips: a slot may be freed only
     once its copies have landed."""
     num_buffers: gl.constexpr = k_ready.type.shape[0]
     for c in range(first, last):
-        buf = c % num_buffers
-        mbarrier.wait(k_ready.index(buf), (c // num_buffers) & 1)
-        mbarrier.wait(v_ready.index(buf), (c // num_buffers) & 1)
+        buf, phase = ring_slot(c, num_buffers)
+        mbarrier.wait(k_ready.index(buf), phase)
+        mbarrier.wait(v_ready.index(buf), phase)
         mbarrier.arrive(kv_empty.index(buf))
 
 
@@ -309,8 +318,8 @@ def query_tile_producer(
         tma.async_copy_global_to_shared(q_desc, [b, q_row, h, 0], ready, q_bufs.index(slot))
         kv_head = h // GQA_GROUP
         for step in range(gl.cdiv(n_total, ENTRIES)):
-            buf = c % num_buffers
-            mbarrier.wait(kv_empty.index(buf), ((c // num_buffers) & 1) ^ 1)
+            buf, phase = ring_slot(c, num_buffers)
+            mbarrier.wait(kv_empty.index(buf), phase ^ 1)
             mbarrier.expect(k_ready.index(buf), ENTRIES * k_desc.block_type.nbytes)
             mbarrier.expect(v_ready.index(buf), ENTRIES * v_desc.block_type.nbytes)
             for sub in gl.static_range(ENTRIES):

@@ -42,6 +42,7 @@ from .common_sm90 import (
     num_sms,
     query_item,
     query_tile_producer,
+    ring_slot,
     store_rows_by_copy,
     take_item,
     tma_descriptor,
@@ -68,10 +69,10 @@ def _softmax_step(
     s_layout: gl.constexpr = s_zero.type.layout
     o_layout: gl.constexpr = acc.type.layout
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    prev = held_pos % num_buffers
-    buf = pos % num_buffers
-    mbarrier.wait(k_ready.index(buf), (pos // num_buffers) & 1)
-    mbarrier.wait(v_ready.index(prev), (held_pos // num_buffers) & 1)
+    buf, phase = ring_slot(pos, num_buffers)
+    prev, held_phase = ring_slot(held_pos, num_buffers)
+    mbarrier.wait(k_ready.index(buf), phase)
+    mbarrier.wait(v_ready.index(prev), held_phase)
     p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
     k = k_bufs.index(buf).reshape([keys, head_dim])
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -162,8 +163,8 @@ def _consumer(
         free_slots(k_ready, v_ready, kv_empty, c, c + first)
         if first < my_steps:
             # The first step: scores and softmax; its PV is issued with the next step's QK^T.
-            buf = (c + first) % num_buffers
-            mbarrier.wait(k_ready.index(buf), ((c + first) // num_buffers) & 1)
+            buf, phase = ring_slot(c + first, num_buffers)
+            mbarrier.wait(k_ready.index(buf), phase)
             k = k_bufs.index(buf).reshape([KEYS, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
@@ -213,8 +214,8 @@ def _consumer(
                     ROW_GROUP, BITS_PER_ROW, CAUSAL, num_buffers,
                 )
 
-            last = (c + held) % num_buffers
-            mbarrier.wait(v_ready.index(last), ((c + held) // num_buffers) & 1)
+            last, phase = ring_slot(c + held, num_buffers)
+            mbarrier.wait(v_ready.index(last), phase)
             v = v_bufs.index(last).reshape([KEYS, HEAD_DIM])
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
