@@ -5,7 +5,7 @@ patterns.
     options.py    KernelOptions: backends and launch settings callers may pin (tests, sweeps)
     env.py        facts of the machine and process (interpreter, GPU capability, TMA, switches)
     launch.py     what every launcher derives from the inputs and a layout
-    launcher.py   repeat launches without Triton's per-call binding (decode, Gluon kernels)
+    launcher.py   repeat launches without Triton's per-call binding (every kernel)
     triton/       Triton kernels and their launchers: forward, backward (dK/dV, dQ); decode
                   and page_write over a paged KV cache (s2attn.inference calls them directly)
     gluon/        warp-specialized Gluon kernels for Hopper: forward_sm90, backward_sm90
