@@ -51,13 +51,13 @@ class Case:
     def pattern(self, lib: ModuleType = s2attn) -> s2attn.BlockPattern:
         """The case's pattern, built by ``lib`` (another tree's copy of s2attn, in an A/B)."""
         if self.vert_stride is None:
-            return lib.dense_pattern(self.heads, self.seq, self.block)
+            return lib.dense_pattern(self.heads, max_seq_len=self.seq, block_size=self.block)
         return lib.local_stride_pattern(
             self.heads,
-            self.seq,
-            self.block,
-            self.local_blocks,
-            self.vert_stride,
+            max_seq_len=self.seq,
+            block_size=self.block,
+            local_blocks=self.local_blocks,
+            vert_stride=self.vert_stride,
             num_kv_heads=self.kv_heads if self.kv_heads != self.heads else None,
         )
 

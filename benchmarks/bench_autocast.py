@@ -161,10 +161,10 @@ def attention_rows(args, shape: dict, device: str) -> list[dict]:
     )
     pattern = s2attn.local_stride_pattern(
         heads,
-        args.seq,
-        args.block_size,
-        args.local_blocks,
-        args.vert_stride,
+        max_seq_len=args.seq,
+        block_size=args.block_size,
+        local_blocks=args.local_blocks,
+        vert_stride=args.vert_stride,
         num_kv_heads=kv_heads,
     )
     gen = torch.Generator().manual_seed(2)

@@ -180,7 +180,9 @@ def run_stride(
     scale = DIM**-0.5
     # Room for the new token and STEPS more: the pattern covers two blocks past ctx.
     max_len = ctx + 2 * BLOCK
-    pattern = s2attn.local_stride_pattern(KV_HEADS, max_len, BLOCK, LOCAL, stride)
+    pattern = s2attn.local_stride_pattern(
+        KV_HEADS, max_seq_len=max_len, block_size=BLOCK, local_blocks=LOCAL, vert_stride=stride
+    )
     cache = fill_cache(pattern, k_full[:, :, :ctx], v_full[:, :, :ctx], max_len)
     cache.append(k1, v1)
     blocks = int(cache.decode_layout.list_lengths[ctx // BLOCK])  # the new token's query block

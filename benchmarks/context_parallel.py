@@ -314,10 +314,11 @@ def main() -> int:
         args.seq = args.seq_per_rank * world
 
     if args.pattern == "dense":
-        pattern = s2attn.dense_pattern(args.heads, args.seq, args.block_size)
+        pattern = s2attn.dense_pattern(args.heads, max_seq_len=args.seq, block_size=args.block_size)
     else:
         pattern = s2attn.local_stride_pattern(
-            args.heads, args.seq, args.block_size, args.local_blocks, args.stride,
+            args.heads, max_seq_len=args.seq, block_size=args.block_size,
+            local_blocks=args.local_blocks, vert_stride=args.stride,
             num_kv_heads=args.kv_heads,
         )  # fmt: skip
     if args.no_reference:

@@ -162,7 +162,8 @@ def main() -> int:
             for h in (args.heads, args.kv_heads, args.kv_heads)]  # fmt: skip
     warm = [t.requires_grad_() for t in warm]
     warm_pattern = s2attn.local_stride_pattern(
-        args.heads, args.warm_seq, args.block_size, args.local_blocks, args.stride,
+        args.heads, max_seq_len=args.warm_seq, block_size=args.block_size,
+        local_blocks=args.local_blocks, vert_stride=args.stride,
         num_kv_heads=args.kv_heads,
     )  # fmt: skip
     warm_out = s2attn.sparse_attention(*warm, warm_pattern)
@@ -186,7 +187,8 @@ def main() -> int:
     # them (its plan), then cached.
     rss0, t0 = peak_rss_gib(), time.perf_counter()
     pattern = s2attn.local_stride_pattern(
-        args.heads, args.seq, args.block_size, args.local_blocks, args.stride,
+        args.heads, max_seq_len=args.seq, block_size=args.block_size,
+        local_blocks=args.local_blocks, vert_stride=args.stride,
         num_kv_heads=args.kv_heads,
     )  # fmt: skip
     from s2attn.custom_ops import _plan, pattern_key

@@ -201,10 +201,11 @@ def check_layer(model, args, layer: int, ids, pos, tp: int) -> dict:
     handle.remove()
     dense = layer < args.dense_layers
     if dense:
-        full = s2attn.dense_pattern(args.heads, args.seq, args.block_size)
+        full = s2attn.dense_pattern(args.heads, max_seq_len=args.seq, block_size=args.block_size)
     else:
         full = s2attn.local_stride_pattern(
-            args.heads, args.seq, args.block_size, args.local_blocks, args.vert_stride,
+            args.heads, max_seq_len=args.seq, block_size=args.block_size,
+            local_blocks=args.local_blocks, vert_stride=args.vert_stride,
             num_kv_heads=args.kv_heads,
         )  # fmt: skip
     expected = full[

@@ -260,7 +260,11 @@ def main() -> None:
         ap.error(f"--seq must be even, got {args.seq}")
 
     pattern = s2attn.local_stride_pattern(
-        args.heads, args.seq, args.block_size, args.local_blocks, args.vert_stride
+        args.heads,
+        max_seq_len=args.seq,
+        block_size=args.block_size,
+        local_blocks=args.local_blocks,
+        vert_stride=args.vert_stride,
     )
     window = args.local_blocks * args.block_size
     if window >= args.seq // 2:

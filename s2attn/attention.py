@@ -263,7 +263,9 @@ def sparse_attention(
 
     Example::
 
-        >>> pattern = s2attn.local_stride_pattern(32, 8192, 64, local_blocks=16, vert_stride=16)
+        >>> pattern = s2attn.local_stride_pattern(
+        ...     32, max_seq_len=8192, block_size=64, local_blocks=16, vert_stride=16
+        ... )
         >>> q, k, v = (torch.randn(1, 8192, 32, 128, device="cuda", dtype=torch.bfloat16)
         ...            for _ in range(3))
         >>> out = s2attn.sparse_attention(q, k, v, pattern)

@@ -44,10 +44,17 @@ def _hhst_layers(
     layers = []
     for i in range(num_layers):
         if i < num_dense_layers:
-            layers.append(("dense", s2attn.dense_pattern(num_heads, seq, block)))
+            layers.append(
+                ("dense", s2attn.dense_pattern(num_heads, max_seq_len=seq, block_size=block))
+            )
         else:
             pattern = s2attn.local_stride_pattern(
-                num_heads, seq, block, local_blocks, vert_stride, head_offset=i
+                num_heads,
+                max_seq_len=seq,
+                block_size=block,
+                local_blocks=local_blocks,
+                vert_stride=vert_stride,
+                head_offset=i,
             )
             layers.append(("S2", pattern))
     return layers
@@ -155,10 +162,10 @@ def draw(args: argparse.Namespace) -> int:
 
     p = s2attn.local_stride_pattern(
         args.heads,
-        args.seq,
-        args.block,
-        args.local_blocks,
-        args.vert_stride,
+        max_seq_len=args.seq,
+        block_size=args.block,
+        local_blocks=args.local_blocks,
+        vert_stride=args.vert_stride,
         causal=not args.bidirectional,
     )
     print(p)

@@ -681,7 +681,9 @@ def context_parallel_attention(
     Example::
 
         >>> # torchrun --nproc-per-node 4 ...; dist.init_process_group("nccl")
-        >>> pattern = s2attn.local_stride_pattern(32, 65536, 64, local_blocks=16, vert_stride=16)
+        >>> pattern = s2attn.local_stride_pattern(
+        ...     32, max_seq_len=65536, block_size=64, local_blocks=16, vert_stride=16
+        ... )
         >>> q, k, v = (shard(t) for t in (q_full, k_full, v_full))
         >>> out = unshard(context_parallel_attention(q, k, v, pattern))
     """

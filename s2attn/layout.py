@@ -744,7 +744,10 @@ def decode_layout(
 
     Example::
 
-        >>> p = local_stride_pattern(32, 131072, 64, 16, vert_stride=64, num_kv_heads=8)
+        >>> p = local_stride_pattern(
+        ...     32, max_seq_len=131072, block_size=64, local_blocks=16, vert_stride=64,
+        ...     num_kv_heads=8
+        ... )
         >>> decode_layout(p, 8, "cuda").list_lengths[-1]  # blocks read at the end of the context
         tensor(48)
     """

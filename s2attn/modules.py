@@ -26,7 +26,9 @@ class SparseAttention(nn.Module):
 
     Example::
 
-        >>> attn = s2attn.SparseAttention(s2attn.local_stride_pattern(32, 8192, 64, 16, 16))
+        >>> attn = s2attn.SparseAttention(s2attn.local_stride_pattern(
+        ...     32, max_seq_len=8192, block_size=64, local_blocks=16, vert_stride=16
+        ... ))
         >>> out = attn(q, k, v)  # q, k, v: (batch, seq, heads, dim)
     """
 

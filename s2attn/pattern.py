@@ -514,7 +514,7 @@ def _validate_heads(num_heads: int, num_kv_heads: int | None) -> int:
 
 
 def dense_pattern(
-    num_heads: int, max_seq_len: int, block_size: int, *, causal: bool = True
+    num_heads: int, *, max_seq_len: int, block_size: int, causal: bool = True
 ) -> BlockPattern:
     """Every head attends every (visible) block: dense attention expressed as a pattern."""
     _check_positive_int("num_heads", num_heads)
@@ -547,17 +547,17 @@ def shared_dense_pattern(num_heads: int, max_seq_len: int, block_size: int) -> B
     :func:`shared_pattern`): the dense layers of a model share it with their KV caches."""
     return shared_pattern(
         ("dense", num_heads, max_seq_len, block_size),
-        lambda: dense_pattern(num_heads, max_seq_len, block_size),
+        lambda: dense_pattern(num_heads, max_seq_len=max_seq_len, block_size=block_size),
     )
 
 
 def local_stride_pattern(
     num_heads: int,
+    *,
     max_seq_len: int,
     block_size: int,
     local_blocks: int,
     vert_stride: int,
-    *,
     num_kv_heads: int | None = None,
     num_dense_heads: int = 0,
     homo_head: bool = False,
@@ -581,7 +581,9 @@ def local_stride_pattern(
 
     Example::
 
-        >>> p = local_stride_pattern(32, 8192, 64, local_blocks=16, vert_stride=16)
+        >>> p = local_stride_pattern(
+        ...     32, max_seq_len=8192, block_size=64, local_blocks=16, vert_stride=16
+        ... )
         >>> p.is_union_complete(), p.is_kv_efficient()
         (True, True)
     """

@@ -32,7 +32,9 @@ ap.add_argument(
     help="cudnn: dense causal SDPA on the cuDNN backend, the ratio targets' peer",
 )
 args = ap.parse_args()
-p = local_stride_pattern(32, args.seq, 64, 16, args.stride)
+p = local_stride_pattern(
+    32, max_seq_len=args.seq, block_size=64, local_blocks=16, vert_stride=args.stride
+)
 q, k, v = (
     torch.randn(1, args.seq, 32, args.dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
 )

@@ -24,7 +24,9 @@ def rel(a, b):
 
 
 def check(dtype, batch, seq, heads, dim, block, causal) -> str:
-    p = s2attn.local_stride_pattern(heads, seq, block, 4, 4, causal=causal)
+    p = s2attn.local_stride_pattern(
+        heads, max_seq_len=seq, block_size=block, local_blocks=4, vert_stride=4, causal=causal
+    )
     q, k, v = (
         torch.randn(batch, seq, heads, dim, dtype=dtype, device="cuda", requires_grad=True)
         for _ in range(3)
@@ -47,7 +49,9 @@ def check(dtype, batch, seq, heads, dim, block, causal) -> str:
 
 
 def timings(seq: int, stride: int) -> str:
-    p = s2attn.local_stride_pattern(32, seq, 64, 16, stride)
+    p = s2attn.local_stride_pattern(
+        32, max_seq_len=seq, block_size=64, local_blocks=16, vert_stride=stride
+    )
     q, k, v = (
         torch.randn(1, seq, 32, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         for _ in range(3)

@@ -51,7 +51,9 @@ print(
 )
 for case in args.cases.split(","):
     seq, stride = (int(x) for x in case.split(":"))
-    pattern = local_stride_pattern(32, seq, 64, 16, stride)
+    pattern = local_stride_pattern(
+        32, max_seq_len=seq, block_size=64, local_blocks=16, vert_stride=stride
+    )
     target = 0.8 / pattern.density(seq)
     for backward in (False, True):
         q, k, v = (

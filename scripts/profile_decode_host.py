@@ -43,7 +43,12 @@ if stub:
 heads, kv_heads, dim, dtype = 32, 8, 128, torch.float16
 steps_room = args.steps + 4096
 pattern = s2attn.local_stride_pattern(
-    heads, args.context + steps_room, 64, 16, 64, num_kv_heads=kv_heads
+    heads,
+    max_seq_len=args.context + steps_room,
+    block_size=64,
+    local_blocks=16,
+    vert_stride=64,
+    num_kv_heads=kv_heads,
 )
 kv_cache = s2attn.PagedKVCache(
     pattern, batch_size=args.batch, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,

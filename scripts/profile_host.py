@@ -46,7 +46,7 @@ if args.stub_launches or device == "cpu":
     ):
         for name in names:
             setattr(module, name, lambda *_, **__: None)
-p = local_stride_pattern(32, args.seq, 64, 16, 16)
+p = local_stride_pattern(32, max_seq_len=args.seq, block_size=64, local_blocks=16, vert_stride=16)
 q, k, v = (
     torch.randn(
         1, args.seq, 32, 128, device=device, dtype=torch.bfloat16, requires_grad=args.backward

@@ -9,7 +9,7 @@ import torch
 import s2attn
 from s2attn import local_stride_pattern
 
-p = local_stride_pattern(32, 32768, 64, 16, 64)
+p = local_stride_pattern(32, max_seq_len=32768, block_size=64, local_blocks=16, vert_stride=64)
 q, k, v = (
     torch.randn(1, 32768, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for _ in range(3)

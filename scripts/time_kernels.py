@@ -41,10 +41,10 @@ def time_step(stride: int) -> tuple[dict[str, float], float]:
     """(ms per fwd+bwd of each kernel, ms per fwd+bwd between CUDA events)."""
     p = local_stride_pattern(
         32,
-        args.seq,
-        args.block_size,
-        args.local_blocks,
-        stride,
+        max_seq_len=args.seq,
+        block_size=args.block_size,
+        local_blocks=args.local_blocks,
+        vert_stride=stride,
         num_kv_heads=args.kv_heads if args.group_pattern else None,
     )
     q, k, v = (

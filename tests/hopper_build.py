@@ -51,7 +51,9 @@ def _decode_launch(dim: int) -> tuple:
     """The Triton decode kernel's launch for a 7B-shaped layer (32/8 heads, block 64, local 16,
     stride 64; a 2000-token context, one new token, 5 splits): it spilled at 4 warps when this
     case was added (255 registers; its page loads are 64-bit pointer tensors)."""
-    pattern = local_stride_pattern(8, 4096, 64, 16, 64)
+    pattern = local_stride_pattern(
+        8, max_seq_len=4096, block_size=64, local_blocks=16, vert_stride=64
+    )
     cache = PagedKVCache(pattern, batch_size=1, num_kv_heads=8, head_dim=dim,
                          dtype=torch.bfloat16, device="cpu", max_seq_len=4096)  # fmt: skip
     kv = torch.randn(1, 2000, 8, dim, dtype=torch.bfloat16)
@@ -77,7 +79,9 @@ def _launch(case: str) -> tuple:
     )
     lse, delta = torch.empty(1, HEADS, SEQ), torch.empty(1, HEADS, SEQ)
     stats = torch.empty(HEADS, 2, SEQ)
-    pattern = local_stride_pattern(HEADS, SEQ, 64, 4, 3)
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=SEQ, block_size=64, local_blocks=4, vert_stride=3
+    )
     for module in (forward_sm90, backward_sm90):
         module.num_sms = lambda device: 132
         module.item_counter = lambda device: torch.zeros(1, dtype=torch.int32)

@@ -83,7 +83,9 @@ def _check(out, inputs, region, pattern, seed, what, **kwargs):
 def test_sparse_attention(region):
     """GQA, float32 leaves; the result is the very call on inputs cast by hand, and the LSE stays
     float32."""
-    pattern = local_stride_pattern(4, 80, BS, 2, 3, num_kv_heads=2)
+    pattern = local_stride_pattern(
+        4, max_seq_len=80, block_size=BS, local_blocks=2, vert_stride=3, num_kv_heads=2
+    )
     q, k, v = _qkv(2, 80, 4, 2, 32, seed=0)
     with torch.autocast(DEVICE, dtype=region):
         out, lse = s2attn.sparse_attention(q, k, v, pattern, return_lse=True)
@@ -95,7 +97,7 @@ def test_sparse_attention(region):
 
 @pytest.mark.parametrize("region", REGIONS, ids=REGION_IDS)
 def test_varlen(region):
-    pattern = local_stride_pattern(2, 96, BS, 2, 3)
+    pattern = local_stride_pattern(2, max_seq_len=96, block_size=BS, local_blocks=2, vert_stride=3)
     lens = [40, 0, 75]
     q, k, v = _leaves([(sum(lens), 2, 32)] * 3, seed=1)
     cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
@@ -107,7 +109,7 @@ def test_varlen(region):
 @pytest.mark.parametrize("region", REGIONS, ids=REGION_IDS)
 def test_qkvpacked(region):
     """The packed gradient comes back as one float32 tensor of qkv's shape."""
-    pattern = local_stride_pattern(2, 64, BS, 2, 3)
+    pattern = local_stride_pattern(2, max_seq_len=64, block_size=BS, local_blocks=2, vert_stride=3)
     (qkv,) = _leaves([(2, 64, 3, 2, 32)], seed=2)
     with torch.autocast(DEVICE, dtype=region):
         out = s2attn.sparse_attention_qkvpacked(qkv, pattern)
@@ -122,7 +124,7 @@ def test_qkvpacked(region):
 
 @pytest.mark.parametrize("region", REGIONS, ids=REGION_IDS)
 def test_module(region):
-    pattern = local_stride_pattern(2, 64, BS, 2, 3)
+    pattern = local_stride_pattern(2, max_seq_len=64, block_size=BS, local_blocks=2, vert_stride=3)
     attn = s2attn.SparseAttention(pattern, softmax_scale=0.3)
     q, k, v = _qkv(1, 64, 2, 2, 32, seed=3)
     with torch.autocast(DEVICE, dtype=region):
@@ -136,7 +138,9 @@ def test_kvcache_keeps_its_dtype(region):
     compute in float16 (so a bfloat16 region runs no bfloat16 matmul, even on the CPU); the output
     comes back in the region's dtype."""
     heads, kv_heads, dim, prompt = 4, 2, 32, 50
-    pattern = local_stride_pattern(heads, 96, BS, 2, 3, num_kv_heads=kv_heads)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=96, block_size=BS, local_blocks=2, vert_stride=3, num_kv_heads=kv_heads
+    )
     cache = PagedKVCache(
         pattern,
         batch_size=2,
@@ -244,7 +248,7 @@ def test_transformers_training_step(region, monkeypatch):
 
 # ------------------------------------------------------------------------ outside a region
 def test_autocast_disabled_inside_keeps_float32_exactly():
-    pattern = local_stride_pattern(2, 64, BS, 2, 3)
+    pattern = local_stride_pattern(2, max_seq_len=64, block_size=BS, local_blocks=2, vert_stride=3)
     q, k, v = (t.detach() for t in _qkv(1, 64, 2, 2, 32, seed=6))
     plain = s2attn.sparse_attention(q, k, v, pattern)
     with torch.autocast(DEVICE, dtype=REGIONS[-1]):
@@ -255,7 +259,7 @@ def test_autocast_disabled_inside_keeps_float32_exactly():
 
 
 def test_mixed_dtypes_raise_outside_autocast_and_are_cast_inside():
-    pattern = local_stride_pattern(2, 64, BS, 2, 3)
+    pattern = local_stride_pattern(2, max_seq_len=64, block_size=BS, local_blocks=2, vert_stride=3)
     q, k, v = (t.detach() for t in _qkv(1, 64, 2, 2, 32, seed=7))
     q16 = q.to(torch.float16)
     message = "k has dtype torch.float32 but q has torch.float16"
@@ -272,7 +276,7 @@ def test_mixed_dtypes_raise_outside_autocast_and_are_cast_inside():
 
 def test_float64_is_not_cast():
     """As for SDPA: autocast leaves float64 alone (gradcheck under an outer region still works)."""
-    pattern = local_stride_pattern(2, 32, BS, 1, 2)
+    pattern = local_stride_pattern(2, max_seq_len=32, block_size=BS, local_blocks=1, vert_stride=2)
     q, k, v = (t.detach() for t in _qkv(1, 32, 2, 2, 16, seed=8, dtype=torch.float64))
     with torch.autocast(DEVICE, dtype=REGIONS[-1]):
         out = s2attn.sparse_attention(q, k, v, pattern)
@@ -286,7 +290,9 @@ def test_float64_is_not_cast():
 @pytest.mark.parametrize("region", REGIONS, ids=REGION_IDS)
 def test_large_gqa_under_autocast(region):
     """The shapes the Hopper kernels take (dim 128, 64-token blocks), float32 leaves."""
-    pattern = local_stride_pattern(8, 2048, 64, 4, 8, num_kv_heads=4)
+    pattern = local_stride_pattern(
+        8, max_seq_len=2048, block_size=64, local_blocks=4, vert_stride=8, num_kv_heads=4
+    )
     q, k, v = _qkv(2, 2048, 8, 4, 128, seed=9)
     with torch.autocast(DEVICE, dtype=region):
         out = s2attn.sparse_attention(q, k, v, pattern)

@@ -59,7 +59,14 @@ def _varlen_qkv(lens_q, lens_k, heads, kv_heads, dim, dtype, seed=0):
 
 def _pattern(heads, seq, block_size=16, *, causal=True, local_blocks=2, vert_stride=3):
     """A local-stride pattern whose local window does not cover the sequence: the stripes matter."""
-    return local_stride_pattern(heads, seq, block_size, local_blocks, vert_stride, causal=causal)
+    return local_stride_pattern(
+        heads,
+        max_seq_len=seq,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        causal=causal,
+    )
 
 
 def _upstream(outputs, seed: int) -> list[torch.Tensor]:
@@ -318,7 +325,9 @@ def test_grads_sequence_first_gqa_dim64(dtype):
     seq, batch = 4096, 2
     leaves = _leaves([(seq, batch, 8, 64), (seq, batch, 4, 64), (seq, batch, 4, 64)], dtype, 11)
     q, k, v = (t.transpose(0, 1) for t in leaves)
-    pattern = local_stride_pattern(8, seq, 64, 4, 8, num_kv_heads=4)
+    pattern = local_stride_pattern(
+        8, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=8, num_kv_heads=4
+    )
     out = s2attn.sparse_attention(q, k, v, pattern)
     (g,) = _upstream([out], seed=11)
     out.backward(g)
@@ -512,7 +521,9 @@ def test_gradcheck_float64(case, monkeypatch):
             gradcheck_module, "_run_slow_mode_and_get_error", no_jacobians, raising=False
         )
     causal = case != "bidir"
-    pattern = local_stride_pattern(2, 40, 16, 1, 2, causal=causal)
+    pattern = local_stride_pattern(
+        2, max_seq_len=40, block_size=16, local_blocks=1, vert_stride=2, causal=causal
+    )
     kwargs = {}
     if case == "varlen":
         q, k, v, cu_q, cu_k = _varlen_qkv([17, 40], [30, 40], 2, 2, 16, torch.float64, seed=12)
@@ -561,7 +572,9 @@ def test_double_backward_raises():
 def test_grads_large(dtype, head_dim, causal):
     """The GPU tile sizes (Merge-Q tiles over 64-token blocks) on longer GQA sequences."""
     q, k, v = _qkv(2, 1000, 1000, 8, 2, head_dim, dtype, seed=14)
-    pattern = local_stride_pattern(8, 1024, 64, 4, 4, causal=causal)
+    pattern = local_stride_pattern(
+        8, max_seq_len=1024, block_size=64, local_blocks=4, vert_stride=4, causal=causal
+    )
     _check_grads(q, k, v, pattern, dtype, f"large d{head_dim} causal={causal}")
 
 
@@ -572,7 +585,13 @@ def test_grads_large(dtype, head_dim, causal):
 def test_grads_large_varlen(dtype, block_size):
     lens_q, lens_k = [300, 1, 1024, 513], [700, 1, 1024, 513]
     q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, 8, 1, 128, dtype, seed=15)
-    pattern = local_stride_pattern(1, 1024, block_size, 2048 // block_size // 8, 4)
+    pattern = local_stride_pattern(
+        1,
+        max_seq_len=1024,
+        block_size=block_size,
+        local_blocks=2048 // block_size // 8,
+        vert_stride=4,
+    )
     _check_grads(
         q,
         k,
@@ -590,7 +609,9 @@ def test_grads_large_varlen(dtype, block_size):
 @skip_without_gpu
 def test_backward_is_deterministic_large():
     q, k, v = _qkv(2, 2048, 2048, 16, 4, 128, torch.bfloat16, seed=16)
-    pattern = local_stride_pattern(16, 2048, 64, 4, 8)
+    pattern = local_stride_pattern(
+        16, max_seq_len=2048, block_size=64, local_blocks=4, vert_stride=8
+    )
     out = s2attn.sparse_attention(q, k, v, pattern)
     (g,) = _upstream([out], seed=16)
     first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
@@ -607,7 +628,9 @@ def test_backward_memory_is_linear_in_seq():
     batch, seq, heads, dim = 1, 16384, 8, 64
     q, k, v = _qkv(batch, seq, seq, heads, heads, dim, torch.bfloat16, seed=17)
     (g,) = _upstream([q], seed=17)
-    pattern = local_stride_pattern(heads, seq, 64, 4, 8)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=8
+    )
 
     def fwd_bwd():
         out = s2attn.sparse_attention(q, k, v, pattern)
@@ -641,7 +664,9 @@ def test_grads_in_cuda_graph(dtype):
     batch, seq, heads, dim = 1, 2048, 8, 128
     q, k, v = _qkv(batch, seq, seq, heads, heads, dim, dtype, seed=18)
     (g,) = _upstream([q], seed=18)
-    pattern = local_stride_pattern(heads, seq, 64, 4, 8)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=8
+    )
 
     def fwd_bwd():
         out = s2attn.sparse_attention(q, k, v, pattern)
@@ -676,7 +701,9 @@ def test_dkdv_item_order():
     from s2attn.ops.gluon.backward_sm90 import dkdv_order
 
     heads, tiles = 8, 128
-    pattern = local_stride_pattern(heads, tiles * 64, 64, 16, 64)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=tiles * 64, block_size=64, local_blocks=16, vert_stride=64
+    )
     layout = backward_layout(pattern, 64, 64, torch.device("cpu"), tiles)
     order = dkdv_order(layout, 2, heads, heads, tiles, 1, 4, 264).long()
     assert sorted(order.tolist()) == list(range(2 * heads * tiles))

@@ -26,8 +26,17 @@ NB = MAX_LEN // BS
 
 def patterns(kv_heads: int, heads: int) -> dict[str, s2attn.BlockPattern]:
     return {
-        "s2": s2attn.local_stride_pattern(heads, MAX_LEN, BS, 2, 4, num_kv_heads=kv_heads),
-        "per_query_head": s2attn.local_stride_pattern(heads, MAX_LEN, BS, 3, 5),
+        "s2": s2attn.local_stride_pattern(
+            heads,
+            max_seq_len=MAX_LEN,
+            block_size=BS,
+            local_blocks=2,
+            vert_stride=4,
+            num_kv_heads=kv_heads,
+        ),
+        "per_query_head": s2attn.local_stride_pattern(
+            heads, max_seq_len=MAX_LEN, block_size=BS, local_blocks=3, vert_stride=5
+        ),
         "late_runs": late_runs_pattern(heads),
     }
 
@@ -128,7 +137,11 @@ def test_eviction_schedule_matches_the_token_mask(kind):
     """Whether a query at query block q or later reads KV block j, for every q and j: the
     schedule's answer is the token mask's (any head of the KV group, any key of the block)."""
     kv_heads = 2
-    pattern = s2attn.dense_pattern(kv_heads, MAX_LEN, BS) if kind == "dense" else None
+    pattern = (
+        s2attn.dense_pattern(kv_heads, max_seq_len=MAX_LEN, block_size=BS)
+        if kind == "dense"
+        else None
+    )
     pattern = pattern or patterns(kv_heads, 4)[kind]
     future = blocks_read_from(pattern, kv_heads)
     schedule = EvictionSchedule(pattern, kv_heads, NB)
@@ -179,7 +192,9 @@ def test_default_pool_covers_the_peak_and_memory_report_adds_up():
 
 def test_pages_freed_by_one_sequence_serve_another():
     torch.manual_seed(2)
-    pattern = s2attn.local_stride_pattern(2, MAX_LEN, BS, 2, 64, num_kv_heads=1)  # window only
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=MAX_LEN, block_size=BS, local_blocks=2, vert_stride=64, num_kv_heads=1
+    )  # window only
     # Two sequences, one KV head: decoding, each holds at most 3 pages (2 local blocks and
     # block 0, which the stride keeps). Sequence 0 starts with 100 tokens stored whole; its
     # first decode step frees 4 pages, which sequence 1 (starting empty) then takes.
@@ -224,7 +239,9 @@ def test_non_kv_efficient_pattern_warns_and_keeps_everything():
 
 @pytest.mark.parametrize("dense", ["none", "dense_pattern"])
 def test_dense_layer_keeps_everything(dense):
-    pattern = None if dense == "none" else s2attn.dense_pattern(2, MAX_LEN, BS)
+    pattern = (
+        None if dense == "none" else s2attn.dense_pattern(2, max_seq_len=MAX_LEN, block_size=BS)
+    )
     cache = make_cache(pattern, 2, 2)
     assert cache.dense and cache.num_pages == 2 * 2 * NB
     k, v = rand_kv(150, 2, 16)

@@ -21,7 +21,14 @@ DTYPE = DTYPES[0]
 
 
 def s2_pattern(max_len: int = MAX_LEN) -> s2attn.BlockPattern:
-    return s2attn.local_stride_pattern(HEADS, max_len, BS, 2, 3, num_kv_heads=KV_HEADS)
+    return s2attn.local_stride_pattern(
+        HEADS,
+        max_seq_len=max_len,
+        block_size=BS,
+        local_blocks=2,
+        vert_stride=3,
+        num_kv_heads=KV_HEADS,
+    )
 
 
 def make_cache(pattern, batch, max_len=MAX_LEN, dtype=DTYPE, **kwargs) -> PagedKVCache:
@@ -218,7 +225,7 @@ def test_full_cache_refuses_the_next_step_and_changes_nothing():
 def test_reset_between_requests_and_two_caches_alternately():
     torch.manual_seed(5)
     pattern = s2_pattern()
-    dense = s2attn.dense_pattern(KV_HEADS, MAX_LEN, BS)
+    dense = s2attn.dense_pattern(KV_HEADS, max_seq_len=MAX_LEN, block_size=BS)
     a = Request(make_cache(pattern, 2), pattern)
     b = Request(make_cache(None, 1), dense)
     a.prefill([40, 20])
@@ -296,7 +303,11 @@ def test_static_cache_decodes_like_the_reference_and_never_changes_its_table(kin
     a beam reorder and a reset, each step against the reference; the page tables never change, and
     the pool is about the dynamic cache's peak."""
     torch.manual_seed(7)
-    pattern = s2_pattern() if kind == "s2" else s2attn.dense_pattern(KV_HEADS, MAX_LEN, BS)
+    pattern = (
+        s2_pattern()
+        if kind == "s2"
+        else s2attn.dense_pattern(KV_HEADS, max_seq_len=MAX_LEN, block_size=BS)
+    )
     cache = make_cache(pattern if kind == "s2" else None, 2, static=True)
     plan = cache.static_plan()
     dynamic = make_cache(pattern if kind == "s2" else None, 2)

@@ -68,7 +68,9 @@ def test_opcheck(request, path, varlen):
         request.getfixturevalue("reference_ops")
     elif not dispatch.supports_triton(torch.device(DEVICE)):
         pytest.skip("no Triton backend here")
-    pattern = s2attn.local_stride_pattern(1, 128, 16, 1, 2)
+    pattern = s2attn.local_stride_pattern(
+        1, max_seq_len=128, block_size=16, local_blocks=1, vert_stride=2
+    )
     dtype = DTYPES[0]
     args = _op_args(pattern, varlen, dtype)
     torch.library.opcheck(attention_forward, args)
@@ -90,7 +92,9 @@ def test_opcheck_catches_a_wrong_fake(reference_ops, monkeypatch):
         return out, lse.double()
 
     monkeypatch.setattr(custom_ops, "_reference", float64_lse)
-    pattern = s2attn.local_stride_pattern(1, 128, 16, 1, 2)
+    pattern = s2attn.local_stride_pattern(
+        1, max_seq_len=128, block_size=16, local_blocks=1, vert_stride=2
+    )
     with pytest.raises(Exception, match="test_faketensor failed"):
         torch.library.opcheck(
             attention_forward, _op_args(pattern, False, torch.float32), test_utils="test_faketensor"
@@ -113,7 +117,9 @@ class _TinyBlock(nn.Module):
 
 
 def test_no_graph_break(reference_ops):
-    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2
+    )
     model = nn.Sequential(_TinyBlock(pattern, 32, 2), _TinyBlock(pattern, 32, 2))
     x = torch.randn(1, 64, 32)
     explained = torch._dynamo.explain(model)(x)
@@ -161,13 +167,17 @@ def test_layouts_are_built_while_tracing(form):
             *flat, pattern, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=78, max_seqlen_k=78
         )
 
-    eager_pattern = s2attn.local_stride_pattern(2, 128, 16, 2, 2)
+    eager_pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=2
+    )
     q, k, v = _inputs(5, 2, 64, 2, 2, 16, dtype)
     call(eager_pattern, q, k, v).sum().backward()
     used = set(layout._CACHE[eager_pattern])
     assert len(used) >= 2  # the forward's and the backward's
 
-    pattern = s2attn.local_stride_pattern(2, 128, 16, 2, 2)  # a new object: nothing cached yet
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=2
+    )  # a new object: nothing cached yet
     built = {}
 
     def on_compile(gm, example_inputs):
@@ -190,7 +200,9 @@ def test_compiled_matches_reference(request, path, form):
     elif not dispatch.supports_triton(torch.device(DEVICE)):
         pytest.skip("no Triton backend here")
     dtype = DTYPES[-1]
-    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2
+    )
     q, k, v = _inputs(3, 2, 64, 2, 2, 16, dtype)
     kwargs = {}
     if form == "varlen":
@@ -221,7 +233,9 @@ def test_compiled_matches_reference(request, path, form):
 def test_compiled_under_autocast(reference_ops):
     """The boundary cast traces: float32 inputs under a bfloat16 region give a bfloat16 output
     and float32 gradients, as eager does."""
-    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2
+    )
     q, k, v = _inputs(5, 1, 64, 2, 2, 16, torch.float32)
 
     def call(q, k, v):
@@ -246,8 +260,12 @@ def test_recompiles_only_for_a_new_pattern(reference_ops):
         graphs.append(gm)
         return gm.forward
 
-    first = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
-    second = s2attn.local_stride_pattern(2, 64, 16, 1, 2, head_offset=1)
+    first = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2
+    )
+    second = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2, head_offset=1
+    )
     attn = s2attn.SparseAttention(first)
     compiled = torch.compile(attn, backend=counting_backend, fullgraph=True)
     q, k, v = _inputs(6, 1, 64, 2, 2, 16, torch.float32, grad=False)
@@ -268,7 +286,9 @@ def test_recompiles_only_for_a_new_pattern(reference_ops):
 def test_a_collected_pattern_is_reported():
     from s2attn.custom_ops import pattern_for_key
 
-    key = pattern_key(s2attn.local_stride_pattern(1, 64, 16, 1, 2))
+    key = pattern_key(
+        s2attn.local_stride_pattern(1, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2)
+    )
     with pytest.raises(RuntimeError, match="garbage-collected"):
         pattern_for_key(key)
 
@@ -281,7 +301,9 @@ def test_copies_get_their_own_key():
 
     from s2attn.custom_ops import pattern_for_key
 
-    pattern = s2attn.local_stride_pattern(2, 64, 16, 1, 2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2
+    )
     copies = [copy.deepcopy(pattern), pickle.loads(pickle.dumps(pattern))]
     keys = {pattern_key(pattern)} | {pattern_key(c) for c in copies}
     assert len(keys) == 3
@@ -301,7 +323,9 @@ def test_inductor_on_gpu(mode):
     """Inductor compiles a block around the operators (CUDA graphs under reduce-overhead); the
     kernels' results and gradients match the reference."""
     dtype = torch.bfloat16
-    pattern = s2attn.local_stride_pattern(4, 1024, 64, 4, 4)
+    pattern = s2attn.local_stride_pattern(
+        4, max_seq_len=1024, block_size=64, local_blocks=4, vert_stride=4
+    )
     model = _TinyBlock(pattern, 256, 4).to(DEVICE, dtype)
     x = torch.randn(2, 1024, 256, device=DEVICE, dtype=dtype, requires_grad=True)
     compiled = torch.compile(model, fullgraph=True, mode=mode)
@@ -328,7 +352,9 @@ def test_cached_state_is_built_outside_a_graph_pool():
     from s2attn.layout import forward_layout
     from s2attn.ops.env import build_outside_graph_pool
 
-    pattern = s2attn.local_stride_pattern(4, 2048, 64, 4, 4)
+    pattern = s2attn.local_stride_pattern(
+        4, max_seq_len=2048, block_size=64, local_blocks=4, vert_stride=4
+    )
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool):
         inside = torch.zeros(4096, device=DEVICE)

@@ -24,15 +24,28 @@ MAX_LEN = 256
 
 def make_pattern(kind: str, heads: int, kv_heads: int) -> s2attn.BlockPattern | None:
     if kind == "s2":  # GQA groups share one pattern
-        return s2attn.local_stride_pattern(heads, MAX_LEN, BS, 2, 3, num_kv_heads=kv_heads)
+        return s2attn.local_stride_pattern(
+            heads,
+            max_seq_len=MAX_LEN,
+            block_size=BS,
+            local_blocks=2,
+            vert_stride=3,
+            num_kv_heads=kv_heads,
+        )
     if kind == "per_query_head":  # heads of one group differ: the union is read, bits mask it
-        return s2attn.local_stride_pattern(heads, MAX_LEN, BS, 2, 3)
+        return s2attn.local_stride_pattern(
+            heads, max_seq_len=MAX_LEN, block_size=BS, local_blocks=2, vert_stride=3
+        )
     assert kind == "dense"
     return None
 
 
 def reference_pattern(pattern, kv_heads):
-    return pattern if pattern is not None else s2attn.dense_pattern(kv_heads, MAX_LEN, BS)
+    return (
+        pattern
+        if pattern is not None
+        else s2attn.dense_pattern(kv_heads, max_seq_len=MAX_LEN, block_size=BS)
+    )
 
 
 def filled_cache(pattern, lens, kv_heads, dim, dtype, **kwargs):
@@ -366,7 +379,14 @@ def test_pages_wider_than_the_kv_tile():
     slices, one launch per step, against the reference."""
     torch.manual_seed(6)
     heads, kv_heads, dim, dtype, page = 4, 2, 16, DTYPES[0], 32
-    pattern = s2attn.local_stride_pattern(heads, MAX_LEN, page, 2, 3, num_kv_heads=kv_heads)
+    pattern = s2attn.local_stride_pattern(
+        heads,
+        max_seq_len=MAX_LEN,
+        block_size=page,
+        local_blocks=2,
+        vert_stride=3,
+        num_kv_heads=kv_heads,
+    )
     cache = PagedKVCache(
         pattern, batch_size=2, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=DEVICE
     )
@@ -423,7 +443,9 @@ def test_bad_inputs_name_the_argument():
         )
     with pytest.raises(ValueError, match="pattern has"):
         other = PagedKVCache(
-            s2attn.local_stride_pattern(8, MAX_LEN, BS, 2, 3, num_kv_heads=2),
+            s2attn.local_stride_pattern(
+                8, max_seq_len=MAX_LEN, block_size=BS, local_blocks=2, vert_stride=3, num_kv_heads=2
+            ),
             batch_size=2,
             num_kv_heads=2,
             head_dim=dim,

@@ -53,7 +53,9 @@ def test_backend_predicates():
     if ON_GPU:
         return  # the Gluon predicates on a GPU: test_forward_hopper.py
     q = torch.randn(1, 256, 2, 64, dtype=torch.float16)
-    pattern = s2attn.local_stride_pattern(2, 256, 64, 2, 2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=256, block_size=64, local_blocks=2, vert_stride=2
+    )
     layout = forward_layout(pattern, 128, 64, cpu)
     assert not dispatch.supports_gluon_forward(
         q, q, q, layout, varlen=False, check_k_bounds=False, softmax_scale=0.1
@@ -96,7 +98,9 @@ def test_options_reach_the_triton_kernels(monkeypatch):
     dtype = DTYPES[0]
     gen = torch.Generator().manual_seed(3)
     q, k, v, grad = (torch.randn(2, 192, 4, 32, generator=gen).to(DEVICE, dtype) for _ in range(4))
-    pattern = s2attn.local_stride_pattern(4, 192, 32, 2, 3)
+    pattern = s2attn.local_stride_pattern(
+        4, max_seq_len=192, block_size=32, local_blocks=2, vert_stride=3
+    )
     options = KernelOptions(
         forward_backend="triton",
         dq_backend="triton",

@@ -71,7 +71,7 @@ def test_matches_one_process(world, heads, kv_heads, dense_heads, kernels, causa
     # head next to sparse ones reads far more blocks than they do.
     seq = 96 if world == 4 and causal else 128
     pattern = s2attn.local_stride_pattern(
-        heads, 128, 16, local_blocks=2, vert_stride=3, num_kv_heads=kv_heads,
+        heads, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3, num_kv_heads=kv_heads,
         num_dense_heads=dense_heads, causal=causal,
     )  # fmt: skip
     shape = (2, seq, heads, kv_heads, 16)
@@ -114,7 +114,9 @@ def _wide_strides_body(rank, world, pattern, shape, expected):
 
 
 def test_shards_with_element_offsets_past_2_31():
-    pattern = s2attn.local_stride_pattern(1, 128, 16, local_blocks=2, vert_stride=3)
+    pattern = s2attn.local_stride_pattern(
+        1, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3
+    )
     shape = (1, 128, 1, 1, 16)
     q, k, v, grad = (t.half().float() for t in _inputs(*shape))
     q.requires_grad_()
@@ -131,7 +133,9 @@ def _one_rank_body(rank, world, pattern, shape):
 
 
 def test_group_of_one_is_sparse_attention():
-    pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=2, vert_stride=2
+    )
     spawn(1, _one_rank_body, pattern, (1, 64, 2, 2, 16))
 
 
@@ -146,7 +150,9 @@ def _errors_body(rank, world, pattern):
     with pytest.raises(ValueError, match=r"ranks \[1\] disagree with rank 0"):
         context_parallel_attention(bad_q, *bad_kv, pattern)
     # Rank 1 alone builds its pattern with another stride (a rule pattern: hashed by its rules).
-    other = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=3)
+    other = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=2, vert_stride=3
+    )
     with pytest.raises(ValueError, match=r"ranks \[1\] disagree with rank 0"):
         context_parallel_attention(ql, kl, vl, other if rank == 1 else pattern)
     # Rank 0 alone gives a bad dtype: every rank hears of it, with rank 0's reason.
@@ -155,8 +161,9 @@ def _errors_body(rank, world, pattern):
         context_parallel_attention(ql, kl, bad_v, pattern)
     with pytest.raises(ValueError, match="exceeds the pattern's max_seq_len 32"):
         context_parallel_attention(ql, kl, vl, pattern.crop(2))
-    bidirectional = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2,
-                                                causal=False)  # fmt: skip
+    bidirectional = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=2, vert_stride=2, causal=False
+    )
     with pytest.raises(ValueError, match="bidirectional pattern needs chunks of whole blocks"):
         context_parallel_attention(ql[:, :12], kl[:, :12], vl[:, :12], bidirectional)
     # After all that the group still works.
@@ -164,7 +171,9 @@ def _errors_body(rank, world, pattern):
 
 
 def test_bad_input_raises_on_every_rank():
-    pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=2, vert_stride=2
+    )
     spawn(2, _errors_body, pattern)
 
 
@@ -185,7 +194,9 @@ def test_a_rank_without_its_plan_rebuilds_it_with_the_others():
     """Plans are built collectively (each rank sends the others its requests): when one rank
     lacks its cached plan, every rank takes part in building it, rather than one waiting alone
     in a collective."""
-    pattern = s2attn.local_stride_pattern(2, 64, 16, local_blocks=2, vert_stride=2)
+    pattern = s2attn.local_stride_pattern(
+        2, max_seq_len=64, block_size=16, local_blocks=2, vert_stride=2
+    )
     spawn(2, _lost_plan_body, pattern)
 
 
@@ -196,14 +207,16 @@ def test_only_the_tokens_read_move():
     under a dense bidirectional one."""
     seq, world, kv, dim = 2048, 4, 4, 16
     full = communication_bytes(1, seq, kv, dim, torch.float16, world)
-    s2 = s2attn.local_stride_pattern(8, seq, 16, 4, 16, num_kv_heads=kv)
+    s2 = s2attn.local_stride_pattern(
+        8, max_seq_len=seq, block_size=16, local_blocks=4, vert_stride=16, num_kv_heads=kv
+    )
     got = context_parallel_bytes(s2, 1, seq, kv, dim, torch.float16, world)
     print("S2 / all-gather per rank:", [round(b / full, 3) for b in got])
     assert max(got) <= full / 8
-    causal = s2attn.dense_pattern(kv, seq, 16)
+    causal = s2attn.dense_pattern(kv, max_seq_len=seq, block_size=16)
     got = context_parallel_bytes(causal, 1, seq, kv, dim, torch.float16, world)
     assert [b / full for b in got] == pytest.approx([1, 5 / 6, 4 / 6, 3 / 6])
-    bidir = s2attn.dense_pattern(kv, seq, 16, causal=False)
+    bidir = s2attn.dense_pattern(kv, max_seq_len=seq, block_size=16, causal=False)
     assert context_parallel_bytes(bidir, 1, seq, kv, dim, torch.float16, world) == [full] * world
 
 
@@ -215,14 +228,16 @@ def test_a_rank_holds_keys_in_proportion_to_what_it_reads():
     seq, world, kv, dim = 8192, 8, 2, 16
     full = 2 * seq * kv * dim * 2  # K and V of the whole sequence, fp16
     own = full // world
-    s2 = s2attn.local_stride_pattern(8, seq, 16, 4, 32, num_kv_heads=kv)
+    s2 = s2attn.local_stride_pattern(
+        8, max_seq_len=seq, block_size=16, local_blocks=4, vert_stride=32, num_kv_heads=kv
+    )
     for rank, held in enumerate(context_parallel_kv_bytes(s2, 1, seq, kv, dim, torch.float16,
                                                           world)):  # fmt: skip
         print(f"rank {rank}: K/V held beyond its own / the whole sequence's "
               f"{(held - 2 * own) / full:.3f}")  # fmt: skip
         assert 0 < held - 2 * own < full / 10
     # Dense: rank 0's early chunk (0) reads itself; its late one (2W - 1) every token.
-    dense = s2attn.dense_pattern(kv, seq, 16)
+    dense = s2attn.dense_pattern(kv, max_seq_len=seq, block_size=16)
     got = context_parallel_kv_bytes(dense, 1, seq, kv, dim, torch.float16, world)[0]
     assert got == own + (full - own) + own // 2 + full
     assert context_parallel_kv_bytes(s2, 1, seq, kv, dim, torch.float16, 1) == [full]

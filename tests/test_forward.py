@@ -74,7 +74,14 @@ def test_local_stride_pattern(
     gen, seed, dtype, batch, seq, heads, dim, block_size, local_blocks, vert_stride, causal
 ):
     # ``seed`` only changes the test id, from which ``gen`` is seeded: two draws of inputs per case.
-    p = local_stride_pattern(heads, seq, block_size, local_blocks, vert_stride, causal=causal)
+    p = local_stride_pattern(
+        heads,
+        max_seq_len=seq,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        causal=causal,
+    )
     _check(*_qkv(gen, batch, seq, seq, heads, heads, dim, dtype), p)
 
 
@@ -100,7 +107,7 @@ def test_random_pattern(gen, dtype, seq, block_size, causal):
 @pytest.mark.parametrize("dim", [16, 64, 80, 96, 128, 256])
 def test_head_dims(gen, dtype, dim):
     seq = 64 if dim > 128 else 100  # 256-wide heads are slow under the interpreter
-    p = local_stride_pattern(2, seq, 16, 1, 3)
+    p = local_stride_pattern(2, max_seq_len=seq, block_size=16, local_blocks=1, vert_stride=3)
     _check(*_qkv(gen, 1, seq, seq, 2, 2, dim, dtype), p)
 
 
@@ -109,7 +116,7 @@ def test_head_dims(gen, dtype, dim):
 def test_dense_pattern_matches_torch_sdpa(gen, dtype, causal):
     """An independent ground truth for the dense case, for the reference and the kernel alike."""
     q, k, v = _qkv(gen, 1, 150, 150, 2, 2, 64, dtype)
-    p = s2attn.dense_pattern(2, 150, 32, causal=causal)
+    p = s2attn.dense_pattern(2, max_seq_len=150, block_size=32, causal=causal)
     out, _ = _check(q, k, v, p)
     sdpa = F.scaled_dot_product_attention(
         *(t.float().transpose(1, 2) for t in (q, k, v)), is_causal=causal
@@ -119,7 +126,7 @@ def test_dense_pattern_matches_torch_sdpa(gen, dtype, causal):
 
 def test_softmax_scale(gen):
     dtype = DTYPES[0]
-    p = local_stride_pattern(2, 120, 16, 2, 2)
+    p = local_stride_pattern(2, max_seq_len=120, block_size=16, local_blocks=2, vert_stride=2)
     _check(*_qkv(gen, 1, 120, 120, 2, 2, 64, dtype), p, softmax_scale=0.37)
 
 
@@ -139,7 +146,9 @@ def test_gqa_and_mqa(gen, dtype, heads, kv_heads, pattern_heads):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("seq_q, seq_k", [(1, 257), (17, 100), (100, 200), (64, 128)])
 def test_fewer_queries_than_keys(gen, dtype, causal, seq_q, seq_k):
-    p = local_stride_pattern(2, 256 + 16, 16, 2, 3, causal=causal)
+    p = local_stride_pattern(
+        2, max_seq_len=256 + 16, block_size=16, local_blocks=2, vert_stride=3, causal=causal
+    )
     _check(*_qkv(gen, 2, seq_q, seq_k, 2, 2, 32, dtype), p)
 
 
@@ -165,7 +174,9 @@ def test_varlen(gen, dtype, causal):
     q = _randn(gen, sum(lens_q), heads, 64, dtype=dtype)
     k = _randn(gen, sum(lens_k), heads, 64, dtype=dtype)
     v = _randn(gen, sum(lens_k), heads, 64, dtype=dtype)
-    p = local_stride_pattern(heads, 130, 16, 2, 3, causal=causal)
+    p = local_stride_pattern(
+        heads, max_seq_len=130, block_size=16, local_blocks=2, vert_stride=3, causal=causal
+    )
     out, lse = _check(
         q,
         k,
@@ -191,7 +202,7 @@ def test_varlen_gqa_per_kv_head_pattern(gen):
 
 def test_empty_query_sequence(gen):
     q, k, v = _qkv(gen, 1, 0, 40, 2, 2, 64, DTYPES[0])
-    p = local_stride_pattern(2, 64, 16, 1, 2)
+    p = local_stride_pattern(2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2)
     out, lse = s2attn.sparse_attention(q, k, v, p, return_lse=True)
     assert out.shape == q.shape and lse.shape == (1, 2, 0)
 
@@ -210,7 +221,7 @@ def test_strided_inputs(gen, dtype, storage):
     else:  # every other element of the head dim
         q, k, v = (_randn(gen, b, s, h, 2 * d, dtype=dtype)[..., ::2] for _ in range(3))
     assert not any(t.is_contiguous() for t in (q, k, v))
-    p = local_stride_pattern(h, s, 32, 2, 2)
+    p = local_stride_pattern(h, max_seq_len=s, block_size=32, local_blocks=2, vert_stride=2)
     out, _ = _check(q, k, v, p)
     same, _ = _check(q.contiguous(), k.contiguous(), v.contiguous(), p)
     assert torch.equal(out, same)
@@ -221,7 +232,9 @@ def test_strided_inputs(gen, dtype, storage):
 @pytest.mark.parametrize("causal", [True, False])
 def test_rows_that_attend_nothing(gen, dtype, causal):
     bs, seq = 16, 100
-    mask = local_stride_pattern(2, seq, bs, 2, 3, causal=causal).mask.clone()
+    mask = local_stride_pattern(
+        2, max_seq_len=seq, block_size=bs, local_blocks=2, vert_stride=3, causal=causal
+    ).mask.clone()
     mask[0, 2] = False  # head 0, query block 2 (rows 32..47) keeps no KV block
     mask[1, 6] = False  # head 1, the ragged last block (rows 96..99)
     p = BlockPattern(mask, bs, causal)
@@ -255,7 +268,9 @@ def _split(p: BlockPattern, gen) -> tuple[BlockPattern, BlockPattern]:
 @pytest.mark.parametrize("causal", [True, False])
 def test_merge_partials_equals_one_call(gen, dtype, causal):
     q, k, v = _qkv(gen, 2, 90, 120, 2, 2, 64, dtype)
-    p = local_stride_pattern(2, 128, 16, 2, 3, causal=causal)
+    p = local_stride_pattern(
+        2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3, causal=causal
+    )
     p1, p2 = _split(p, gen)
     o1, l1 = _check(q, k, v, p1)
     o2, l2 = _check(q, k, v, p2)
@@ -270,7 +285,9 @@ def test_merge_partials_packed_with_empty_rows(gen):
     dtype = DTYPES[0]
     lens = [50, 90]
     q, k, v = (_randn(gen, sum(lens), 2, 64, dtype=dtype) for _ in range(3))
-    mask = local_stride_pattern(2, 96, 16, 1, 3).mask.clone()
+    mask = local_stride_pattern(
+        2, max_seq_len=96, block_size=16, local_blocks=1, vert_stride=3
+    ).mask.clone()
     mask[0, 1] = False  # rows 16..31 of head 0 attend nothing in either chunk
     p = BlockPattern(mask, 16)
     cu = dict(cu_seqlens_q=_cu(lens), cu_seqlens_k=_cu(lens))
@@ -285,7 +302,7 @@ def test_merge_partials_packed_with_empty_rows(gen):
 # ------------------------------------------------------------------- module and packed qkv
 def test_module_matches_function(gen):
     dtype = DTYPES[0]
-    p = local_stride_pattern(4, 128, 16, 2, 2)
+    p = local_stride_pattern(4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=2)
     q, k, v = _qkv(gen, 1, 128, 128, 4, 2, 64, dtype)
     attn = s2attn.SparseAttention(p, softmax_scale=0.2)
     out, lse = attn(q, k, v, return_lse=True)
@@ -302,7 +319,7 @@ def test_module_varlen(gen):
     dtype = DTYPES[0]
     lens = [30, 70]
     q, k, v = (_randn(gen, 100, 2, 32, dtype=dtype) for _ in range(3))
-    p = local_stride_pattern(2, 80, 16, 1, 2)
+    p = local_stride_pattern(2, max_seq_len=80, block_size=16, local_blocks=1, vert_stride=2)
     cu = dict(cu_seqlens_q=_cu(lens), cu_seqlens_k=_cu(lens))
     out = s2attn.SparseAttention(p)(q, k, v, **cu)
     assert torch.equal(out, s2attn.sparse_attention(q, k, v, p, **cu))
@@ -311,7 +328,7 @@ def test_module_varlen(gen):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_qkvpacked_matches_slices(gen, varlen):
     dtype = DTYPES[0]
-    p = local_stride_pattern(2, 160, 32, 1, 2)
+    p = local_stride_pattern(2, max_seq_len=160, block_size=32, local_blocks=1, vert_stride=2)
     if varlen:
         qkv = _randn(gen, 210, 3, 2, 64, dtype=dtype)
         kwargs = dict(cu_seqlens=_cu([60, 150]))
@@ -354,7 +371,7 @@ def test_torch_compile_traces_the_call(gen):
 
     dtype = DTYPES[0]
     q, k, v = (t.requires_grad_() for t in _qkv(gen, 1, 64, 64, 2, 2, 16, dtype))
-    p = local_stride_pattern(2, 64, 16, 1, 2)
+    p = local_stride_pattern(2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2)
 
     def fn(q, k, v):
         return s2attn.sparse_attention(q, k, v, p) * 2
@@ -377,8 +394,10 @@ def test_torch_compile_traces_the_call(gen):
 def test_a_wrong_pattern_is_caught(gen):
     dtype = DTYPES[0]
     q, k, v = _qkv(gen, 1, 128, 128, 2, 2, 64, dtype)
-    p = local_stride_pattern(2, 128, 16, 2, 4)
-    shifted = local_stride_pattern(2, 128, 16, 2, 4, head_offset=1)
+    p = local_stride_pattern(2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=4)
+    shifted = local_stride_pattern(
+        2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=4, head_offset=1
+    )
     out = s2attn.sparse_attention(q, k, v, p)
     wrong = s2attn.attention_reference(q.float(), k.float(), v.float(), shifted)
     assert relative_error(out, wrong) > 10 * REL_TOL[dtype]
@@ -403,7 +422,9 @@ def test_a_wrong_pattern_is_caught(gen):
     ],
 )
 def test_gpu_large(gen, dtype, batch, seq, heads, kv_heads, dim, block_size, causal):
-    p = local_stride_pattern(heads, seq, block_size, 4, 4, causal=causal)
+    p = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=block_size, local_blocks=4, vert_stride=4, causal=causal
+    )
     _check(*_qkv(gen, batch, seq, seq, heads, kv_heads, dim, dtype), p)
 
 
@@ -416,5 +437,13 @@ def test_gpu_varlen(gen, dtype, causal):
     q = _randn(gen, sum(lens_q), 8, 128, dtype=dtype)
     k = _randn(gen, sum(lens_k), 2, 128, dtype=dtype)
     v = _randn(gen, sum(lens_k), 2, 128, dtype=dtype)
-    p = local_stride_pattern(8, 2049, 64, 4, 8, num_kv_heads=2, causal=causal)
+    p = local_stride_pattern(
+        8,
+        max_seq_len=2049,
+        block_size=64,
+        local_blocks=4,
+        vert_stride=8,
+        num_kv_heads=2,
+        causal=causal,
+    )
     _check(q, k, v, p, cu_seqlens_q=_cu(lens_q), cu_seqlens_k=_cu(lens_k))

@@ -97,7 +97,9 @@ def test_local_stride(gen, dtype, dim, causal, stride, entries):
     seq, heads = 3072, 8
     q, k, v = (_randn(gen, 2, seq, heads, dim, dtype=dtype) for _ in range(3))
     config = GluonForwardConfig(entries_per_step=entries, num_buffers=2, q_in_regs=dim == 64)
-    pattern = local_stride_pattern(heads, seq, 64, 4, stride, causal=causal)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=stride, causal=causal
+    )
     _check(q, k, v, pattern, config if entries == 2 else None)
 
 
@@ -120,7 +122,9 @@ _KERNEL_SETTINGS = [
 def test_kernel_options(gen, settings):
     seq, heads = 3072, 8
     q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
-    pattern = local_stride_pattern(heads, seq, 64, 3, 4)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=3, vert_stride=4
+    )
     _check(q, k, v, pattern, GluonForwardConfig(**settings))
 
 
@@ -173,7 +177,7 @@ def test_entries_one_half_of_the_tile_skips(gen, dtype, dim, causal, buffers):
 def test_dense_pattern(gen, causal):
     seq, heads = 2048, 4
     q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
-    _check(q, k, v, dense_pattern(heads, seq, 64, causal=causal))
+    _check(q, k, v, dense_pattern(heads, max_seq_len=seq, block_size=64, causal=causal))
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])
@@ -183,10 +187,10 @@ def test_gqa(gen, per_kv_head):
     k, v = (_randn(gen, 2, seq, kv_heads, 128, dtype=torch.bfloat16) for _ in range(2))
     pattern = local_stride_pattern(
         kv_heads if per_kv_head else heads,
-        seq,
-        64,
-        4,
-        3,
+        max_seq_len=seq,
+        block_size=64,
+        local_blocks=4,
+        vert_stride=3,
         num_kv_heads=kv_heads if per_kv_head else None,
     )
     _check(q, k, v, pattern)
@@ -200,7 +204,14 @@ def test_fewer_queries_than_keys(gen, causal, seq_q):
     seq_k, heads = 2048, 4
     q = _randn(gen, 1, seq_q, heads, 64, dtype=torch.bfloat16)
     k, v = (_randn(gen, 1, seq_k, heads, 64, dtype=torch.bfloat16) for _ in range(2))
-    _check(q, k, v, local_stride_pattern(heads, seq_k, 64, 4, 3, causal=causal))
+    _check(
+        q,
+        k,
+        v,
+        local_stride_pattern(
+            heads, max_seq_len=seq_k, block_size=64, local_blocks=4, vert_stride=3, causal=causal
+        ),
+    )
 
 
 def test_strided_inputs(gen):
@@ -208,7 +219,12 @@ def test_strided_inputs(gen):
     seq, heads = 2048, 4
     qkv = _randn(gen, 1, seq, 3, heads, 128, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
-    _check(q, k, v, local_stride_pattern(heads, seq, 64, 4, 3))
+    _check(
+        q,
+        k,
+        v,
+        local_stride_pattern(heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3),
+    )
 
 
 def _max_jumps_mid_list(q, k, pattern, layout, qk_scale_log2):
@@ -247,7 +263,9 @@ def test_running_max_moves_mid_list(gen):
         * tile_scale.repeat_interleave(64)[:, None, None]
     )
     k = k.to("cuda", torch.bfloat16)
-    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
+    )
     layout = forward_layout(pattern, 128, 64, q.device, gather=True)
     assert _max_jumps_mid_list(q, k, pattern, layout, dim**-0.5 * math.log2(math.e)) > 100
     for config in (None, GluonForwardConfig(entries_per_step=2, num_buffers=2, q_in_regs=False)):
@@ -257,7 +275,9 @@ def test_running_max_moves_mid_list(gen):
 def test_matches_the_triton_kernel(gen):
     seq, heads = 4096, 8
     q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(3))
-    pattern = local_stride_pattern(heads, seq, 64, 4, 4)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=4
+    )
     out, lse = _run(q, k, v, pattern)
     layout = forward_layout(pattern, 128, 64, q.device, gather=True)
     ref_out, ref_lse = dispatch.forward(
@@ -277,14 +297,22 @@ def test_matches_the_triton_kernel(gen):
 def test_other_cases_fall_back():
     """Calls the Gluon kernel does not cover go to the Triton kernel, never to a wrong result."""
     q = torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    pattern = local_stride_pattern(4, 1000, 64, 4, 3, causal=False)
+    pattern = local_stride_pattern(
+        4, max_seq_len=1000, block_size=64, local_blocks=4, vert_stride=3, causal=False
+    )
     layout = forward_layout(pattern, 128, 64, q.device, gather=True)
     bounds = check_k_bounds(layout, 1000, False)
     assert bounds  # bidirectional, seq_k inside a tile
     assert not dispatch.supports_gluon_forward(
         q, q, q, layout, varlen=False, check_k_bounds=bounds, softmax_scale=0.1
     )
-    small = forward_layout(local_stride_pattern(4, 4096, 16, 4, 16), 128, 64, q.device, gather=True)
+    small = forward_layout(
+        local_stride_pattern(4, max_seq_len=4096, block_size=16, local_blocks=4, vert_stride=16),
+        128,
+        64,
+        q.device,
+        gather=True,
+    )
     assert small.gather_width  # lone 16-token blocks share gathered KV tiles
     assert not dispatch.supports_gluon_forward(
         q, q, q, small, varlen=False, check_k_bounds=False, softmax_scale=0.1
@@ -365,7 +393,9 @@ def test_gradients_through_the_dq_kernel(gen, dq_calls, dtype, causal, case):
     elif case == "half-tiles":
         pattern = _half_tile_pattern(heads, seq_k, causal)
     else:
-        pattern = local_stride_pattern(heads, seq_k, 64, 4, 3, causal=causal)
+        pattern = local_stride_pattern(
+            heads, max_seq_len=seq_k, block_size=64, local_blocks=4, vert_stride=3, causal=causal
+        )
     q = _randn(gen, 2, seq_q, heads, dim, dtype=dtype).requires_grad_()
     k, v = (_randn(gen, 2, seq_k, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
     _check_gradients(gen, q, k, v, pattern, dtype, return_lse=case == "lse")
@@ -378,7 +408,9 @@ def _backward_with(gen):
     backward kernels beside the Triton ones."""
     seq, heads = 2048, 4
     q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
-    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
+    )
     out, lse = _run(q, k, v, pattern)
     layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
 
@@ -434,9 +466,13 @@ def test_gradients_through_the_dkdv_kernel(gen, dkdv_calls, dtype, dim, causal, 
         mask[:, :, 5] = False  # keys nothing attends: a KV tile with an empty list
         pattern = BlockPattern(mask, 64, causal)
     elif case == "block16":
-        pattern = local_stride_pattern(heads, seq, 16, 6, 5, causal=causal)
+        pattern = local_stride_pattern(
+            heads, max_seq_len=seq, block_size=16, local_blocks=6, vert_stride=5, causal=causal
+        )
     else:
-        pattern = local_stride_pattern(heads, seq, 64, 4, 3, causal=causal)
+        pattern = local_stride_pattern(
+            heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3, causal=causal
+        )
     q = _randn(gen, 2, seq, heads, dim, dtype=dtype).requires_grad_()
     k, v = (_randn(gen, 2, seq, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
     _check_gradients(gen, q, k, v, pattern, dtype)
@@ -455,7 +491,9 @@ def test_gradients_through_the_dkdv_kernel(gen, dkdv_calls, dtype, dim, causal, 
 def test_dkdv_kernel_options(gen, dkdv_calls, config):
     seq, heads, dim = 2048, 4, 128 if config.num_buffers == 2 else 64
     q, k, v, g = (_randn(gen, 2, seq, heads, dim, dtype=torch.float16) for _ in range(4))
-    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
+    )
     out, lse = _run(q, k, v, pattern)
     layout_kv = backward_layout(pattern, 64, 64, q.device, seq // 64)
     (_, _), dq_tiles = dispatch.backward_tile_sizes(dim, q.dtype, q.device)
@@ -485,7 +523,9 @@ def test_dkdv_strided_outputs(gen, dkdv_calls):
     # q, k, v and their gradients as views into one packed (seq, 3, heads, dim) tensor.
     seq, heads, dim = 1536, 4, 128
     qkv = _randn(gen, 1, seq, 3, heads, dim, dtype=torch.bfloat16).requires_grad_()
-    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
+    )
     out = s2attn.sparse_attention_qkvpacked(qkv, pattern)
     grad = _randn(gen, *out.shape, dtype=torch.bfloat16)
     out.backward(grad)
@@ -511,7 +551,9 @@ def test_work_counter_left_at_zero(gen, dq_calls, dkdv_calls, persistent):
     from s2attn.ops.gluon.common_sm90 import item_counter
 
     seq, heads = 2048, 4
-    pattern = local_stride_pattern(heads, seq, 64, 4, 3)
+    pattern = local_stride_pattern(
+        heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
+    )
     side = torch.cuda.Stream()
     for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
         with torch.cuda.stream(stream):

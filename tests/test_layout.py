@@ -37,8 +37,17 @@ def _patterns(block_size: int) -> list[BlockPattern]:
     return [
         BlockPattern(random_mask, block_size, causal=True),
         BlockPattern(random_mask, block_size, causal=False),
-        local_stride_pattern(3, nb * block_size, block_size, 2, 3),
-        local_stride_pattern(3, nb * block_size, block_size, 1, 2, causal=False),
+        local_stride_pattern(
+            3, max_seq_len=nb * block_size, block_size=block_size, local_blocks=2, vert_stride=3
+        ),
+        local_stride_pattern(
+            3,
+            max_seq_len=nb * block_size,
+            block_size=block_size,
+            local_blocks=1,
+            vert_stride=2,
+            causal=False,
+        ),
     ]
 
 
@@ -163,7 +172,9 @@ def test_backward_layout_holds_the_forward_entries(block_size, block_m, block_n)
 
 @pytest.mark.parametrize("num_blocks", [1, 3, 5])
 def test_num_blocks_crops_like_the_pattern(num_blocks):
-    p = local_stride_pattern(2, 320, 32, 1, 3, causal=False)
+    p = local_stride_pattern(
+        2, max_seq_len=320, block_size=32, local_blocks=1, vert_stride=3, causal=False
+    )
     for build in (forward_layout, backward_layout):
         cropped = _entries(build(p, 64, 32, num_blocks=num_blocks), build is backward_layout)
         expected = _entries(build(p.crop(num_blocks), 64, 32), build is backward_layout)
@@ -171,7 +182,7 @@ def test_num_blocks_crops_like_the_pattern(num_blocks):
 
 
 def test_layouts_are_cached_per_pattern_tiles_and_direction():
-    p = local_stride_pattern(2, 256, 16, 2, 3)
+    p = local_stride_pattern(2, max_seq_len=256, block_size=16, local_blocks=2, vert_stride=3)
     a = forward_layout(p, 64, 32)
     assert forward_layout(p, 64, 32) is a
     assert forward_layout(p, 64, 32, "cpu") is a
@@ -198,7 +209,7 @@ def test_layouts_are_cached_per_pattern_tiles_and_direction():
     ],
 )
 def test_invalid_tile_sizes_raise(block_m, block_n, match):
-    p = local_stride_pattern(2, 512, 16, 2, 3)
+    p = local_stride_pattern(2, max_seq_len=512, block_size=16, local_blocks=2, vert_stride=3)
     with pytest.raises(ValueError, match=match):
         forward_layout(p, block_m, block_n)
     with pytest.raises(ValueError, match=match):
@@ -261,7 +272,7 @@ def test_gathered_forward_layout_rebuilds_the_token_mask(block_size, block_m, bl
 def test_gathered_entries_pack_lone_stride_blocks():
     # Block 16, 128x64 tiles: the stride blocks before the local window (every 4th block) fill
     # gathered entries of 4, full ones, instead of one 64-key tile each.
-    p = local_stride_pattern(1, 4096, 16, 8, 4)
+    p = local_stride_pattern(1, max_seq_len=4096, block_size=16, local_blocks=8, vert_stride=4)
     plain = forward_layout(p, 128, 64)
     layout = forward_layout(p, 128, 64, gather=True)
     assert layout.num_entries < plain.num_entries / 2
@@ -276,7 +287,7 @@ def test_gathered_entries_pack_lone_stride_blocks():
 
 
 def test_gather_is_ignored_when_blocks_fill_the_kv_tile():
-    p = local_stride_pattern(2, 512, 64, 2, 3)
+    p = local_stride_pattern(2, max_seq_len=512, block_size=64, local_blocks=2, vert_stride=3)
     layout = forward_layout(p, 128, 64, gather=True)
     assert layout.gather_width == 0 and layout.num_entries == forward_layout(p, 128, 64).num_entries
 
@@ -345,7 +356,7 @@ def test_gathered_kv_tiles_cover_each_pair_once(block_size, block_m, block_n):
 def test_gathered_kv_tiles_pack_lone_stride_blocks():
     # Block 16, 64x64 tiles: far from the diagonal each stride block (every 4th) used to cost a
     # whole 64-key entry per query tile; gathered, four stride blocks share one full entry.
-    p = local_stride_pattern(1, 4096, 16, 8, 4)
+    p = local_stride_pattern(1, max_seq_len=4096, block_size=16, local_blocks=8, vert_stride=4)
     plain = backward_layout(p, 64, 64)
     layout = backward_layout(p, 64, 64, gather=True)
     g = layout.gathered_kv
@@ -357,7 +368,7 @@ def test_gathered_kv_tiles_pack_lone_stride_blocks():
 
 
 def test_gather_kv_is_ignored_when_blocks_fill_the_kv_tile():
-    p = local_stride_pattern(2, 512, 64, 2, 3)
+    p = local_stride_pattern(2, max_seq_len=512, block_size=64, local_blocks=2, vert_stride=3)
     layout = backward_layout(p, 64, 64, gather=True)
     assert layout.gathered_kv is None
     assert layout.num_entries == backward_layout(p, 64, 64).num_entries

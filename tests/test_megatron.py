@@ -86,9 +86,16 @@ def test_sbhd_matches_reference(dtype, layer_number, kv_heads):
     torch.manual_seed(0)
     attn = core_attention(make_config(num_query_groups=kv_heads), layer_number)
     if layer_number == 1:
-        pattern = s2attn.dense_pattern(HEADS, 64, BLOCK)
+        pattern = s2attn.dense_pattern(HEADS, max_seq_len=64, block_size=BLOCK)
     else:
-        pattern = s2attn.local_stride_pattern(HEADS, 64, BLOCK, 1, 2, num_kv_heads=kv_heads)
+        pattern = s2attn.local_stride_pattern(
+            HEADS,
+            max_seq_len=64,
+            block_size=BLOCK,
+            local_blocks=1,
+            vert_stride=2,
+            num_kv_heads=kv_heads,
+        )
     assert attn.is_dense == (layer_number == 1)
     assert torch.equal(attn.pattern.mask, pattern.mask)
     q, k, v = sbhd(40, 2, HEADS, dtype), sbhd(40, 2, kv_heads, dtype), sbhd(40, 2, kv_heads, dtype)

@@ -57,7 +57,9 @@ def test_pattern_copies_the_mask_and_reports_its_shape():
 def test_dense_pattern_has_density_one(causal, seq_len):
     p = BlockPattern(torch.ones(2, 8, 8, dtype=torch.bool), block_size=16, causal=causal)
     assert p.density(seq_len) == pytest.approx(1.0)
-    assert dense_pattern(3, 100, 16, causal=causal).density(seq_len) == pytest.approx(1.0)
+    assert dense_pattern(3, max_seq_len=100, block_size=16, causal=causal).density(
+        seq_len
+    ) == pytest.approx(1.0)
 
 
 def test_density_small_case_by_hand():
@@ -90,7 +92,7 @@ def test_density_counts_token_mask_pairs(causal, seq_len):
 
 
 def test_density_rejects_lengths_past_the_pattern():
-    p = dense_pattern(1, 64, 16)
+    p = dense_pattern(1, max_seq_len=64, block_size=16)
     with pytest.raises(ValueError, match="seq_len"):
         p.density(65)
     with pytest.raises(ValueError, match="seq_len"):
@@ -119,7 +121,7 @@ def test_token_mask_matches_a_hand_built_mask(causal, seq_q, seq_k):
 
 
 def test_token_mask_aligns_queries_bottom_right():
-    p = dense_pattern(1, 64, 16, causal=True)
+    p = dense_pattern(1, max_seq_len=64, block_size=16, causal=True)
     m = p.token_mask(2, 10)[0]
     # Query 0 sits at position 8, query 1 at position 9: the last query sees every key.
     assert m[0].tolist() == [True] * 9 + [False]
@@ -127,7 +129,7 @@ def test_token_mask_aligns_queries_bottom_right():
 
 
 def test_token_mask_rejects_bad_lengths():
-    p = dense_pattern(1, 64, 16)
+    p = dense_pattern(1, max_seq_len=64, block_size=16)
     with pytest.raises(ValueError, match="seq_q"):
         p.token_mask(10, 5)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -167,7 +169,7 @@ def test_draw_and_repr():
     assert BlockPattern(mask, 16, causal=True).draw() == "#\n.#\n#.#"
     assert BlockPattern(mask, 16, causal=False).draw() == "#..\n.##\n#.#"
     assert BlockPattern(mask, 16).draw(max_blocks=2) == "#\n.#"
-    r = repr(local_stride_pattern(4, 256, 16, 2, 4))
+    r = repr(local_stride_pattern(4, max_seq_len=256, block_size=16, local_blocks=2, vert_stride=4))
     assert r.startswith("BlockPattern(heads=4, q_blocks=16, kv_blocks=16, block_size=16")
     assert "density=" in r
 
@@ -213,7 +215,12 @@ def test_local_stride_pattern_matches_its_definition(
     num_heads, max_seq_len, block_size, local_blocks, vert_stride, kwargs
 ):
     p = local_stride_pattern(
-        num_heads, max_seq_len, block_size, local_blocks, vert_stride, **kwargs
+        num_heads,
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        **kwargs,
     )
     nb = math.ceil(max_seq_len / block_size)
     assert p.mask.shape == (num_heads, nb, nb)
@@ -235,14 +242,16 @@ def test_local_stride_pattern_matches_its_definition(
 
 
 def test_local_stride_pattern_is_sparse_and_not_trivial():
-    p = local_stride_pattern(4, 1024, 16, 2, 4)
+    p = local_stride_pattern(4, max_seq_len=1024, block_size=16, local_blocks=2, vert_stride=4)
     assert 0.1 < p.density() < 0.5
     # Different heads attend different stripes.
     assert not torch.equal(p.mask[0], p.mask[1])
 
 
 def test_gqa_groups_share_one_pattern():
-    p = local_stride_pattern(8, 512, 32, 2, 4, num_kv_heads=2)
+    p = local_stride_pattern(
+        8, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4, num_kv_heads=2
+    )
     mask = p.mask
     for g in range(2):
         for h in range(4 * g, 4 * g + 4):
@@ -251,7 +260,9 @@ def test_gqa_groups_share_one_pattern():
 
 
 def test_dense_heads_come_last():
-    p = local_stride_pattern(6, 512, 32, 2, 4, num_dense_heads=2)
+    p = local_stride_pattern(
+        6, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4, num_dense_heads=2
+    )
     lower = torch.ones(p.num_q_blocks, p.num_kv_blocks, dtype=torch.bool).tril()
     assert torch.equal(p.mask[4:], lower.expand(2, -1, -1))  # every visible block
     assert not (p.mask[:4] == lower).all(dim=(1, 2)).any()
@@ -281,7 +292,7 @@ def test_local_stride_pattern_rejects_bad_arguments(kwargs, arg):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_dense_pattern(causal):
-    p = dense_pattern(3, 100, 32, causal=causal)
+    p = dense_pattern(3, max_seq_len=100, block_size=32, causal=causal)
     every = torch.ones(3, 4, 4, dtype=torch.bool)
     assert torch.equal(p.mask, every.tril() if causal else every)  # every visible block
     assert p.causal == causal and p.max_seq_len == 128
@@ -289,7 +300,7 @@ def test_dense_pattern(causal):
     assert torch.equal(p.token_mask(100), expected.tril() if causal else expected)
     assert p.is_kv_efficient() and p.is_union_complete()
     with pytest.raises(ValueError, match="block_size"):
-        dense_pattern(3, 100, 8)
+        dense_pattern(3, max_seq_len=100, block_size=8)
 
 
 # ------------------------------------------------------------------------------- properties
@@ -330,7 +341,13 @@ def test_absolute_stride_patterns_are_kv_efficient(
     causal, num_heads, local_blocks, vert_stride, kwargs
 ):
     p = local_stride_pattern(
-        num_heads, 1024, 16, local_blocks, vert_stride, causal=causal, **kwargs
+        num_heads,
+        max_seq_len=1024,
+        block_size=16,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        causal=causal,
+        **kwargs,
     )
     assert p.is_kv_efficient()
 
@@ -341,7 +358,13 @@ def test_absolute_stride_patterns_are_kv_efficient(
 )
 def test_staggered_heads_are_union_complete(causal, num_heads, vert_stride, head_offset):
     p = local_stride_pattern(
-        num_heads, 2048, 16, 1, vert_stride, head_offset=head_offset, causal=causal
+        num_heads,
+        max_seq_len=2048,
+        block_size=16,
+        local_blocks=1,
+        vert_stride=vert_stride,
+        head_offset=head_offset,
+        causal=causal,
     )
     assert p.is_union_complete()
     # Union completeness means the token masks together cover every visible pair.
@@ -362,17 +385,27 @@ def test_too_few_or_homogeneous_heads_are_not_union_complete(causal):
 
 def test_union_completeness_per_gqa_group():
     # Stripes staggered across all 8 heads: complete together, but no group of 4 is.
-    across = local_stride_pattern(8, 1024, 16, 1, 8)
+    across = local_stride_pattern(8, max_seq_len=1024, block_size=16, local_blocks=1, vert_stride=8)
     assert across.is_union_complete()
     assert not across.is_union_complete(num_kv_heads=2)
     # Staggered within each group of 4: every group is complete on its own.
     within = BlockPattern(
-        torch.cat([local_stride_pattern(4, 1024, 16, 1, 4).mask] * 2), block_size=16
+        torch.cat(
+            [
+                local_stride_pattern(
+                    4, max_seq_len=1024, block_size=16, local_blocks=1, vert_stride=4
+                ).mask
+            ]
+            * 2
+        ),
+        block_size=16,
     )
     assert within.is_union_complete(num_kv_heads=2)
     assert within.is_union_complete(num_kv_heads=1)
     # One pattern per KV group (the builder's GQA mode) covers only one residue per group.
-    shared = local_stride_pattern(8, 1024, 16, 1, 4, num_kv_heads=2)
+    shared = local_stride_pattern(
+        8, max_seq_len=1024, block_size=16, local_blocks=1, vert_stride=4, num_kv_heads=2
+    )
     assert not shared.is_union_complete(num_kv_heads=2)
     with pytest.raises(ValueError, match="num_kv_heads"):
         within.is_union_complete(num_kv_heads=3)
@@ -381,7 +414,15 @@ def test_union_completeness_per_gqa_group():
 def test_from_block_lists_round_trip_and_bad_lists():
     """A pattern rebuilt from its own lists equals it (mask, checks, layouts); malformed lists
     raise naming what is wrong."""
-    p = local_stride_pattern(4, 1024, 16, 3, 5, num_kv_heads=2, num_dense_heads=2)
+    p = local_stride_pattern(
+        4,
+        max_seq_len=1024,
+        block_size=16,
+        local_blocks=3,
+        vert_stride=5,
+        num_kv_heads=2,
+        num_dense_heads=2,
+    )
     q = BlockPattern.from_block_lists(
         p.row_offsets, p.cols, num_heads=4, num_kv_blocks=p.num_kv_blocks, block_size=16
     )
@@ -425,10 +466,20 @@ def test_rule_patterns_equal_their_lists(
     from s2attn.layout import backward_layout, forward_layout
 
     rule = local_stride_pattern(
-        num_heads, max_seq_len, block_size, local_blocks, vert_stride, **kwargs
+        num_heads,
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        **kwargs,
     )
     fresh = local_stride_pattern(
-        num_heads, max_seq_len, block_size, local_blocks, vert_stride, **kwargs
+        num_heads,
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        **kwargs,
     )
     lists = BlockPattern(fresh.mask, block_size, causal=fresh.causal)
     nb = lists.num_q_blocks

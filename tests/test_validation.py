@@ -12,7 +12,7 @@ import s2attn
 from s2attn import BlockPattern, local_stride_pattern
 
 DTYPE = DTYPES[0]
-PATTERN = local_stride_pattern(4, 128, 16, 2, 3)
+PATTERN = local_stride_pattern(4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3)
 
 
 def _t(*shape, dtype=DTYPE, device=DEVICE) -> torch.Tensor:
@@ -119,7 +119,7 @@ def test_block_size_must_be_valid():
     with pytest.raises(ValueError, match="block_size"):
         BlockPattern(torch.ones(4, 8, 8, dtype=torch.bool), block_size=24)
     with pytest.raises(ValueError, match="block_size"):
-        local_stride_pattern(4, 128, 8, 2, 3)
+        local_stride_pattern(4, max_seq_len=128, block_size=8, local_blocks=2, vert_stride=3)
 
 
 def test_sequence_longer_than_the_pattern():

@@ -41,10 +41,10 @@ class Case:
     def pattern(self) -> s2attn.BlockPattern:
         return s2attn.local_stride_pattern(
             self.pattern_heads,
-            self.pattern_seq,
-            self.block,
-            self.local_blocks,
-            self.vert_stride,
+            max_seq_len=self.pattern_seq,
+            block_size=self.block,
+            local_blocks=self.local_blocks,
+            vert_stride=self.vert_stride,
             causal=self.causal,
         )
 

@@ -91,7 +91,9 @@ def test_paged_paths_match_reference(path, dtype, page):
     """A step mixing a prefill, chunks after a past and decodes, pages of 16 under 32-blocks,
     through the PyTorch path and through sparse_attention (the forward kernel on a GPU); pages no
     new query keeps hold NaN."""
-    pattern = local_stride_pattern(HEADS, 512, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
+    )
     lengths, num_new = [200, 300, 161, 97, 64], [200, 45, 1, 1, 33]
     kv_cache, table, keys, values = make_cache(lengths, page, dtype)
     assert poison_unread_pages(kv_cache, table, lengths, num_new, pattern) > 0
@@ -107,7 +109,9 @@ def test_paged_paths_match_reference(path, dtype, page):
 @pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_over_vllm_pages_matches_reference(dtype):
-    pattern = local_stride_pattern(HEADS, 512, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
+    )
     lengths = [300, 33, 161, 512]
     kv_cache, table, keys, values = make_cache(lengths, 32, dtype)
     assert poison_unread_pages(kv_cache, table, lengths, [1] * len(lengths), pattern) > 0
@@ -121,7 +125,9 @@ def test_triton_decode_over_vllm_pages_matches_reference(dtype):
 
 
 def test_triton_decode_needs_page_equal_to_block():
-    pattern = local_stride_pattern(HEADS, 512, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
+    )
     kv_cache, table, _, _ = make_cache([40], 16, torch.float32)
     q = torch.zeros(1, HEADS, DIM, device=DEVICE)
     seq_lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
@@ -131,7 +137,9 @@ def test_triton_decode_needs_page_equal_to_block():
 
 @pytest.mark.parametrize("path", [paged_attention_torch, paged_prefill], ids=["torch", "prefill"])
 def test_paged_paths_refuse_requests_past_the_pattern(path):
-    pattern = local_stride_pattern(HEADS, 64, 32, 2, vert_stride=3, num_kv_heads=KV_HEADS)
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=64, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
+    )
     kv_cache, table, _, _ = make_cache([80], 16, torch.float32)
     q = torch.zeros(1, HEADS, DIM, device=DEVICE)
     with pytest.raises(ValueError, match="past the pattern's max_seq_len 64"):

@@ -101,7 +101,11 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq in (8192, 32768, 131072):
         for stride in (16, 64):
-            c = counts(s2attn.local_stride_pattern(HEADS, seq, BLOCK, 16, stride))
+            c = counts(
+                s2attn.local_stride_pattern(
+                    HEADS, max_seq_len=seq, block_size=BLOCK, local_blocks=16, vert_stride=stride
+                )
+            )
             ms = c[0] * fit[0] + c[1] * fit[1] + c[2] * fit[2]
             print(
                 f"| {seq} V{stride} | {c[0]} | {c[1]} | {c[2]} | {ms:.3f} | "

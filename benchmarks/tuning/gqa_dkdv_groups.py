@@ -26,7 +26,12 @@ HEADS, KV_HEADS, DIM = 32, 8, 128
 
 def time_groupings(seq: int, group_pattern: bool, groupings: list[int | None]) -> None:
     p = local_stride_pattern(
-        HEADS, seq, 64, 16, 16, num_kv_heads=KV_HEADS if group_pattern else None
+        HEADS,
+        max_seq_len=seq,
+        block_size=64,
+        local_blocks=16,
+        vert_stride=16,
+        num_kv_heads=KV_HEADS if group_pattern else None,
     )
     q = torch.randn(1, seq, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     k, v = (

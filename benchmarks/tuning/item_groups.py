@@ -78,7 +78,9 @@ def main() -> None:
     times = defaultdict(list)
     for rnd in range(args.rounds):
         for seq, stride in cases:
-            p = local_stride_pattern(32, seq, 64, 16, stride)
+            p = local_stride_pattern(
+                32, max_seq_len=seq, block_size=64, local_blocks=16, vert_stride=stride
+            )
             q, k, v, g = (
                 torch.randn(1, seq, 32, args.dim, device="cuda", dtype=torch.bfloat16)
                 for _ in range(4)

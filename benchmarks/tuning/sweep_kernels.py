@@ -139,7 +139,9 @@ class Problem:
     def __init__(self, seq, heads, dim, block, local, stride, dtype=torch.bfloat16, seed=0):
         torch.manual_seed(seed)
         self.seq, self.dim = seq, dim
-        self.pattern = local_stride_pattern(heads, seq, block, local, stride)
+        self.pattern = local_stride_pattern(
+            heads, max_seq_len=seq, block_size=block, local_blocks=local, vert_stride=stride
+        )
         self.q, self.k, self.v, self.g = (
             torch.randn(1, seq, heads, dim, device="cuda", dtype=dtype) for _ in range(4)
         )

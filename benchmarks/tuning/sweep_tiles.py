@@ -51,7 +51,13 @@ def main() -> None:
     ap = sweep_arguments(argparse.ArgumentParser(description=__doc__))
     args = ap.parse_args()
     s, h, d = args.seq, args.heads, args.dim
-    pattern = local_stride_pattern(h, s, args.block_size, args.local_blocks, args.stride)
+    pattern = local_stride_pattern(
+        h,
+        max_seq_len=s,
+        block_size=args.block_size,
+        local_blocks=args.local_blocks,
+        vert_stride=args.stride,
+    )
     flops = 4 * d * pattern.kept_token_pairs(s)
     q, k, v, g = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = d**-0.5

@@ -107,7 +107,10 @@ class PagedKVCache:
 
     Example::
 
-        >>> pattern = s2attn.local_stride_pattern(32, 131072, 64, 16, 64, num_kv_heads=8)
+        >>> pattern = s2attn.local_stride_pattern(
+        ...     32, max_seq_len=131072, block_size=64, local_blocks=16, vert_stride=64,
+        ...     num_kv_heads=8
+        ... )
         >>> cache = s2attn.PagedKVCache(pattern, batch_size=16, num_kv_heads=8, head_dim=128,
         ...                             dtype=torch.bfloat16, device="cuda")
         >>> out = s2attn.sparse_attention_with_kvcache(q, cache, k, v)  # prefill, then decode
@@ -953,7 +956,10 @@ class ModelKVCache:
 
     Example::
 
-        >>> s2 = s2attn.local_stride_pattern(32, 32768, 64, 16, 16, num_kv_heads=8)
+        >>> s2 = s2attn.local_stride_pattern(
+        ...     32, max_seq_len=32768, block_size=64, local_blocks=16, vert_stride=16,
+        ...     num_kv_heads=8
+        ... )
         >>> caches = s2attn.ModelKVCache([None, None] + [s2] * 14, batch_size=1, num_kv_heads=8,
         ...                              head_dim=128, max_seq_len=32768, block_size=64)
         >>> caches[5].append(k, v)

@@ -43,7 +43,10 @@ def kv_last_use(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
 
     Example::
 
-        >>> p = local_stride_pattern(32, 8192, 64, local_blocks=16, vert_stride=16, num_kv_heads=8)
+        >>> p = local_stride_pattern(
+        ...     32, max_seq_len=8192, block_size=64, local_blocks=16, vert_stride=16,
+        ...     num_kv_heads=8
+        ... )
         >>> kv_last_use(p, 8)[0, :3]  # block 0 is a stripe of KV head 0, read to the end
         tensor([127,  16,  17])
     """

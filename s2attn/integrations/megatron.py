@@ -137,10 +137,16 @@ def _full_pattern(
     settings: S2Settings, dense: bool, num_heads: int, num_kv_heads: int, causal: bool
 ) -> BlockPattern:
     if dense:
-        return dense_pattern(num_heads, settings.max_seq_len, settings.block_size, causal=causal)
+        return dense_pattern(
+            num_heads,
+            max_seq_len=settings.max_seq_len,
+            block_size=settings.block_size,
+            causal=causal,
+        )
     return local_stride_pattern(
-        num_heads, settings.max_seq_len, settings.block_size, settings.local_blocks,
-        settings.vert_stride, num_kv_heads=num_kv_heads, num_dense_heads=settings.num_dense_heads,
+        num_heads, max_seq_len=settings.max_seq_len, block_size=settings.block_size,
+        local_blocks=settings.local_blocks, vert_stride=settings.vert_stride,
+        num_kv_heads=num_kv_heads, num_dense_heads=settings.num_dense_heads,
         homo_head=settings.homo_head, head_offset=settings.head_offset, causal=causal,
     )  # fmt: skip
 

@@ -182,7 +182,8 @@ def _build_pattern(
         ("s2", heads, kv_heads, max_seq_len, block_size, local_blocks, vert_stride,
          num_dense_heads, homo_head, head_offset),
         lambda: local_stride_pattern(
-            heads, max_seq_len, block_size, local_blocks, vert_stride, num_kv_heads=kv_heads,
+            heads, max_seq_len=max_seq_len, block_size=block_size, local_blocks=local_blocks,
+            vert_stride=vert_stride, num_kv_heads=kv_heads,
             num_dense_heads=num_dense_heads, homo_head=homo_head, head_offset=head_offset,
         ),
     )  # fmt: skip

@@ -153,10 +153,10 @@ def _local_only(heads: int, kv_heads: int, seq_len: int, block_size: int, local_
     nb = -(-seq_len // block_size)
     return local_stride_pattern(
         heads,
-        seq_len,
-        block_size,
-        local_blocks,
-        nb + 1,
+        max_seq_len=seq_len,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=nb + 1,
         num_kv_heads=kv_heads,
         homo_head=True,
         head_offset=1,
@@ -232,10 +232,10 @@ def model_config(
     elif variant == "local":
         s2_density = local_stride_pattern(
             preset.num_heads,
-            seq_len,
-            preset.block_size,
-            preset.local_blocks,
-            preset.vert_stride,
+            max_seq_len=seq_len,
+            block_size=preset.block_size,
+            local_blocks=preset.local_blocks,
+            vert_stride=preset.vert_stride,
             num_kv_heads=preset.num_kv_heads,
         ).density()
         blocks = _local_blocks_at_density(
