@@ -10,10 +10,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .custom_ops import _AttentionPlan, attention_forward, pattern_key
-from .ops import dispatch
 from .pattern import BlockPattern
 from .precision import autocast_dtype, cast_inputs
-from .reference import attention_reference
 from .validation import check_cu_seqlens, check_softmax_scale, check_tensor
 
 __all__ = ["merge_partials", "sparse_attention", "sparse_attention_qkvpacked"]
@@ -151,29 +149,18 @@ def _traced_call(
     )
 
 
-def _traced_or_reference(
+def _traced(
     q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k, return_lse
 ):
-    """The result of a validated call that does not take the eager autograd Functions: under
-    torch.compile the registered operator, and where no Triton backend runs (a CPU without the
-    interpreter) the dense-mask reference, which is exact. None when the kernels run eagerly."""
-    if torch.compiler.is_compiling():
-        out, lse = _traced_call(
-            q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k
-        )
-        return (out, lse) if return_lse else out
-    if not dispatch.supports_triton(q.device):
-        return attention_reference(
-            q,
-            k,
-            v,
-            pattern,
-            softmax_scale=scale,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            return_lse=return_lse,
-        )
-    return None
+    """Under torch.compile, the result of a validated call through the registered operator; None
+    in eager mode, where the autograd Functions below run the same plan (the kernels, or the
+    block-by-block reference where no Triton backend runs)."""
+    if not torch.compiler.is_compiling():
+        return None
+    out, lse = _traced_call(
+        q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k
+    )
+    return (out, lse) if return_lse else out
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
@@ -288,7 +275,7 @@ def sparse_attention(
     varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    result = _traced_or_reference(
+    result = _traced(
         q,
         k,
         v,
@@ -372,7 +359,7 @@ def sparse_attention_qkvpacked(
     )
     # Traced, the gradient comes back as three tensors that autograd stacks into qkv's (a copy
     # the eager path's slice-by-slice writes avoid).
-    result = _traced_or_reference(
+    result = _traced(
         q,
         k,
         v,

@@ -9,8 +9,8 @@ Two operators in namespace ``s2attn``:
 
 with fake implementations (exact shapes, strides and dtypes, so the compiler allocates around
 them) and the forward's autograd registered through the library. Each runs the kernels where a
-Triton backend runs (a GPU, or the CPU under the interpreter) and the dense-mask reference
-elsewhere.
+Triton backend runs (a GPU, or the CPU under the interpreter) and the block-by-block reference
+(``s2attn.reference.blockwise_forward``) elsewhere.
 
 A pattern is not a tensor: the operators take an integer key (:func:`pattern_key`, the pattern's
 ``op_key``, given at construction) naming it among the process's live patterns. ``torch.compile``
@@ -36,7 +36,7 @@ from .ops import dispatch
 from .ops.launch import lse_dtype
 from .ops.options import KernelOptions
 from .pattern import BlockPattern
-from .reference import attention_reference
+from .reference import blockwise_backward, blockwise_forward
 
 __all__ = ["pattern_for_key", "pattern_key"]
 
@@ -104,7 +104,11 @@ class _AttentionPlan:
         return dkdv_layout, dq_layout
 
     def forward(self, q, k, v):
-        """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them."""
+        """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them; where no
+        Triton backend runs (a CPU without the interpreter), from the block-by-block reference."""
+        if not dispatch.supports_triton(q.device):
+            out, lse = blockwise_forward(q, k, v, self.pattern, **self._reference_lengths)
+            return out, lse.to(lse_dtype(q.dtype))
         return dispatch.forward(
             q,
             k,
@@ -122,6 +126,15 @@ class _AttentionPlan:
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, dq=None, dk=None, dv=None):
         """(dq, dk, dv), as ``s2attn.ops.dispatch.backward`` returns them; ``grad_out`` None when
         only the LSE was used."""
+        if not dispatch.supports_triton(q.device):
+            grads = blockwise_backward(
+                grad_out, grad_lse, q, k, v, out, lse, self.pattern, **self._reference_lengths
+            )
+            if dq is None:
+                return grads
+            for given, grad in zip((dq, dk, dv), grads):
+                given.copy_(grad)
+            return dq, dk, dv
         dkdv_layout, dq_layout = self.backward_layouts(q, k)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
@@ -145,6 +158,14 @@ class _AttentionPlan:
             dk=dk,
             dv=dv,
             options=self.options,
+        )
+
+    @property
+    def _reference_lengths(self) -> dict:
+        return dict(
+            softmax_scale=self.scale,
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
         )
 
     @property
@@ -172,21 +193,6 @@ def _plan(q, k, key, scale, q_heads_per_pattern_head, cu_q, cu_k, max_q, max_k) 
         _max_len(cu_q, max_q, q.shape[1] if q.dim() == 4 else q.shape[0]),
         _max_len(cu_k, max_k, k.shape[1] if k.dim() == 4 else k.shape[0]),
     )
-
-
-def _reference(q, k, v, key, scale, cu_q, cu_k) -> tuple[torch.Tensor, torch.Tensor]:
-    # Contiguous, like the kernels' outputs (and the fake's): the reference's are transposes.
-    out, lse = attention_reference(
-        q,
-        k,
-        v,
-        pattern_for_key(key),
-        softmax_scale=scale,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        return_lse=True,
-    )
-    return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous()
 
 
 def _build_layouts_while_tracing(q, k, key, q_heads_per_pattern_head, lengths, backward):
@@ -229,8 +235,6 @@ def attention_forward(
     """(out, lse) on validated inputs: out (batch, seq_q, heads, dim) or (total_q, heads, dim),
     contiguous in q's dtype; lse (batch, heads, seq_q) or (heads, total_q), float32 (float64 for
     float64 inputs)."""
-    if not dispatch.supports_triton(q.device):
-        return _reference(q, k, v, pattern_key, softmax_scale, cu_seqlens_q, cu_seqlens_k)
     plan = _plan(
         q,
         k,
@@ -276,10 +280,6 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), each ``torch.empty_like`` its input, from the forward's inputs and outputs
     and the gradients of out (None when only the LSE was used) and lse (None when unused)."""
-    if not dispatch.supports_triton(q.device):
-        return _reference_backward(
-            grad_out, grad_lse, q, k, v, pattern_key, softmax_scale, cu_seqlens_q, cu_seqlens_k
-        )
     plan = _plan(
         q,
         k,
@@ -292,51 +292,6 @@ def attention_backward(
         max_seqlen_k,
     )
     return plan.backward(grad_out, grad_lse, q, k, v, out, lse)
-
-
-def _reference_backward(grad_out, grad_lse, q, k, v, key, scale, cu_q, cu_k):
-    # No kernels here: the reference's gradients, by hand (an operator's kernel runs below the
-    # autograd dispatch key, where tensors record no history to differentiate).
-    pattern = pattern_for_key(key)
-    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    if cu_q is None:
-        spans = [((b,), (b,)) for b in range(q.shape[0])]
-    else:
-        cq, ck = cu_q.tolist(), cu_k.tolist()
-        spans = [((slice(a, b),), (slice(c, d),)) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
-    for rows, cols in spans:
-        if q[rows].shape[0] == 0 or k[cols].shape[0] == 0:
-            continue  # an empty sequence (or one with no keys): nothing flows, the zeros stand
-        # The LSE is (batch, heads, seq_q), or (heads, total_q) when packed.
-        gl = None if grad_lse is None else grad_lse[rows if cu_q is None else (slice(None), *rows)]
-        go = None if grad_out is None else grad_out[rows]
-        grads = _sequence_grads(q[rows], k[cols], v[cols], go, gl, pattern, scale)
-        for d, g, index in zip((dq, dk, dv), grads, (rows, cols, cols)):
-            d[index] = g
-    return dq, dk, dv
-
-
-def _sequence_grads(q, k, v, grad_out, grad_lse, pattern, scale):
-    """One sequence's (dq, dk, dv): q (sq, hq, d), k and v (sk, hk, d), grad_out like q or None,
-    grad_lse (hq, sq) or None."""
-    (sq, hq, _), (sk, hk, _) = q.shape, k.shape
-    compute = lse_dtype(q.dtype)
-    mask = pattern.token_mask(sq, sk).to(q.device)
-    mask = mask.repeat_interleave(hq // mask.shape[0], dim=0)
-    qf = q.to(compute).transpose(0, 1)
-    kf, vf = (t.to(compute).transpose(0, 1).repeat_interleave(hq // hk, dim=0) for t in (k, v))
-    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0))
-    d_out = torch.zeros_like(qf) if grad_out is None else grad_out.to(compute).transpose(0, 1)
-    d_scores = probs * (d_out @ vf.transpose(-1, -2) - (d_out * (probs @ vf)).sum(-1, True))
-    if grad_lse is not None:
-        d_scores = d_scores + probs * grad_lse.to(compute)[..., None]  # d lse / d scores = probs
-    dq = (d_scores @ kf * scale).transpose(0, 1)
-    # Query heads of one GQA group add into their KV head.
-    dk = (d_scores.transpose(-1, -2) @ qf * scale).unflatten(0, (hk, -1)).sum(1).transpose(0, 1)
-    dv = (probs.transpose(-1, -2) @ d_out).unflatten(0, (hk, -1)).sum(1).transpose(0, 1)
-    return dq, dk, dv
 
 
 @attention_backward.register_fake

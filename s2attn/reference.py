@@ -94,3 +94,166 @@ def attention_reference(
         out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     out = out.to(q.dtype)
     return (out, lse.float()) if return_lse else out
+
+
+# ------------------------------------------------------------------------ block by block
+# The CPU fallback. The dense-mask reference above holds (heads, seq_q, seq_k) scores: 11.6 GB at
+# 4k tokens and 32 heads. These walk each head's kept blocks a few query blocks at a time, as the
+# kernels do, so memory is bounded by one query tile times the keys that tile keeps.
+
+# Query rows per tile: enough that per-tile Python overhead is small next to its matmuls, few
+# enough that a tile's scores stay a few MB at 128k-token windows.
+_TILE_ROWS = 256
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _sequence_spans(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(query rows, key rows) of each sequence: batch indices, or packed slices."""
+    if cu_seqlens_q is None:
+        return [((b,), (b,)) for b in range(q.shape[0])]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [((slice(a, b),), (slice(c, d),)) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+
+
+def _tiles(pattern: BlockPattern, seq_q: int, seq_k: int):
+    """Per (pattern head, query tile): the tile's query rows, the key rows its blocks keep, and
+    the (rows, keys) mask, the causal rule included. Queries are aligned bottom-right."""
+    bs = pattern.block_size
+    offset = seq_k - seq_q
+    first_block, stop_block = offset // bs, -(-seq_k // bs)
+    blocks_per_tile = max(1, _TILE_ROWS // bs)
+    for head in range(pattern.num_heads):
+        for i0 in range(first_block, stop_block, blocks_per_tile):
+            i1 = min(i0 + blocks_per_tile, stop_block)
+            i, j = pattern.row_blocks(head, i0, i1)
+            keep = j < stop_block
+            i, j = i[keep], j[keep]
+            q_pos = torch.arange(max(i0 * bs, offset), min(i1 * bs, seq_k))
+            if j.numel() == 0:
+                yield head, q_pos - offset, None, None
+                continue
+            kv_blocks, j_index = torch.unique(j, return_inverse=True)
+            k_pos = (kv_blocks[:, None] * bs + torch.arange(bs)).flatten()
+            k_pos = k_pos[k_pos < seq_k]
+            kept = torch.zeros(i1 - i0, kv_blocks.numel(), dtype=torch.bool)
+            kept[i - i0, j_index] = True
+            col_of_key = torch.searchsorted(kv_blocks, k_pos // bs)
+            mask = kept[q_pos // bs - i0][:, col_of_key]
+            if pattern.causal:
+                mask &= q_pos[:, None] >= k_pos[None, :]
+            yield head, q_pos - offset, k_pos, mask
+
+
+def _head_map(pattern: BlockPattern, num_q_heads: int, num_kv_heads: int):
+    """Per pattern head: (its query heads as a slice, its KV head)."""
+    per = num_q_heads // pattern.num_heads
+    return [
+        (slice(h * per, (h + 1) * per), h * per // (num_q_heads // num_kv_heads))
+        for h in range(pattern.num_heads)
+    ]
+
+
+def _tile_scores(qf, kf, q_rows, k_pos, mask, heads, kv_head, scale):
+    """Masked, scaled scores (group, rows, keys) of one tile."""
+    scores = qf[q_rows, heads].transpose(0, 1) @ kf[k_pos, kv_head].T * scale
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def blockwise_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: BlockPattern,
+    *,
+    softmax_scale: float,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_reference`'s (out, lse) on validated inputs, one query tile of one head at
+    a time over the KV blocks the tile keeps: memory proportional to a tile's rows times its kept
+    keys, never (seq_q, seq_k). Computes in float32 (float64 for float64 inputs); ``out`` comes
+    back contiguous in q's dtype, ``lse`` (batch, heads, seq_q) or (heads, total_q) in the
+    compute dtype, -inf (with output 0) for rows that attend nothing."""
+    compute = _compute_dtype(q.dtype)
+    num_heads, packed = q.shape[-2], cu_seqlens_q is not None
+    out = torch.zeros(q.shape, dtype=compute, device=q.device)
+    lse_rows = torch.full((*q.shape[:-1],), float("-inf"), dtype=compute, device=q.device)
+    heads = _head_map(pattern, num_heads, k.shape[-2])
+    for rows, cols in _sequence_spans(q, k, cu_seqlens_q, cu_seqlens_k):
+        qs, ks, vs = q[rows], k[cols], v[cols]
+        if qs.shape[0] == 0:
+            continue
+        qf, kf, vf = (t.to(compute) for t in (qs, ks, vs))
+        seq_out, seq_lse = out[rows], lse_rows[rows]
+        for head, q_rows, k_pos, mask in _tiles(pattern, qs.shape[0], ks.shape[0]):
+            if k_pos is None:
+                continue
+            group, kv_head = heads[head]
+            scores = _tile_scores(qf, kf, q_rows, k_pos, mask, group, kv_head, softmax_scale)
+            tile_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            probs = torch.exp(scores - tile_lse.masked_fill(tile_lse == float("-inf"), 0.0))
+            seq_out[q_rows, group] = (probs @ vf[k_pos, kv_head]).transpose(0, 1)
+            seq_lse[q_rows, group] = tile_lse.squeeze(-1).T
+    lse = lse_rows.permute(1, 0) if packed else lse_rows.permute(0, 2, 1)
+    return out.to(q.dtype), lse.contiguous()
+
+
+def blockwise_backward(
+    grad_out: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pattern: BlockPattern,
+    *,
+    softmax_scale: float,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`blockwise_forward`, shaped and typed like q, k, v, from the
+    gradients of out (None when only the LSE was used) and of lse (None when unused). Recomputes
+    each tile's probabilities from the saved LSE, as the kernels do, in the same bounded memory;
+    dK and dV of a GQA group's query heads add into their KV head."""
+    compute = _compute_dtype(q.dtype)
+    packed = cu_seqlens_q is not None
+    dq, dk, dv = (torch.zeros(t.shape, dtype=compute, device=t.device) for t in (q, k, v))
+    # Per row, as (..., rows, heads): the LSE and its gradient, and delta = rowsum(dO * O).
+    lse_rows = (lse.permute(1, 0) if packed else lse.permute(0, 2, 1)).to(compute)
+    if grad_lse is not None:
+        grad_lse = (grad_lse.permute(1, 0) if packed else grad_lse.permute(0, 2, 1)).to(compute)
+    if grad_out is not None:
+        delta = (grad_out.to(compute) * out.to(compute)).sum(-1)
+    heads = _head_map(pattern, q.shape[-2], k.shape[-2])
+    for rows, cols in _sequence_spans(q, k, cu_seqlens_q, cu_seqlens_k):
+        qs, ks, vs = q[rows], k[cols], v[cols]
+        if qs.shape[0] == 0 or ks.shape[0] == 0:
+            continue
+        qf, kf, vf = (t.to(compute) for t in (qs, ks, vs))
+        dqs, dks, dvs = dq[rows], dk[cols], dv[cols]
+        for head, q_rows, k_pos, mask in _tiles(pattern, qs.shape[0], ks.shape[0]):
+            if k_pos is None:
+                continue
+            group, kv_head = heads[head]
+            scores = _tile_scores(qf, kf, q_rows, k_pos, mask, group, kv_head, softmax_scale)
+            row_lse = lse_rows[rows][q_rows, group].T.unsqueeze(-1)
+            probs = torch.exp(scores - row_lse.masked_fill(row_lse == float("-inf"), 0.0))
+            d_scores = torch.zeros_like(probs)
+            if grad_out is not None:
+                d_out = grad_out[rows][q_rows, group].to(compute).transpose(0, 1)
+                d_probs = d_out @ vf[k_pos, kv_head].T
+                row_delta = delta[rows][q_rows, group].T.unsqueeze(-1)
+                d_scores = probs * (d_probs - row_delta)
+                dvs[k_pos, kv_head] += (probs.transpose(1, 2) @ d_out).sum(0)
+            if grad_lse is not None:
+                d_scores += probs * grad_lse[rows][q_rows, group].T.unsqueeze(-1)
+            d_scores *= softmax_scale
+            dqs[q_rows, group] += (d_scores @ kf[k_pos, kv_head]).transpose(0, 1)
+            dks[k_pos, kv_head] += (
+                d_scores.transpose(1, 2) @ qf[q_rows, group].transpose(0, 1)
+            ).sum(0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

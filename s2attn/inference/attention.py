@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import sparse_attention
+from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..ops.triton import decode as triton_decode
 from ..pattern import BlockPattern, shared_dense_pattern
@@ -116,7 +117,7 @@ def _new_counts(
 def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):
     if num_splits is None:
         num_splits = cache.decode_num_splits(q.shape[1])
-    return triton_decode.decode(
+    return dispatch.decode(
         q,
         cache.k_pages,
         cache.v_pages,

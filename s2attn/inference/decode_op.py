@@ -22,6 +22,7 @@ import torch
 
 from ..custom_ops import pattern_for_key, pattern_key
 from ..layout import decode_layout, dense_decode_layout
+from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..ops.triton import decode as triton_decode
 from ..ops.triton.page_write import write_pages
@@ -123,7 +124,7 @@ def static_decode(
     layout = _layout(pattern_key, k_pages.shape[1], kv_heads, max_blocks, q.device)
     write_pages(k, v, k_pages, v_pages, page_table, seq_lens)  # at the old lengths
     seq_lens.add_(q.shape[1])
-    out, _ = triton_decode.decode(
+    out, _ = dispatch.decode(
         q, k_pages, v_pages, page_table, seq_lens, layout, softmax_scale=softmax_scale,
         num_splits=_run_num_splits(layout, pattern_key, q.shape[0], q.device),
     )  # fmt: skip

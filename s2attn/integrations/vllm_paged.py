@@ -205,7 +205,7 @@ def paged_decode_triton(
     ``TRITON_INTERPRET=1``. The kernel reads, per (request, KV head), only the pages its decode
     layout lists for the query's block.
     """
-    from ..ops.triton import decode as triton_decode  # imports Triton: only this path needs it
+    from ..ops import dispatch  # imports Triton: only this path needs it
 
     key_cache, value_cache = split_kv_cache(kv_cache)
     num_blocks, kv_heads, page, dim = key_cache.shape
@@ -223,7 +223,7 @@ def paged_decode_triton(
     page_table = block_table[:, :num_kv_blocks].to(torch.int64)[:, None, :] * kv_heads
     page_table = (page_table + heads[None, :, None]).to(torch.int32).contiguous()
     layout = decode_layout(pattern, kv_heads, query.device)
-    out, _ = triton_decode.decode(
+    out, _ = dispatch.decode(
         query[:, None],
         k_pages,
         v_pages,

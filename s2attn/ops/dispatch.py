@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import TileLayout
+from ..layout import DecodeLayout, TileLayout
 from .env import GLUON_ENABLED, INTERPRETED, POISON_OUTPUTS, device_capability, tma_allowed
 from .launch import check_k_bounds, lse_dtype, sequence_lengths
 from .options import KernelOptions
 from .triton import backward as triton_backward
+from .triton import decode as triton_decode
 from .triton import forward as triton_forward
 
 __all__ = [
     "DEFAULT_OPTIONS",
     "backward",
     "backward_tile_sizes",
+    "decode",
     "forward",
     "forward_tile_sizes",
+    "interpreter_upcasts",
     "supports_gluon_dkdv",
     "supports_gluon_dq",
     "supports_gluon_forward",
@@ -41,6 +44,16 @@ DEFAULT_OPTIONS = KernelOptions()
 
 
 # ------------------------------------------------------------------------------ the predicates
+def interpreter_upcasts(q: torch.Tensor) -> bool:
+    """Whether a call computes in float32 for want of bfloat16 under the Triton interpreter.
+
+    The interpreter runs ``tl.dot`` on bfloat16 tiles through numpy, which has no bfloat16: the
+    products come out as garbage (relative errors of 1e9), with no error raised. Loads and stores
+    of bfloat16 are exact, so the passes take float32 copies of their inputs and round the results
+    to bfloat16 once, as a GPU kernel rounds its float32 accumulators."""
+    return INTERPRETED and q.dtype == torch.bfloat16
+
+
 def supports_triton(device: torch.device) -> bool:
     """Whether the Triton kernels run on ``device``: a CUDA GPU, or the CPU under the
     interpreter. They take every call there; elsewhere callers use the dense-mask reference."""
@@ -178,6 +191,19 @@ def forward(
     Returns ``out`` like q and ``lse`` (batch, heads, seq_q), or (heads, total_q) when packed, in
     float32 (float64 for float64 inputs).
     """
+    if interpreter_upcasts(q):
+        out, lse = forward(
+            *(t.float() for t in (q, k, v)),
+            layout,
+            softmax_scale=softmax_scale,
+            q_heads_per_pattern_head=q_heads_per_pattern_head,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            options=options,
+        )
+        return out.to(q.dtype), lse
     varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
         q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
     )
@@ -261,6 +287,25 @@ def backward(
     then goes first), dK/dV, its gathered KV tiles, then dQ. None uses atomics, so gradients are
     the same from run to run.
     """
+    if interpreter_upcasts(q):
+        grads = backward(
+            *(t.float() for t in (grad_out, q, k, v, out)),
+            lse,
+            grad_lse,
+            dkdv_layout,
+            dq_layout,
+            softmax_scale=softmax_scale,
+            q_heads_per_pattern_head=q_heads_per_pattern_head,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            options=options,
+        )
+        given = (dq, dk, dv)
+        return tuple(
+            g.to(t.dtype) if d is None else d.copy_(g) for g, d, t in zip(grads, given, (q, k, v))
+        )
     varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
         q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
     )
@@ -362,3 +407,42 @@ def backward(
             **lengths,
         )
     return dq, dk, dv
+
+
+def decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: DecodeLayout,
+    *,
+    softmax_scale: float,
+    num_splits: int = 1,
+    split_counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step over a paged KV cache: :func:`s2attn.ops.triton.decode.decode`'s arguments
+    and results, with bfloat16 computed in float32 under the interpreter (see
+    :func:`interpreter_upcasts`)."""
+    if interpreter_upcasts(q):
+        out, lse = triton_decode.decode(
+            *(t.float() for t in (q, k_pages, v_pages)),
+            page_table,
+            seq_lens,
+            layout,
+            softmax_scale=softmax_scale,
+            num_splits=num_splits,
+            split_counters=split_counters,
+        )
+        return out.to(q.dtype), lse
+    return triton_decode.decode(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        seq_lens,
+        layout,
+        softmax_scale=softmax_scale,
+        num_splits=num_splits,
+        split_counters=split_counters,
+    )
