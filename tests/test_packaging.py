@@ -59,7 +59,7 @@ def test_wheel_contents_and_no_deprecation_warning(source, tmp_path):
     # -v: pip hides the backend's output, setuptools' deprecation warnings included, without it.
     output = _run(
         [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation"]
-        + ["--no-index", "-v", "-w", str(tmp_path)],
+        + ["--no-index", "--no-cache-dir", "-v", "-w", str(tmp_path)],
         cwd=source,
     )
     assert not _deprecations(output), "\n".join(_deprecations(output))
