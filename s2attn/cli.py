@@ -5,6 +5,8 @@ model commands ``s2attn train`` and ``s2attn eval`` (:mod:`s2attn.models`).
 KV-efficiency, union completeness), runs the Triton kernel on one S2 layer and compares it with
 the dense-mask reference; on a GPU it also times the kernel against dense SDPA. Without a GPU the
 kernel runs under the Triton interpreter, on a small shape.
+
+Bad option values are usage errors (exit status 2) that name the option.
 """
 
 from __future__ import annotations
@@ -13,10 +15,80 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+
+_DESCRIPTION = """\
+S2 (sparsely-sharded) attention: per-head block-sparse attention in Triton.
+Check and draw S2 patterns, run the kernels against the dense reference, and
+train and evaluate HHST language models.
+"""
+
+_EPILOG = """\
+examples:
+  s2attn demo                                  check an HHST stack and run the kernel
+  s2attn draw --heads 4 --vert-stride 4        print a local-stride pattern, head by head
+  s2attn train --preset tiny --out runs/tiny   train a tiny model (CPU, about 30 s)
+  s2attn eval runs/tiny                        its validation bits per byte
+
+Without a GPU the kernels run under the Triton interpreter, on small shapes.
+"""
+
+# The demo's shapes per device: pattern length and timing sequence, block size, local window and
+# vertical stride (in blocks), head dimension; and on the GPU the longest sequence at which the
+# kernel is checked against the float32 reference.
+_DEMO_GPU = {"seq": 32768, "block": 64, "local_blocks": 16, "vert_stride": 16, "dim": 128}
+_DEMO_CPU = {"seq": 512, "block": 16, "local_blocks": 4, "vert_stride": 8, "dim": 32}
+_DEMO_GPU_CHECK_SEQ = 4096
+_DEMO_HEADS = 32
+
+# Blocks per axis that a picture shows (``BlockPattern.draw``'s ``max_blocks``).
+_DRAW_BLOCKS = 64
+_DEMO_DRAW_BLOCKS = 32
 
 
-def _ensure_backend() -> None:
-    """Without a GPU, re-run this command under the Triton interpreter.
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``, else a usage error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _block_size(text: str) -> int:
+    """An argparse ``type``: a power of two >= 16, as the kernels' block sizes must be."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 16 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two >= 16, got {text!r}")
+    return value
+
+
+def _legend(block_size: int, causal: bool, max_blocks: int) -> str:
+    """What the characters of ``BlockPattern.draw`` mean."""
+    lines = [
+        f"legend (rows: query blocks, columns: KV blocks, {block_size} tokens each; "
+        f"at most {max_blocks} of each shown):",
+        "  #        attended",
+        "  .        skipped by the pattern",
+    ]
+    if causal:
+        lines.append(
+            "  (blank)  hidden by the causal mask: the KV block comes after the query block"
+        )
+    return "\n".join(lines)
+
+
+def _ensure_backend(argv: list[str]) -> None:
+    """Without a GPU, re-run this command (``argv``) under the Triton interpreter.
 
     Triton decides between compiled and interpreted kernels when a kernel is defined, i.e. when
     s2attn is imported, so the variable must be set before that: hence a fresh process.
@@ -26,7 +98,7 @@ def _ensure_backend() -> None:
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return
     os.environ["TRITON_INTERPRET"] = "1"
-    os.execv(sys.executable, [sys.executable, "-m", "s2attn", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, "-m", "s2attn", *argv])
 
 
 def _hhst_layers(
@@ -68,19 +140,23 @@ def demo(args: argparse.Namespace) -> int:
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
+    shape = _DEMO_GPU if on_gpu else _DEMO_CPU
+    seq = shape["seq"] if args.seq is None else args.seq
+    block, local_blocks = shape["block"], shape["local_blocks"]
+    vert_stride, dim = shape["vert_stride"], shape["dim"]
     if on_gpu:
-        seq, block, local_blocks, vert_stride, dim, check_seq = 32768, 64, 16, 16, 128, 4096
+        check_seq = min(seq, _DEMO_GPU_CHECK_SEQ)
         dtype = torch.bfloat16
         where = f"GPU: {torch.cuda.get_device_name()}"
     else:
-        seq, block, local_blocks, vert_stride, dim, check_seq = 512, 16, 4, 8, 32, 512
+        check_seq = seq
         dtype = torch.float16
         where = "CPU: kernels under the Triton interpreter (small shape)"
-    heads = 32
+    heads = _DEMO_HEADS
     print(f"s2attn {s2attn.__version__} · torch {torch.__version__} · triton {triton.__version__}")
     print(where)
     print(
-        f"\nHHST stack: {args.layers} layers, the first {args.dense_layers} dense, 32 heads, "
+        f"\nHHST stack: {args.layers} layers, the first {args.dense_layers} dense, {heads} heads, "
         f"seq {seq}, block {block}, local {local_blocks} blocks, vertical stride {vert_stride}"
     )
     layers = _hhst_layers(
@@ -93,8 +169,9 @@ def demo(args: argparse.Namespace) -> int:
             f"{str(p.is_union_complete()):>15}"
         )
     _, pattern = layers[-1]
-    print("\nhead 0 of the last layer, first 32 blocks ('#' kept, '.' skipped):")
-    print(pattern.draw(head=0, max_blocks=32))
+    print("\nhead 0 of the last layer")
+    print(_legend(block, pattern.causal, _DEMO_DRAW_BLOCKS))
+    print(pattern.draw(head=0, max_blocks=_DEMO_DRAW_BLOCKS))
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, check_seq, heads, dim, device=device, dtype=dtype) for _ in range(3))
@@ -169,9 +246,11 @@ def draw(args: argparse.Namespace) -> int:
         causal=not args.bidirectional,
     )
     print(p)
-    for h in range(min(args.heads, args.show_heads)):
+    print(_legend(args.block, p.causal, _DRAW_BLOCKS))
+    show = args.show_heads if args.show_heads is not None else min(args.heads, 4)
+    for h in range(show):
         print(f"\nhead {h}:")
-        print(p.draw(head=h, max_blocks=64))
+        print(p.draw(head=h, max_blocks=_DRAW_BLOCKS))
     return 0
 
 
@@ -191,30 +270,143 @@ def _lazy_command(parser: argparse.ArgumentParser, module: str) -> None:
     parser.set_defaults(func=command.run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="s2attn", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="check and run an HHST-like pattern (GPU if present)")
-    d.add_argument("--layers", type=int, default=8)
-    d.add_argument("--dense-layers", type=int, default=2)
+def _add_demo(sub) -> argparse.ArgumentParser:
+    d = sub.add_parser(
+        "demo",
+        help="check and run an HHST-like pattern (GPU if present)",
+        description=(
+            f"Build an HHST-like layer stack for a {_DEMO_HEADS}-head model (the first layers "
+            "dense, the rest S2), check each S2 pattern (density, KV-efficiency, union "
+            "completeness), run the Triton kernel on the last layer and compare it with the "
+            "dense-mask reference; on a GPU also time it against dense SDPA. Without a GPU the "
+            "command re-runs itself under the Triton interpreter, on a small shape. Exit status 1 "
+            "when the kernel and the reference disagree."
+        ),
+    )
+    d.add_argument(
+        "--layers",
+        metavar="N",
+        type=_int_at_least(1),
+        default=8,
+        help="layers in the stack (default: %(default)s)",
+    )
+    d.add_argument(
+        "--dense-layers",
+        metavar="N",
+        type=_int_at_least(0),
+        default=2,
+        help="how many of the first layers are dense; less than --layers, so that the last "
+        "layer, which the kernel runs on, is S2 (default: %(default)s)",
+    )
+    d.add_argument(
+        "--seq",
+        metavar="TOKENS",
+        type=_int_at_least(1),
+        help="sequence length in tokens of the patterns, of the kernel check and, on a GPU, of "
+        f"the timing; the GPU check runs at most {_DEMO_GPU_CHECK_SEQ} tokens "
+        f"(default: {_DEMO_GPU['seq']} on a GPU, {_DEMO_CPU['seq']} on the CPU)",
+    )
     d.set_defaults(func=demo)
-    p = sub.add_parser("draw", help="print a local-stride pattern, head by head")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--local-blocks", type=int, default=4)
-    p.add_argument("--vert-stride", type=int, default=4)
-    p.add_argument("--bidirectional", action="store_true")
-    p.add_argument("--show-heads", type=int, default=4)
+    return d
+
+
+def _add_draw(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "draw",
+        help="print a local-stride pattern, head by head",
+        description=(
+            "Build a local-stride (S2) pattern: each query block attends a local window of KV "
+            "blocks and a vertical stripe of KV blocks at a fixed stride, the stripes shifted by "
+            "one block per head so that the heads together cover every block. Print its summary "
+            f"and a picture of the first {_DRAW_BLOCKS} blocks of each shown head."
+        ),
+    )
+    p.add_argument(
+        "--heads",
+        metavar="N",
+        type=_int_at_least(1),
+        default=4,
+        help="attention heads (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seq",
+        metavar="TOKENS",
+        type=_int_at_least(1),
+        default=2048,
+        help="sequence length in tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--block",
+        metavar="TOKENS",
+        type=_block_size,
+        default=64,
+        help="block size in tokens, a power of two >= 16 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--local-blocks",
+        metavar="N",
+        type=_int_at_least(1),
+        default=4,
+        help="local window in blocks, the query's own block included (default: %(default)s)",
+    )
+    p.add_argument(
+        "--vert-stride",
+        metavar="N",
+        type=_int_at_least(1),
+        default=4,
+        help="distance in blocks between a head's vertical stripes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="no causal mask: the local window reaches both ways (default: causal)",
+    )
+    p.add_argument(
+        "--show-heads",
+        metavar="N",
+        type=_int_at_least(1),
+        help="how many heads to draw, from head 0; at most --heads (default: all, at most 4)",
+    )
     p.set_defaults(func=draw)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="s2attn",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        title="commands",
+        help="`s2attn COMMAND --help` lists its options",
+    )
+    demo_parser = _add_demo(sub)
+    draw_parser = _add_draw(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     for name, (module, help_text) in _MODEL_COMMANDS.items():
-        command = sub.add_parser(name, help=help_text)
+        command = sub.add_parser(
+            name, help=help_text, description=help_text[:1].upper() + help_text[1:] + "."
+        )
         if argv[:1] == [name]:
             _lazy_command(command, module)
     args = parser.parse_args(argv)
+    # Checks across options, after parsing, so each error still names the option at fault.
+    if args.command == "demo" and args.dense_layers >= args.layers:
+        demo_parser.error(
+            f"argument --dense-layers: must be less than --layers ({args.layers}) so that the "
+            f"last layer is S2, got {args.dense_layers}"
+        )
+    if args.command == "draw" and args.show_heads is not None and args.show_heads > args.heads:
+        draw_parser.error(
+            f"argument --show-heads: must be at most --heads ({args.heads}), got {args.show_heads}"
+        )
     if args.command == "demo":
-        _ensure_backend()
+        _ensure_backend(argv)
     if args.command in _MODEL_COMMANDS:
         try:
             return args.func(args)
