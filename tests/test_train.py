@@ -347,6 +347,62 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_goes_on(tmp_path, corpus_root
     assert _untimed(_rows(out)) == _untimed(_rows(whole))
 
 
+def _ctrl_c_in_stream(monkeypatch, at_row: int | None, times: int) -> None:
+    """Ctrl-C ``times`` times (os.kill runs the handler before it returns) when the training
+    stream is made (``at_row`` None) or asked for row ``at_row``."""
+    real_stream, made = train._train_stream, []
+
+    def stream_with_ctrl_c(options, corpus):
+        stream = real_stream(options, corpus)
+        made.append(stream)
+        # The first stream is _prepare's check; the second trains.
+        if len(made) == 2 and at_row is None:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        elif len(made) == 2:
+            batches = stream.next_batch_with_answers
+
+            def next_batch_with_answers():
+                if stream.rows == at_row:
+                    for _ in range(times):
+                        os.kill(os.getpid(), signal.SIGINT)
+                return batches()
+
+            stream.next_batch_with_answers = next_batch_with_answers
+        return stream
+
+    monkeypatch.setattr(train, "_train_stream", stream_with_ctrl_c)
+
+
+def test_ctrl_c_before_the_first_step_leaves_a_resumable_run(tmp_path, corpus_root, monkeypatch):
+    opts = ["--variant", "dense", "--steps", "3", "--log-every", "1"]
+    whole = tmp_path / "whole"
+    assert train.run(_args(whole, corpus_root, *opts)) == 0
+    out = tmp_path / "run"
+    with monkeypatch.context() as mp:
+        _ctrl_c_in_stream(mp, at_row=None, times=1)
+        assert train.run(_args(out, corpus_root, *opts)) == 130
+    assert (out / "checkpoint" / "state.pt").is_file() and _rows(out) == []
+    assert train.run(_args(out, corpus_root, *opts, "--resume")) == 0
+    assert _untimed(_rows(out)) == _untimed(_rows(whole))
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, corpus_root, monkeypatch, capsys):
+    """No wait for the step in progress; the message points at the last checkpoint."""
+    out = tmp_path / "run"
+    opts = ["--variant", "dense", "--steps", "5", "--log-every", "1", "--checkpoint-every", "2"]
+    with monkeypatch.context() as mp:
+        _ctrl_c_in_stream(mp, at_row=3 * 4, times=2)  # at the start of step 4
+        assert train.run(_args(out, corpus_root, *opts)) == 130
+    err = capsys.readouterr().err
+    print(err)
+    assert "interrupted; the checkpoint of step 2 continues with:" in err
+    assert "Traceback" not in err
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+    assert train.run(_args(out, corpus_root, *opts, "--resume")) == 0
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4, 5]
+
+
 def test_a_stale_lock_file_does_not_block(tmp_path, corpus_root):
     """The lock file of a run that was killed stays behind, unlocked (the kernel drops a flock
     with its process): it neither blocks the next run nor counts as content."""

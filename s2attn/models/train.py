@@ -753,7 +753,8 @@ def _plot_curves(metrics_path: Path, out_path: Path, title: str, needle_rows: bo
     ax.set_xlabel("tokens")
     ax.set_ylabel("bits per byte")
     ax.set_title(title, fontsize=10)
-    ax.legend()
+    if train or val:  # a run stopped before its first row has nothing to label
+        ax.legend()
     ax.grid(alpha=0.3)
     if needle:
         bx.plot(*zip(*needle), "o-", color="C2", ms=3)
