@@ -82,7 +82,12 @@ def run_all(jobs: dict[str, list[list[str]]], runs: Path, parallel: int, env: di
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run's rows under today's names (``val_bpb``, ``val_needle_acc``), also where an older
+    version logged them under others."""
+    # Imported here: main() puts the repository on sys.path first.
+    from s2attn.models.train import read_metrics as read
+
+    return read(path)
 
 
 def short_run(runs: Path, name: str) -> Path:
@@ -101,7 +106,7 @@ def summarize(names: list[str], runs: Path, train_len: int) -> list[dict]:
     for name in names:
         run = runs / name
         metrics = read_metrics(run / "metrics.jsonl")
-        val = [m for m in metrics if "val_loss" in m]
+        val = [m for m in metrics if "val_bpb" in m]
         first = short_tokens(runs, name)
         needle = json.loads((run / "needle.json").read_text())
         grid = needle["accuracy"]
@@ -111,7 +116,7 @@ def summarize(names: list[str], runs: Path, train_len: int) -> list[dict]:
                 variant=name,
                 tokens=first + metrics[-1]["tokens"],
                 short_tokens=first,
-                val_bpb=val[-1]["val_loss"] if val else None,
+                val_bpb=val[-1]["val_bpb"] if val else None,
                 eval_bpb=needle.get("val_bpb"),
                 needle_mean=sum(v for cells in grid.values() for v in cells.values())
                 / max(1, sum(len(cells) for cells in grid.values())),
@@ -169,16 +174,16 @@ def plot_curves(names: list[str], runs: Path, path: Path, title: str) -> None:
             phases.insert(0, (short_run(runs, name), 0, "--"))
         color = None
         for run, start, style in phases:
-            val = [m for m in read_metrics(run / "metrics.jsonl") if "val_loss" in m]
+            val = [m for m in read_metrics(run / "metrics.jsonl") if "val_bpb" in m]
             tokens = [(start + m["tokens"]) / 1e6 for m in val]
             (line,) = ax_loss.plot(
-                tokens, [m["val_loss"] for m in val], style, marker=".", color=color,
+                tokens, [m["val_bpb"] for m in val], style, marker=".", color=color,
                 label=name if style == "-" else None,
             )  # fmt: skip
             color = line.get_color()
-            if any("val_needle" in m for m in val):
+            if any("val_needle_acc" in m for m in val):
                 ax_needle.plot(
-                    tokens, [m.get("val_needle", float("nan")) for m in val], style, marker=".",
+                    tokens, [m.get("val_needle_acc", float("nan")) for m in val], style, marker=".",
                     color=color, label=name if style == "-" else None,
                 )  # fmt: skip
     ax_loss.set(xlabel="training tokens (M)", ylabel="validation bits per byte", title=title)

@@ -4,8 +4,13 @@ on models that know or cannot know the answer, and the ``s2attn eval`` command e
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -200,6 +205,38 @@ def test_eval_command_writes_grid_and_heatmap(tmp_path, corpus_root):
     assert abs(result["val_bpb"] - math.log2(VOCAB_SIZE)) < 0.5  # untrained: about uniform
     png = out.with_suffix(".png")
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_eval_shows_progress_bars_only_on_a_terminal(tmp_path, corpus_root, monkeypatch):
+    """In a log (stderr a pipe) no bars, neither the needle grid's nor transformers' (loading
+    the weights); on a terminal the grid's bar shows."""
+    model_dir = tmp_path / "model"
+    hhst.build_model(_tiny_config("dense"), seed=0).save_pretrained(model_dir)
+    argv = [str(model_dir), "--needle", "--lengths", str(LENGTH), "--depths", "0", "--samples"]
+    argv += ["1", "--val-batches", "0", "--data-root", str(corpus_root), "--val-fraction", "0.5"]
+    argv += ["--device", "cpu"]
+    root = Path(evaluate.__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    # Bytes: text mode would turn the bars' carriage returns into newlines.
+    logged = subprocess.run(
+        [sys.executable, "-m", "s2attn", "eval", *argv],
+        capture_output=True,
+        env=dict(os.environ, PYTHONPATH=path),
+        timeout=300,
+    )
+    assert logged.returncode == 0, logged.stderr.decode()
+    assert b"\r" not in logged.stderr, logged.stderr
+    assert b"needle accuracy" in logged.stdout
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert evaluate.run(_eval_args(argv)) == 0
+    assert "needle grid" in terminal.getvalue() and "\r" in terminal.getvalue()
 
 
 @pytest.mark.parametrize("variant, limit", [("hhst", 64), ("dense", 64)])

@@ -4,8 +4,15 @@ exactly, the saved model loads back as S2, and bad input fails before anything i
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,7 +115,7 @@ def test_tiny_model_learns_and_logs(trained):
     for r in rows:
         for key in (
             "step",
-            "loss",
+            "loss_nats",
             "train_bpb",
             "tokens",
             "lr",
@@ -118,16 +125,17 @@ def test_tiny_model_learns_and_logs(trained):
         ):
             assert key in r and math.isfinite(r[key]), f"row {r['step']}: {key} missing or bad"
         assert r["tokens"] == r["step"] * 4 * 64
-    val = [r for r in rows if "val_loss" in r]
+        assert not {"loss", "val_loss", "val_needle"} & set(r), "names without their unit"
+    val = [r for r in rows if "val_bpb" in r]
     assert [r["step"] for r in val] == [15, 30]
-    assert all(0 <= r["val_needle"] <= 1 for r in val)
-    first = sum(r["loss"] for r in rows[:5]) / 5
-    last = sum(r["loss"] for r in rows[-5:]) / 5
+    assert all(0 <= r["val_needle_acc"] <= 1 for r in val)
+    first = sum(r["loss_nats"] for r in rows[:5]) / 5
+    last = sum(r["loss_nats"] for r in rows[-5:]) / 5
     print(f"mean loss of steps 1-5: {first:.3f} nats, of steps 26-30: {last:.3f}")
     # Uniform guessing over 260 tokens is ln 260 = 5.56 nats; this repetitive code falls well
     # below 4 within 30 steps.
     assert first > 4.5 and last < 0.75 * first
-    assert val[-1]["val_loss"] < val[0]["val_loss"] < math.log2(data.VOCAB_SIZE)
+    assert val[-1]["val_bpb"] < val[0]["val_bpb"] < math.log2(data.VOCAB_SIZE)
 
     record = json.loads((trained / "run.json").read_text())
     assert record["options"]["variant"] == "hhst" and record["options"]["seq_len"] == 64
@@ -135,6 +143,46 @@ def test_tiny_model_learns_and_logs(trained):
     assert record["data"]["train"]["split"] == "train" and record["data"]["val"]["split"] == "val"
     for name in ("config.json", "model.safetensors", "curves.png", "checkpoint/state.pt"):
         assert (trained / name).is_file(), name
+
+
+def test_metrics_of_older_runs_read_under_todays_names(tmp_path):
+    old = {
+        "step": 10,
+        "loss": 2.5,
+        "train_bpb": 3.6,
+        "tokens": 2560,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 1e4,
+        "val_loss": 3.1,
+        "val_needle": 0.5,
+        "elapsed_s": 4.0,
+        "max_mem_gib": 1.5,
+    }
+    new = train.metrics_row(old)
+    assert new == {
+        "step": 10,
+        "loss_nats": 2.5,
+        "train_bpb": 3.6,
+        "tokens": 2560,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 1e4,
+        "val_bpb": 3.1,
+        "val_needle_acc": 0.5,
+        "elapsed_s": 4.0,
+        "max_mem_gib": 1.5,
+    }
+    assert train.metrics_row(new) == new
+    # A run resumed by today's code after an older one logged part of it, killed mid-line.
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f'{json.dumps(old)}\n{json.dumps({**new, "step": 11})}\n{{"step": 12, "lo')
+    rows = train.read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [10, 11]
+    assert all(r["val_bpb"] == 3.1 and r["loss_nats"] == 2.5 for r in rows)
+    path.write_text(f'{{"step": 1\n{json.dumps(new)}\n')
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        train.read_metrics(path)
 
 
 def test_schedule_warms_up_then_decays_to_a_tenth():
@@ -207,11 +255,11 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, corpus_root, monkeypatch
     expected = _untimed(_rows(whole))
     assert [r["step"] for r in expected] == [1, 2, 3, 4, 5, 6]
     assert _untimed(_rows(split)) == expected
-    loss = {r["step"]: r["loss"] for r in expected}
+    loss = {r["step"]: r["loss_nats"] for r in expected}
     want = {2: (loss[1] + loss[2]) / 2, 3: loss[3], 4: loss[4], 6: (loss[5] + loss[6]) / 2}
     got = _untimed(_rows(stopped))
-    assert {r["step"]: r["loss"] for r in got} == pytest.approx(want, rel=1e-6)
-    assert [r.get("val_loss") for r in got] == [
+    assert {r["step"]: r["loss_nats"] for r in got} == pytest.approx(want, rel=1e-6)
+    assert [r.get("val_bpb") for r in got] == [
         None,
         loss_of(expected, 3),
         None,
@@ -222,8 +270,170 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, corpus_root, monkeypatch
         assert torch.equal(tensor, weights[1][name]) and torch.equal(tensor, weights[2][name])
 
 
+# `s2attn train` in another process with every batch slowed down, so that a signal lands mid-run.
+_SLOW_TRAIN = """
+import sys, time
+from s2attn.cli import main
+from s2attn.models import data
+next_batch = data.TokenStream.next_batch_with_answers
+def slow(self):
+    time.sleep(0.1)
+    return next_batch(self)
+data.TokenStream.next_batch_with_answers = slow
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_resume_goes_on(tmp_path, corpus_root):
+    """SIGINT: a checkpoint of the step in progress once it is done, exit status 130, no
+    traceback, and the command that finishes the run, which appends to the log and ends where
+    an uninterrupted run ends. Meanwhile a second run in the directory is refused, naming the
+    first's pid; and no progress bar goes to a stderr that is not a terminal."""
+    out = tmp_path / "run"
+    opts = ["--variant", "dense", "--steps", "24", "--log-every", "1", "--val-every", "12"]
+    argv = [
+        *(a for a in SMALL if a != "--no-progress"),
+        "--data-root",
+        str(corpus_root),
+        "--out",
+        str(out),
+        *opts,
+    ]
+    root = Path(train.__file__).resolve().parents[2]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
+    # Bytes: text mode would turn a bar's carriage returns into newlines.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_TRAIN, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while not metrics.is_file() or metrics.read_text().count("\n") < 3:
+            assert proc.poll() is None, f"training ended early: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no 3 metrics rows within 120 s"
+            time.sleep(0.05)
+        with pytest.raises(
+            ValueError, match=rf"in use by another `s2attn train` \(pid {proc.pid}\)"
+        ):
+            train.run(_args(out, corpus_root, *opts, "--resume"))
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = (text.decode() for text in proc.communicate(timeout=120))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    print(stdout, stderr, sep="\n")
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr and "\r" not in stderr
+    step = json.loads((out / "checkpoint" / "progress.json").read_text())["progress"]["step"]
+    assert 3 <= step < 24
+    assert [r["step"] for r in _rows(out)] == list(range(1, step + 1))
+    assert f"stopped at step {step} of 24 (Ctrl-C)" in stdout
+    command = shlex.split(stdout.split("continue with:")[1].strip().splitlines()[0])
+    assert command[:7] == ["python", "-m", "s2attn", "train", "--out", str(out), "--resume"]
+
+    logged = metrics.read_bytes()
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    assert train.run(parser.parse_args(command[4:])) == 0
+    assert metrics.read_bytes().startswith(logged)
+    whole = tmp_path / "whole"
+    assert train.run(_args(whole, corpus_root, *opts)) == 0
+    assert _untimed(_rows(out)) == _untimed(_rows(whole))
+
+
+def _ctrl_c_in_stream(monkeypatch, at_row: int | None, times: int) -> None:
+    """Ctrl-C ``times`` times (os.kill runs the handler before it returns) when the training
+    stream is made (``at_row`` None) or asked for row ``at_row``."""
+    real_stream, made = train._train_stream, []
+
+    def stream_with_ctrl_c(options, corpus):
+        stream = real_stream(options, corpus)
+        made.append(stream)
+        # The first stream is _prepare's check; the second trains.
+        if len(made) == 2 and at_row is None:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        elif len(made) == 2:
+            batches = stream.next_batch_with_answers
+
+            def next_batch_with_answers():
+                if stream.rows == at_row:
+                    for _ in range(times):
+                        os.kill(os.getpid(), signal.SIGINT)
+                return batches()
+
+            stream.next_batch_with_answers = next_batch_with_answers
+        return stream
+
+    monkeypatch.setattr(train, "_train_stream", stream_with_ctrl_c)
+
+
+def test_ctrl_c_before_the_first_step_leaves_a_resumable_run(tmp_path, corpus_root, monkeypatch):
+    opts = ["--variant", "dense", "--steps", "3", "--log-every", "1"]
+    whole = tmp_path / "whole"
+    assert train.run(_args(whole, corpus_root, *opts)) == 0
+    out = tmp_path / "run"
+    with monkeypatch.context() as mp:
+        _ctrl_c_in_stream(mp, at_row=None, times=1)
+        assert train.run(_args(out, corpus_root, *opts)) == 130
+    assert (out / "checkpoint" / "state.pt").is_file() and _rows(out) == []
+    assert train.run(_args(out, corpus_root, *opts, "--resume")) == 0
+    assert _untimed(_rows(out)) == _untimed(_rows(whole))
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, corpus_root, monkeypatch, capsys):
+    """No wait for the step in progress; the message points at the last checkpoint."""
+    out = tmp_path / "run"
+    opts = ["--variant", "dense", "--steps", "5", "--log-every", "1", "--checkpoint-every", "2"]
+    with monkeypatch.context() as mp:
+        _ctrl_c_in_stream(mp, at_row=3 * 4, times=2)  # at the start of step 4
+        assert train.run(_args(out, corpus_root, *opts)) == 130
+    err = capsys.readouterr().err
+    print(err)
+    assert "interrupted; the checkpoint of step 2 continues with:" in err
+    assert "Traceback" not in err
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+    assert train.run(_args(out, corpus_root, *opts, "--resume")) == 0
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_stale_lock_file_does_not_block(tmp_path, corpus_root):
+    """The lock file of a run that was killed stays behind, unlocked (the kernel drops a flock
+    with its process): it neither blocks the next run nor counts as content."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train.lock").write_text("999999\n")
+    opts = ["--variant", "dense", "--steps", "1", "--log-every", "1"]
+    assert train.run(_args(out, corpus_root, *opts)) == 0
+    assert (out / "train.lock").read_text() == f"{os.getpid()}\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("no_progress", [False, True])
+def test_progress_bar_on_a_terminal_unless_turned_off(
+    no_progress, tmp_path, corpus_root, monkeypatch
+):
+    """The bar shows on a terminal, not with --no-progress (nor in a log: the Ctrl-C test)."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    args = _args(tmp_path / "run", corpus_root, "--variant", "dense", "--steps", "2")
+    args.no_progress = no_progress
+    assert train.run(args) == 0
+    assert ("\r" in terminal.getvalue()) != no_progress, repr(terminal.getvalue())
+
+
 def loss_of(rows: list[dict], step: int) -> float:
-    return next(r["val_loss"] for r in rows if r["step"] == step)
+    return next(r["val_bpb"] for r in rows if r["step"] == step)
 
 
 def _snapshot(path: Path) -> dict | None:
@@ -246,6 +456,12 @@ def _snapshot(path: Path) -> dict | None:
         ("foreign_dir", [], "holds no run.json"),
         ("other_run", ["--steps", "31"], r"holds a different run \(steps: saved 30, now 31\)"),
         ("same_run", [], "already holds this run; pass --resume"),
+        ("stop_at_beyond", ["--steps", "5", "--stop-at", "6"], "--stop-at 6 is beyond --steps 5"),
+        ("stop_at_zero", ["--stop-at", "0"], "--stop-at must be >= 1"),
+        ("resume_new", ["--resume"], "--resume: nothing to resume in"),
+        ("resume_empty", ["--resume"], "--resume: nothing to resume in"),
+        ("resume_no_checkpoint", ["--resume"], "holds this run but no checkpoint"),
+        ("again_no_checkpoint", [], "holds this run but no checkpoint"),
         ("init_nothing", ["--init-from", "."], "no model.safetensors there"),
         ("init_other_shape", ["--init-from", "TRAINED", "--variant", "dense"], None),
     ],
@@ -261,6 +477,15 @@ def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_r
         (out / "results.csv").write_text("a,b\n")
     elif case in ("other_run", "same_run"):
         out, extra = trained, [*TRAINED, *extra]
+    elif case == "resume_empty":
+        out.mkdir()
+        (out / "train.lock").write_text("12345\n")  # what a run killed at its start leaves
+    elif case in ("resume_no_checkpoint", "again_no_checkpoint"):
+        # A run that crashed before its first checkpoint: its record and some metrics.
+        out.mkdir()
+        for name in ("run.json", "metrics.jsonl"):
+            (out / name).write_bytes((trained / name).read_bytes())
+        extra = [*TRAINED, *extra]
     elif case == "init_nothing":
         extra = ["--init-from", str(tmp_path)]
     elif case == "init_other_shape":
@@ -295,7 +520,7 @@ def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
         == 0
     )
     rows = _rows(out)
-    assert [r["step"] for r in rows] == [1, 2] and "val_loss" in rows[-1]
+    assert [r["step"] for r in rows] == [1, 2] and "val_bpb" in rows[-1]
     assert rows[-1]["tokens"] == 2 * 4 * 64 * (2 if "--grad-accum" in extra else 1)
     config = json.loads((out / "config.json").read_text())
     want = hhst.model_config(
@@ -314,8 +539,10 @@ def test_answer_weight_changes_only_the_objective(tmp_path, corpus_root):
     assert train.run(_args(weighted, corpus_root, *opts, "--answer-weight", "50")) == 0
     first_plain, first_weighted = _rows(plain)[0], _rows(weighted)[0]
     # Step 1's loss is measured before any update: the same batch and weights, the same loss.
-    assert first_plain["loss"] == pytest.approx(first_weighted["loss"], rel=1e-6)
-    assert _rows(plain)[-1]["loss"] != pytest.approx(_rows(weighted)[-1]["loss"], rel=1e-6)
+    assert first_plain["loss_nats"] == pytest.approx(first_weighted["loss_nats"], rel=1e-6)
+    assert _rows(plain)[-1]["loss_nats"] != pytest.approx(
+        _rows(weighted)[-1]["loss_nats"], rel=1e-6
+    )
     with pytest.raises(ValueError, match="--answer-weight"):
         train.run(_args(tmp_path / "bad", corpus_root, *opts, "--answer-weight", "-1"))
 
@@ -337,8 +564,8 @@ def test_init_from_starts_at_the_saved_weights(tmp_path, corpus_root, trained):
     assert saved.keys() == now.keys()
     for name in saved:
         torch.testing.assert_close(now[name], saved[name], rtol=0, atol=1e-6)
-    fresh_loss, trained_loss = _rows(trained)[0]["loss"], _rows(trained)[-1]["loss"]
-    first = _rows(out)[0]["loss"]
+    fresh_loss, trained_loss = _rows(trained)[0]["loss_nats"], _rows(trained)[-1]["loss_nats"]
+    first = _rows(out)[0]["loss_nats"]
     print(f"first loss {first:.3f}; trained run's first {fresh_loss:.3f}, last {trained_loss:.3f}")
     assert first < (fresh_loss + trained_loss) / 2
 

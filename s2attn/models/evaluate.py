@@ -26,6 +26,7 @@ import datetime
 import json
 import math
 import random
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -417,7 +418,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="share of files in the validation split (default: run.json's, else 0.05)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (they show only when stderr is a terminal)",
+    )
+
+
+@contextlib.contextmanager
+def _no_hf_progress_bars():
+    """transformers' own bars (loading the weights) off for the block."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def _run_record(model_dir: Path) -> dict:
@@ -511,8 +530,11 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {str(args.out)!r}")
     corpus = SourceCorpus(roots, split="val", val_fraction=val_fraction)
+    # Bars in a log file are lines of carriage returns: only on a terminal.
+    progress = not args.no_progress and sys.stderr.isatty()
 
-    model = LlamaForCausalLM.from_pretrained(model_dir)
+    with contextlib.nullcontext() if progress else _no_hf_progress_bars():
+        model = LlamaForCausalLM.from_pretrained(model_dir)
     autocast_dtype = None
     if device == "cpu":
         model = model.float()
@@ -565,7 +587,7 @@ def run(args: argparse.Namespace) -> int:
                 device,
                 autocast_dtype,
                 batch_size,
-                not args.no_progress,
+                progress,
             ),
         )
         _print_grid(result["accuracy"])

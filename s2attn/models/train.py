@@ -7,14 +7,18 @@ One run trains one variant (:data:`~s2attn.models.hhst.VARIANTS`) of one preset
 - ``run.json``: the resolved options, the preset, the model summary (parameters, layer kinds and
   densities), what the data reads (both splits' ``describe()``), the device, library versions,
   date and git commit.
-- ``metrics.jsonl``: one JSON object per logged step: ``step``, ``loss`` (mean training
-  cross-entropy since the previous row, in nats per token), ``train_bpb`` (the same in bits),
-  ``tokens`` (input tokens seen so far), ``lr``, ``grad_norm`` (before clipping),
-  ``tokens_per_s`` (training time only), ``elapsed_s`` (wall time since the run started,
-  summed over resumes) and on CUDA ``max_mem_gib``; validation rows add ``val_loss`` (bits per
-  byte on fixed held-out batches) and ``val_needle`` (retrieval accuracy on fixed samples at the
-  training length).
+- ``metrics.jsonl``: one JSON object per logged step, every quantity named with its unit:
+  ``step``, ``loss_nats`` (mean training cross-entropy since the previous row, in nats per
+  token), ``train_bpb`` (the same in bits per byte: a token is a byte), ``tokens`` (input tokens
+  seen so far), ``lr``, ``grad_norm`` (before clipping), ``tokens_per_s`` (training time only),
+  ``elapsed_s`` (wall time since the run started, summed over resumes) and on CUDA
+  ``max_mem_gib``; validation rows add ``val_bpb`` (bits per byte on fixed held-out batches) and
+  ``val_needle_acc`` (retrieval accuracy, a fraction, on fixed samples at the training length).
+  Runs written before the units were named call these ``loss``, ``val_loss`` and
+  ``val_needle``: read rows through :func:`read_metrics` (or :func:`metrics_row`), which gives
+  the current names for both.
 - ``checkpoint/``: model, optimizer, schedule, data stream and RNG states, for ``--resume``.
+- ``train.lock``: locked by the process training in the directory, and holding its pid.
 - at the end, the model (``save_pretrained``: ``config.json`` with the S2 settings and
   ``model.safetensors``) and ``curves.png``.
 
@@ -24,10 +28,13 @@ CUDA the default precision keeps float32 master weights and runs under bf16 auto
 everything is float32.
 
 Resuming (``--resume``) continues from the last checkpoint exactly: on one machine the losses
-after it equal those of a run that never stopped (bitwise on the CPU). ``--stop-at`` and
-``--time-limit`` end a run early with a checkpoint, to finish it in a later command. Every
+after it equal those of a run that never stopped (bitwise on the CPU), and ``metrics.jsonl``
+goes on where the checkpoint was taken. ``--stop-at``, ``--time-limit`` and Ctrl-C end a run
+early with a checkpoint of the step just completed and print the command that finishes it
+(Ctrl-C exits with status 130; a second Ctrl-C stops at once, without a checkpoint). Every
 input is checked, and the data listed, before anything is written; an output directory that
-holds another run is refused.
+holds another run, a ``--resume`` with no checkpoint to resume from, and a directory that
+another ``train`` process is using (a lock on ``train.lock`` inside it) are refused.
 """
 
 from __future__ import annotations
@@ -40,9 +47,12 @@ import math
 import os
 import platform
 import random
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +61,15 @@ import torch
 import torch.nn.functional as F
 
 from . import hhst
-from .data import NeedleSample, SourceCorpus, TokenStream
+from .data import NeedleSample, SourceCorpus, TokenStream, default_roots
 from .evaluate import needle_accuracy, needle_samples, validation_batches, validation_bpb
 
-__all__ = ["add_arguments", "run"]
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so the output directory goes unguarded
+    fcntl = None
+
+__all__ = ["add_arguments", "metrics_row", "read_metrics", "run"]
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 _BETAS = (0.9, 0.95)
@@ -68,6 +83,9 @@ _RESUME_FREE = ("resume", "no_progress", "checkpoint_every", "stop_at", "time_li
 _RUN_FILE = "run.json"
 _METRICS_FILE = "metrics.jsonl"
 _CHECKPOINT = "checkpoint"
+_LOCK_FILE = "train.lock"
+# The exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
+_INTERRUPTED = 130
 
 
 # --------------------------------------------------------------------------- arguments
@@ -213,7 +231,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="stop with a checkpoint once this many seconds have passed in this process",
     )
-    add("--no-progress", action="store_true", help="no progress bar")
+    add(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it shows only when stderr is a terminal)",
+    )
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -312,6 +334,11 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         )
     if args.stop_at is not None:
         _positive("--stop-at", args.stop_at)
+        if args.stop_at > options["steps"]:
+            raise ValueError(
+                f"--stop-at {args.stop_at} is beyond --steps {options['steps']}: the run would "
+                "end before it"
+            )
     if args.time_limit is not None and not args.time_limit > 0:
         raise ValueError(f"--time-limit must be a positive number of seconds, got "
                          f"{args.time_limit}")  # fmt: skip
@@ -331,10 +358,16 @@ def _check_out_dir(out: Path, options: dict, resume: bool) -> tuple[Path | None,
     """Whether ``out`` may take this run: (checkpoint to resume from or None, fresh start).
 
     Reads only; raises ``ValueError`` for a file, a directory of something else, another run,
-    or this run again without ``--resume``."""
+    this run again without ``--resume``, and ``--resume`` with no checkpoint to resume from."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file, not a directory")
-    if not out.exists() or not any(out.iterdir()):
+    # A lock file alone is what a run killed before writing anything leaves.
+    if not out.exists() or all(p.name == _LOCK_FILE for p in out.iterdir()):
+        if resume:
+            raise ValueError(
+                f"--resume: nothing to resume in {str(out)!r} (no run there); leave out --resume "
+                "to start one"
+            )
         return None, True
     record_path = out / _RUN_FILE
     if not record_path.is_file():
@@ -355,19 +388,26 @@ def _check_out_dir(out: Path, options: dict, resume: bool) -> tuple[Path | None,
                          for k in keys if mine.get(k) != theirs.get(k))  # fmt: skip
         raise ValueError(f"--out {str(out)!r} holds a different run ({diff}); choose another "
                          "directory")  # fmt: skip
+    checkpoint = _find_checkpoint(out)
+    if checkpoint is None:
+        # Starting over in place would discard the metrics it logged: the user decides.
+        raise ValueError(
+            f"--out {str(out)!r} holds this run but no checkpoint: it stopped before its first "
+            "one, so there is nothing to resume; delete the directory to start over, or choose "
+            "another"
+        )
     if not resume:
         raise ValueError(
             f"--out {str(out)!r} already holds this run; pass --resume to continue it, or "
             "choose another directory"
         )
-    checkpoint = _find_checkpoint(out)
-    # A run that stopped before its first checkpoint starts over in place.
-    return checkpoint, checkpoint is None
+    return checkpoint, False
 
 
 def _prepare(args: argparse.Namespace) -> _Plan:
     """Check every input and load the validation data; writes nothing."""
     options, preset = _resolve(args)
+    _check_not_in_use(Path(args.out))
     dense = options["dense_layers"]
     if options["variant"] in ("hhst", "local", "homo"):
         bad = [i for i in dense if not 0 <= i < preset.num_layers]
@@ -420,8 +460,54 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         device=torch.device(options["device"]), train_corpus=train_corpus,
         val_corpus=val_corpus, val_batches=batches, val_needles=needles,
         resume_from=resume_from, initial_weights=initial, fresh=fresh, stop_at=args.stop_at,
-        time_limit=args.time_limit, progress=not args.no_progress,
+        time_limit=args.time_limit, progress=not args.no_progress and sys.stderr.isatty(),
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- lock
+def _in_use(out: Path) -> ValueError:
+    try:
+        pid = (out / _LOCK_FILE).read_text().strip()
+    except OSError:
+        pid = ""
+    holder = f"pid {pid}" if pid.isdigit() else "a process that is starting"
+    return ValueError(
+        f"--out {str(out)!r} is in use by another `s2attn train` ({holder}); wait for it to end "
+        "or stop it (Ctrl-C saves a checkpoint), or choose another directory"
+    )
+
+
+def _check_not_in_use(out: Path) -> None:
+    """Raise ``ValueError`` if a live process holds the lock of ``out``; reads only."""
+    path = out / _LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return
+    with path.open("rb") as f:
+        try:
+            # A shared lock is refused only while the holder's exclusive one stands; closing the
+            # file lets go of it.
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(out) from None
+
+
+def _lock(out: Path):
+    """Lock ``out`` for this process until the returned file is closed (or the process ends,
+    however it ends: the kernel drops the lock, so a killed run leaves no stale lock), and
+    write this process's pid into the lock file for the next one to name."""
+    # "a": create the file without emptying it, so the holder's pid stays readable.
+    handle = (out / _LOCK_FILE).open("a")
+    if fcntl is None:
+        return handle
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise _in_use(out) from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def _initial_weights(path: str, config) -> dict:
@@ -593,20 +679,57 @@ def _as_tuple(value):
 
 
 # ------------------------------------------------------------------------------ metrics
+# Names that runs logged before every metric carried its unit, and what they are called now.
+_OLD_METRIC_NAMES = {"loss": "loss_nats", "val_loss": "val_bpb", "val_needle": "val_needle_acc"}
+
+
+def metrics_row(row: dict) -> dict:
+    """One row of a ``metrics.jsonl`` under the current names (``loss_nats``, ``val_bpb``,
+    ``val_needle_acc``), whether an older version wrote it (``loss``, ``val_loss``,
+    ``val_needle``) or this one; the values are unchanged (``val_loss`` was bits per byte).
+
+    Example::
+
+        metrics_row({"step": 10, "loss": 2.1, "val_loss": 3.0})
+        # {"step": 10, "loss_nats": 2.1, "val_bpb": 3.0}
+    """
+    return {_OLD_METRIC_NAMES.get(key, key): value for key, value in row.items()}
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` (a path to the file or to the run's directory),
+    each through :func:`metrics_row`. A torn last line, from a run killed while writing it, is
+    left out."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / _METRICS_FILE
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(metrics_row(json.loads(line)))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+    return rows
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Keep the rows up to ``last_step`` (a resumed run writes the later ones again); a torn
-    last line from a crash goes too."""
+    last line from a crash goes too. A log that ends at ``last_step`` is left as it is."""
     if not path.exists():
         return
+    lines = path.read_text().splitlines()
     keep = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             row = json.loads(line)
         except ValueError:
             continue
         if isinstance(row, dict) and row.get("step", math.inf) <= last_step:
             keep.append(line)
-    _write_atomic(path, "".join(line + "\n" for line in keep))
+    if keep != lines:
+        _write_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def _plot_curves(metrics_path: Path, out_path: Path, title: str, needle_rows: bool) -> None:
@@ -615,10 +738,10 @@ def _plot_curves(metrics_path: Path, out_path: Path, title: str, needle_rows: bo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_path)
     train = [(r["tokens"], r["train_bpb"]) for r in rows if "train_bpb" in r]
-    val = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
-    needle = [(r["tokens"], r["val_needle"]) for r in rows if "val_needle" in r]
+    val = [(r["tokens"], r["val_bpb"]) for r in rows if "val_bpb" in r]
+    needle = [(r["tokens"], r["val_needle_acc"]) for r in rows if "val_needle_acc" in r]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.14, top=0.92, wspace=0.25)
     if train:
@@ -630,7 +753,8 @@ def _plot_curves(metrics_path: Path, out_path: Path, title: str, needle_rows: bo
     ax.set_xlabel("tokens")
     ax.set_ylabel("bits per byte")
     ax.set_title(title, fontsize=10)
-    ax.legend()
+    if train or val:  # a run stopped before its first row has nothing to label
+        ax.legend()
     ax.grid(alpha=0.3)
     if needle:
         bx.plot(*zip(*needle), "o-", color="C2", ms=3)
@@ -655,21 +779,115 @@ def _save_model(model, out: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+def _resume_command(plan: _Plan) -> str:
+    """The command that finishes this run: ``--out DIR --resume`` and every option that does
+    not take its default value (``--resume`` refuses options that differ from the run's)."""
+    opts = plan.options
+    flags = []
+    for key, value in opts.items():
+        if key in ("data_root", "init_from") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append([flag])
+        elif isinstance(value, list):
+            flags.append([flag, ",".join(str(v) for v in value) or "none"])
+        else:
+            flags.append([flag, str(value)])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def resolved(chosen: list[list[str]]) -> dict:
+        argv = ["--out", str(plan.out), *(token for flag in chosen for token in flag)]
+        return _resolve(parser.parse_args(argv))[0]
+
+    # Leave out, one at a time, every option that the remaining ones resolve to anyway (some
+    # only once another is gone: --max-seq-len before --seq-len).
+    want, kept = resolved(flags), list(flags)
+    for flag in flags:
+        fewer = [f for f in kept if f is not flag]
+        try:
+            if resolved(fewer) == want:
+                kept = fewer
+        except ValueError:
+            pass
+    if opts["data_root"] != [str(r) for r in default_roots()]:
+        kept += [["--data-root", root] for root in opts["data_root"]]
+    if opts["init_from"] is not None:
+        kept.append(["--init-from", opts["init_from"]])
+    command = ["python", "-m", "s2attn", "train", "--out", str(plan.out), "--resume"]
+    return shlex.join(command + [token for flag in kept for token in flag])
+
+
+class _CtrlC:
+    """Ctrl-C while entered (in the main thread, where Python handles signals): the first asks
+    the training loop to stop after the step in progress, with a checkpoint; a second one
+    raises ``KeyboardInterrupt`` at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+        self._installed = False
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        # os.write, not print: the handler may run in the middle of a print to the same stream.
+        os.write(
+            2,
+            b"\ns2attn train: stopping after this step, with a checkpoint (Ctrl-C again to stop "
+            b"at once, without one)\n",
+        )
+
+
 # ------------------------------------------------------------------------------ training
 def run(args: argparse.Namespace) -> int:
     """``s2attn train``: train one run into ``args.out``. Raises ``ValueError`` for bad input
     before anything is written. Returns 0, also when ``--stop-at`` / ``--time-limit`` stopped
-    the run early (the message says so)."""
+    the run early, and 130 when Ctrl-C did (the message says how to finish it)."""
     started = time.perf_counter()
-    plan = _prepare(args)
-    return _train(plan, started)
+    try:
+        plan = _prepare(args)
+    except KeyboardInterrupt:
+        print("\ns2attn train: interrupted; nothing was written", file=sys.stderr)
+        return _INTERRUPTED
+    lock = None
+    try:
+        plan.out.mkdir(parents=True, exist_ok=True)
+        lock = _lock(plan.out)
+        with _CtrlC() as ctrl_c:
+            # Another process may have written to --out since _prepare looked.
+            plan.resume_from, plan.fresh = _check_out_dir(plan.out, plan.options, not plan.fresh)
+            return _train(plan, started, ctrl_c)
+    except KeyboardInterrupt:
+        checkpoint = _find_checkpoint(plan.out)
+        if checkpoint is None:
+            where = "no checkpoint was written"
+        else:
+            step = json.loads((checkpoint / "progress.json").read_text())["progress"]["step"]
+            where = f"the checkpoint of step {step} continues with:\n  {_resume_command(plan)}"
+        print(f"\ns2attn train: interrupted; {where}", file=sys.stderr)
+        return _INTERRUPTED
+    finally:
+        if lock is not None:
+            lock.close()
 
 
-def _train(plan: _Plan, started: float) -> int:
+def _train(plan: _Plan, started: float, ctrl_c: _CtrlC) -> int:
     from tqdm.auto import tqdm
 
     opts, out, device = plan.options, plan.out, plan.device
-    out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / _METRICS_FILE
     if plan.fresh:
         _write_atomic(out / _RUN_FILE, json.dumps(_run_record(plan), indent=2) + "\n")
@@ -718,17 +936,23 @@ def _train(plan: _Plan, started: float) -> int:
 
     def validate(row: dict) -> None:
         if plan.val_batches:
-            row["val_loss"] = validation_bpb(model, plan.val_batches, device=device,
+            row["val_bpb"] = validation_bpb(model, plan.val_batches, device=device,
                                              autocast_dtype=autocast)  # fmt: skip
         if plan.val_needles:
-            row["val_needle"] = needle_accuracy(model, plan.val_needles, device=device,
+            row["val_needle_acc"] = needle_accuracy(model, plan.val_needles, device=device,
                                                 autocast_dtype=autocast,
                                                 batch_size=opts["batch_size"])  # fmt: skip
 
     stopped = None
+    if ctrl_c.requested:
+        stopped, last = "Ctrl-C", progress.step
+        if plan.resume_from is None:
+            # Stopped before its first step: a checkpoint of step 0 makes the run resumable.
+            progress.elapsed_s = elapsed_base + time.perf_counter() - started
+            _save_checkpoint(out, model, optimizer, scheduler, stream, progress, device)
     with metrics_path.open("a") as log, tqdm(
         total=steps, initial=progress.step, unit="step", file=sys.stderr, dynamic_ncols=True,
-        mininterval=1.0, disable=True if not plan.progress else None,
+        mininterval=1.0, disable=not plan.progress,
     ) as bar:  # fmt: skip
         row_loss = torch.tensor(progress.row_loss, dtype=torch.float32, device=device)
         while progress.step < last:
@@ -778,7 +1002,7 @@ def _train(plan: _Plan, started: float) -> int:
                         "raise --warmup-steps"
                     )
                 row = {
-                    "step": step, "loss": mean_loss, "train_bpb": mean_loss / math.log(2),
+                    "step": step, "loss_nats": mean_loss, "train_bpb": mean_loss / math.log(2),
                     "tokens": progress.tokens, "lr": lr, "grad_norm": float(grad_norm),
                     "tokens_per_s": progress.row_tokens / max(progress.row_train_s, 1e-9),
                 }  # fmt: skip
@@ -794,8 +1018,12 @@ def _train(plan: _Plan, started: float) -> int:
                 if is_val:
                     bar.write(
                         f"step {step}/{steps}: loss {mean_loss:.4f} nats, "
-                        + (f"val {row['val_loss']:.4f} bits/byte, " if "val_loss" in row else "")
-                        + (f"needle {row['val_needle']:.2f}, " if "val_needle" in row else "")
+                        + (f"val {row['val_bpb']:.4f} bits/byte, " if "val_bpb" in row else "")
+                        + (
+                            f"needle {row['val_needle_acc']:.2f}, "
+                            if "val_needle_acc" in row
+                            else ""
+                        )
                         + f"{row['tokens_per_s']:.4g} tokens/s",
                         file=sys.stdout,
                     )
@@ -810,6 +1038,8 @@ def _train(plan: _Plan, started: float) -> int:
             if over_time and step < steps:
                 stopped = f"--time-limit {plan.time_limit:g} s"
                 last = step
+            if ctrl_c.requested and step < last:
+                stopped, last = "Ctrl-C", step
             if step == last or (opts["checkpoint_every"] and step % opts["checkpoint_every"] == 0):
                 # The GPU's queued work belongs to the row's training time, not to the save.
                 t1 = time.perf_counter()
@@ -823,9 +1053,12 @@ def _train(plan: _Plan, started: float) -> int:
     _plot_curves(metrics_path, out / "curves.png", title, opts["needle_fraction"] > 0)
     if progress.step < steps:
         stopped = stopped or f"--stop-at {plan.stop_at}"
-        print(f"stopped at step {progress.step} of {steps} ({stopped}); checkpoint in "
-              f"{out / _CHECKPOINT}; continue with the same options and --resume")  # fmt: skip
-        return 0
+        print(
+            f"stopped at step {progress.step} of {steps} ({stopped}); checkpoint in "
+            f"{out / _CHECKPOINT}; continue with:\n  {_resume_command(plan)}",
+            flush=True,
+        )
+        return _INTERRUPTED if stopped == "Ctrl-C" else 0
     _save_model(model, out)
     print(f"done: {steps} steps, {progress.tokens} tokens; model, metrics and curves in {out}")
     return 0
