@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 import weakref
 
 import torch
+
+from .validation import as_int, check_int
 
 __all__ = [
     "BlockPattern",
@@ -29,19 +32,17 @@ _OP_KEYS = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
 
 
-def _check_block_size(block_size: int) -> None:
-    if (
-        not isinstance(block_size, int)
-        or isinstance(block_size, bool)
-        or block_size < 16
-        or block_size & (block_size - 1)
-    ):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
+def _check_block_size(block_size: object) -> int:
+    block_size = as_int("block_size", block_size)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    return block_size
 
 
-def _check_positive_int(name: str, value: int, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 class BlockPattern:
@@ -86,9 +87,8 @@ class BlockPattern:
             )
         if min(mask.shape) == 0:
             raise ValueError(f"mask must not be empty, got shape {tuple(mask.shape)}")
-        _check_block_size(block_size)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
+        block_size = _check_block_size(block_size)
+        _check_bool("causal", causal)
         heads, q_blocks, kv_blocks = mask.shape
         rows, cols = (
             mask.detach().to("cpu").reshape(heads * q_blocks, kv_blocks).nonzero(as_tuple=True)
@@ -122,11 +122,10 @@ class BlockPattern:
             >>> BlockPattern.from_block_lists(torch.tensor([0, 1, 3]), torch.tensor([0, 0, 1]),
             ...                               num_heads=1, num_kv_blocks=2, block_size=64)
         """
-        _check_positive_int("num_heads", num_heads)
-        _check_positive_int("num_kv_blocks", num_kv_blocks)
-        _check_block_size(block_size)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
+        num_heads = check_int("num_heads", num_heads)
+        num_kv_blocks = check_int("num_kv_blocks", num_kv_blocks)
+        block_size = _check_block_size(block_size)
+        _check_bool("causal", causal)
         for name, t in (("row_offsets", row_offsets), ("cols", cols)):
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
                 raise TypeError(f"{name} must be a 1-D integer tensor")
@@ -212,6 +211,23 @@ class BlockPattern:
         the same rules, shape, block size and causality are the same pattern."""
         return self._rules
 
+    @property
+    def dense_reason(self) -> str | None:
+        """Why a builder's pattern keeps every visible block although its heads are sparse by
+        rule (a window as long as the sequence, a stride of 1, a single block), or None. Read
+        from the rules alone, at any length. None too for heads dense by construction
+        (:func:`dense_pattern`, ``num_dense_heads``) and for patterns given as masks or lists."""
+        if self._rules is None:
+            return None
+        reasons = [
+            _dense_rule_reason(self.num_q_blocks, self.causal, self.block_size, *rule)
+            for rule in dict.fromkeys(self._rules)
+            if rule
+        ]
+        if not reasons or None in reasons:
+            return None
+        return reasons[0]
+
     def _head_rules(self, heads: slice) -> tuple | None:
         """The rules of a head range, or None when the pattern holds lists (or has built them:
         slices of those are cheaper from the lists)."""
@@ -288,7 +304,11 @@ class BlockPattern:
         of the top-left ``num_blocks`` corner when given, of a head range when given (heads
         counted from the range's start), on ``device`` (default: the CPU). A rule pattern
         generates them there, without building its whole lists."""
+        if num_blocks is not None:
+            num_blocks = check_int("num_blocks", num_blocks, 0)
         heads = slice(0, self.num_heads) if heads is None else heads
+        if not isinstance(heads, slice):
+            raise TypeError(f"heads must be a slice of heads, got {type(heads).__name__}")
         if heads.step not in (None, 1):
             raise ValueError(f"heads must be a range of heads (step 1), got {heads}")
         rules = self._head_rules(heads)
@@ -320,6 +340,9 @@ class BlockPattern:
     def row_blocks(self, head: int, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept blocks of one head's query blocks ``[first, stop)`` as int64 (query block,
         KV block) pairs, sorted: in time and memory proportional to those rows alone."""
+        head = as_int("head", head)
+        first = as_int("first", first)
+        stop = as_int("stop", stop)
         if not 0 <= head < self.num_heads or not 0 <= first <= stop <= self.num_q_blocks:
             raise ValueError(
                 f"head {head}, rows [{first}, {stop}) outside the pattern's {self.num_heads} heads "
@@ -358,7 +381,7 @@ class BlockPattern:
 
     def crop(self, num_blocks: int) -> BlockPattern:
         """The top-left ``num_blocks`` x ``num_blocks`` corner: what a shorter sequence uses."""
-        _check_positive_int("num_blocks", num_blocks)
+        num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks > min(self.num_q_blocks, self.num_kv_blocks):
             raise ValueError(
                 f"num_blocks={num_blocks} exceeds the pattern's "
@@ -371,14 +394,20 @@ class BlockPattern:
         return self._from_coordinates(h, i, j, self.num_heads, num_blocks, num_blocks)
 
     def __repr__(self) -> str:
+        reason = self.dense_reason
+        dense = "" if reason is None else f", effectively dense: {reason}"
         return (
             f"BlockPattern(heads={self.num_heads}, q_blocks={self.num_q_blocks}, "
             f"kv_blocks={self.num_kv_blocks}, block_size={self.block_size}, causal={self.causal}, "
-            f"density={self.density():.3f})"
+            f"density={self.density():.3f}{dense})"
         )
 
     def draw(self, head: int = 0, max_blocks: int = 64) -> str:
         """A text picture of one head's pattern ('#' attended, '.' dropped, ' ' causally hidden)."""
+        head = as_int("head", head)
+        if not 0 <= head < self.num_heads:
+            raise ValueError(f"head {head} outside the pattern's {self.num_heads} heads")
+        max_blocks = check_int("max_blocks", max_blocks)
         n_q = min(self.num_q_blocks, max_blocks)
         n_k = min(self.num_kv_blocks, max_blocks)
         _, i, j = self.block_coordinates(heads=slice(head, head + 1))
@@ -414,8 +443,8 @@ class BlockPattern:
         Queries are bottom-right aligned (row ``t`` at absolute position ``t + seq_k - seq_q``).
         """
         seq_k = seq_q if seq_k is None else seq_k
-        _check_positive_int("seq_q", seq_q)
-        _check_positive_int("seq_k", seq_k)
+        seq_q = check_int("seq_q", seq_q)
+        seq_k = check_int("seq_k", seq_k)
         if seq_q > seq_k:
             raise ValueError(f"seq_q ({seq_q}) must be <= seq_k ({seq_k})")
         if seq_k > self.max_seq_len:
@@ -439,6 +468,7 @@ class BlockPattern:
         """Token pairs the pattern keeps for one sequence of ``seq_len``, summed over heads: each
         kept block pair weighs its visible token pairs (full blocks, the last one shorter, the
         diagonal a triangle when causal)."""
+        seq_len = check_int("seq_len", seq_len)
         bs = self.block_size
         nb = math.ceil(seq_len / bs)
         _, i, j = self.block_coordinates(nb)
@@ -457,7 +487,7 @@ class BlockPattern:
     def density(self, seq_len: int | None = None) -> float:
         """Fraction of the causally visible token pairs that the pattern keeps, over all heads."""
         seq_len = self.max_seq_len if seq_len is None else seq_len
-        _check_positive_int("seq_len", seq_len)
+        seq_len = check_int("seq_len", seq_len)
         if seq_len > self.max_seq_len:
             raise ValueError(
                 f"seq_len {seq_len} exceeds the pattern's max_seq_len {self.max_seq_len}"
@@ -485,7 +515,7 @@ class BlockPattern:
         groups) and every group must be complete on its own.
         """
         groups = 1 if num_kv_heads is None else num_kv_heads
-        _check_positive_int("num_kv_heads", groups)
+        groups = check_int("num_kv_heads", groups)
         if self.num_heads % groups:
             raise ValueError(
                 f"num_kv_heads={groups} does not divide the pattern's {self.num_heads} heads"
@@ -503,23 +533,25 @@ class BlockPattern:
         return bool((per_group == visible).all())
 
 
-def _validate_heads(num_heads: int, num_kv_heads: int | None) -> int:
-    _check_positive_int("num_heads", num_heads)
+def _validate_heads(num_heads: object, num_kv_heads: object) -> tuple[int, int]:
+    """(num_heads, KV groups) as ints."""
+    num_heads = check_int("num_heads", num_heads)
     if num_kv_heads is None:
-        return num_heads
-    _check_positive_int("num_kv_heads", num_kv_heads)
+        return num_heads, num_heads
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-    return num_kv_heads
+    return num_heads, num_kv_heads
 
 
 def dense_pattern(
     num_heads: int, *, max_seq_len: int, block_size: int, causal: bool = True
 ) -> BlockPattern:
     """Every head attends every (visible) block: dense attention expressed as a pattern."""
-    _check_positive_int("num_heads", num_heads)
-    _check_positive_int("max_seq_len", max_seq_len)
-    _check_block_size(block_size)
+    num_heads = check_int("num_heads", num_heads)
+    max_seq_len = check_int("max_seq_len", max_seq_len)
+    block_size = _check_block_size(block_size)
+    _check_bool("causal", causal)
     nb = math.ceil(max_seq_len / block_size)
     return BlockPattern._from_rules([()] * num_heads, nb, block_size, causal)
 
@@ -587,12 +619,15 @@ def local_stride_pattern(
         >>> p.is_union_complete(), p.is_kv_efficient()
         (True, True)
     """
-    groups = _validate_heads(num_heads, num_kv_heads)
-    _check_positive_int("max_seq_len", max_seq_len)
-    _check_block_size(block_size)
-    _check_positive_int("local_blocks", local_blocks)
-    _check_positive_int("vert_stride", vert_stride)
-    _check_positive_int("num_dense_heads", num_dense_heads, minimum=0)
+    num_heads, groups = _validate_heads(num_heads, num_kv_heads)
+    max_seq_len = check_int("max_seq_len", max_seq_len)
+    block_size = _check_block_size(block_size)
+    local_blocks = check_int("local_blocks", local_blocks)
+    vert_stride = check_int("vert_stride", vert_stride)
+    num_dense_heads = check_int("num_dense_heads", num_dense_heads, minimum=0)
+    _check_bool("homo_head", homo_head)
+    _check_bool("causal", causal)
+    head_offset = as_int("head_offset", head_offset)
     if num_dense_heads > num_heads:
         raise ValueError(f"num_dense_heads ({num_dense_heads}) exceeds num_heads ({num_heads})")
     group_size = num_heads // groups
@@ -601,8 +636,6 @@ def local_stride_pattern(
             f"num_dense_heads ({num_dense_heads}) must be a multiple of the GQA group size "
             f"({group_size}) so that every KV group shares one pattern"
         )
-    if not isinstance(head_offset, int):
-        raise ValueError(f"head_offset must be an integer, got {head_offset!r}")
 
     nb = math.ceil(max_seq_len / block_size)
     num_sparse_groups = groups - num_dense_heads // group_size
@@ -613,9 +646,41 @@ def local_stride_pattern(
             continue
         shift = head_offset + (0 if homo_head else g)
         rules.append((local_blocks, vert_stride, shift % vert_stride))
-    return BlockPattern._from_rules(
+    pattern = BlockPattern._from_rules(
         [rule for rule in rules for _ in range(group_size)], nb, block_size, causal
     )
+    # A pattern that keeps everything costs what dense attention costs, and more (the layouts, the
+    # masks): say so where it is built, not in a benchmark later.
+    if num_dense_heads == num_heads:
+        reason = f"num_dense_heads={num_dense_heads} makes every head dense"
+    else:
+        reason = pattern.dense_reason
+    if reason is not None:
+        warnings.warn(f"{reason}: the pattern is dense", UserWarning, stacklevel=2)
+    return pattern
+
+
+def _dense_rule_reason(nb, causal, block_size, local_blocks, vert_stride, shift) -> str | None:
+    """Why one head's rule keeps every visible block of ``nb``, or None when it drops some.
+
+    A causal row ``i`` leaves out blocks ``[0, i - local_blocks]`` (bidirectional, also
+    ``[i + local_blocks, nb)``), at most ``nb - local_blocks`` of them in the last (first) row;
+    with ``vert_stride >= 2`` two neighbours are never both stripes, so only a single block left
+    out can be kept by the stripes: block 0 (and block ``nb - 1``, bidirectional)."""
+    if nb == 1:
+        return f"block_size={block_size} holds the whole sequence in one block"
+    if local_blocks >= nb:
+        return f"local_blocks={local_blocks} covers all {nb} blocks"
+    if vert_stride == 1:
+        return "vert_stride=1 keeps every block"
+    first = -shift % vert_stride  # the first stripe
+    if local_blocks == nb - 1 and first == 0 and (causal or (nb - 1) % vert_stride == 0):
+        left_out = "block 0" if causal else f"blocks 0 and {nb - 1}"
+        return (
+            f"local_blocks={local_blocks} of {nb} blocks leaves out only {left_out}, which every "
+            f"head's stripes (vert_stride={vert_stride}) keep"
+        )
+    return None
 
 
 def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None, rows=None):

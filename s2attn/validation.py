@@ -9,10 +9,18 @@ wherever it is given.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
-__all__ = ["check_cu_seqlens", "check_int", "check_softmax_scale", "check_tensor"]
+__all__ = [
+    "as_int",
+    "check_cu_seqlens",
+    "check_heads",
+    "check_int",
+    "check_softmax_scale",
+    "check_tensor",
+]
 
 
 def check_tensor(name: str, t: object) -> torch.Tensor:
@@ -22,11 +30,73 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def as_int(name: str, value: object) -> int:
+    """``value`` as a Python int when it is integral: an int, a numpy integer, a torch integer
+    scalar or 0-d tensor (anything ``operator.index`` takes); a TypeError naming ``name`` for a
+    bool, a float, a string or a tensor of more than one element."""
+    # A bool is an int to operator.index, and so are numpy's and torch's; numbers of blocks and
+    # tokens are never True or False.
+    is_bool = isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b"
+    if isinstance(value, torch.Tensor):
+        is_bool = value.dtype == torch.bool
+        if value.dim() != 0:
+            raise TypeError(
+                f"{name} must be an integer, got a tensor of shape {tuple(value.shape)}"
+            )
+    if not is_bool:
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
 def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` when it is an integer (not a bool) of at least ``minimum``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    """``value`` as a Python int when it is integral (see :func:`as_int`) and at least
+    ``minimum``: a TypeError naming ``name`` for another type, a ValueError below ``minimum``."""
+    value = as_int(name, value)
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
     return value
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor, pattern_heads: int) -> int:
+    """The query heads per pattern head, for q (batch, seq_q, heads, dim) or (total, heads, dim)
+    and k alike, with a pattern of ``pattern_heads`` heads: the q heads or the k/v heads.
+
+    q, k, v in (batch, heads, seq, dim), SDPA's layout, are the common slip: then the error says
+    so, and suggests ``.transpose(1, 2)`` when the heads it finds in dim 1 would have matched."""
+    num_heads, num_kv_heads = q.shape[-2], k.shape[-2]
+    if num_kv_heads != 0 and num_heads % num_kv_heads == 0 and pattern_heads == num_heads:
+        return 1
+    if num_kv_heads != 0 and num_heads % num_kv_heads == 0 and pattern_heads == num_kv_heads:
+        return num_heads // num_kv_heads
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        message = (
+            f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads}) for GQA/MQA"
+        )
+    else:
+        message = (
+            f"pattern has {pattern_heads} heads; expected the q heads ({num_heads}) "
+            f"or the k/v heads ({num_kv_heads})"
+        )
+    if q.dim() == 4:
+        message += (
+            f". q, k and v must be (batch, seq, heads, dim), flash-attn's layout; q has shape "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+        transposed = q.shape[1], k.shape[1]
+        if (
+            k.dim() == 4
+            and transposed[1] != 0
+            and transposed[0] % transposed[1] == 0
+            and pattern_heads in transposed
+        ):
+            message += (
+                ": they look like (batch, heads, seq, dim); pass q.transpose(1, 2), and k and v "
+                "likewise"
+            )
+    raise ValueError(message)
 
 
 def check_softmax_scale(softmax_scale: object, head_dim: int) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import DEVICE, DTYPES, assert_close
@@ -400,3 +401,57 @@ def test_page_write_reads_new_tokens_past_2_31_elements():
     for b, pos in enumerate(seq_lens.tolist()):
         assert torch.equal(k_pages[b, pos], k[b, 0, 0]) and torch.equal(v_pages[b, pos], v[b, 0, 0])
     assert k_pages.count_nonzero() == v_pages.count_nonzero() == batch * dim
+
+
+def test_device_defaults_to_the_gpu_when_there_is_one_else_the_cpu():
+    """No device named: the pools land where the machine can hold them (a pattern is host
+    metadata and names none), so the same code runs on a laptop and on a GPU node; the first
+    append and attention over the cache work there."""
+    pattern = patterns(2, 4)["s2"]
+    kw = dict(batch_size=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = PagedKVCache(pattern, **kw)
+    assert cache.device.type == want
+    assert all(t.device.type == want for t in (cache.k_pages, cache.page_table, cache.seq_lens))
+    caches = ModelKVCache([None, pattern], **kw, max_seq_len=MAX_LEN, block_size=BS)
+    assert all(layer.device.type == want for layer in caches)
+    k, v = (t.to(cache.device) for t in rand_kv(40, 2, 16))
+    q = torch.randn(1, 40, 4, 16, device=cache.device)
+    out = sparse_attention_with_kvcache(q, cache, k[None], v[None])
+    ref = attention_reference(q, k[None], v[None], pattern)
+    assert_close(out, ref, torch.float32, "attention over a cache on the default device")
+
+
+def test_integral_sizes_of_any_type():
+    pattern = patterns(2, 4)["s2"]
+    cache = PagedKVCache(
+        pattern,
+        batch_size=torch.tensor(2),
+        num_kv_heads=np.int64(2),
+        head_dim=np.int32(16),
+        max_seq_len=np.int64(MAX_LEN),
+        num_pages=torch.tensor(40),
+        device=DEVICE,
+    )
+    assert (cache.batch_size, cache.num_kv_heads, cache.head_dim) == (2, 2, 16)
+    assert cache.k_pages.shape == (41, BS, 16) and cache.max_seq_len == MAX_LEN
+    with pytest.raises(TypeError, match="head_dim must be an integer"):
+        PagedKVCache(pattern, batch_size=1, num_kv_heads=2, head_dim=16.0, device=DEVICE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")])
+def test_cuda_without_cuda_is_refused_by_name(device):
+    """Not torch's 'AssertionError: Torch not compiled with CUDA enabled' from deep inside."""
+    pattern = patterns(2, 4)["s2"]
+    kw = dict(batch_size=1, num_kv_heads=2, head_dim=16, device=device)
+    with pytest.raises(ValueError, match="device=.cuda.*CUDA is not available"):
+        PagedKVCache(pattern, **kw)
+    with pytest.raises(ValueError, match="device=.cuda.*CUDA is not available"):
+        ModelKVCache([pattern], **kw)
+
+
+def test_unknown_device_is_refused_by_name():
+    pattern = patterns(2, 4)["s2"]
+    with pytest.raises(ValueError, match="device must name a torch device"):
+        PagedKVCache(pattern, batch_size=1, num_kv_heads=2, head_dim=16, device="gpu")

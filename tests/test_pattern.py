@@ -3,9 +3,12 @@ KV-efficiency and union-completeness checks. Pure metadata on the CPU: no kernel
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,9 +33,15 @@ def test_mask_must_be_nonempty_3d(shape):
         BlockPattern(torch.ones(shape, dtype=torch.bool), block_size=16)
 
 
-@pytest.mark.parametrize("block_size", [0, 8, 15, 24, 48, 100, -16, 16.0, True, "16"])
+@pytest.mark.parametrize("block_size", [0, 8, 15, 24, 48, 100, -16])
 def test_block_size_must_be_a_power_of_two_of_at_least_16(block_size):
     with pytest.raises(ValueError, match="block_size"):
+        BlockPattern(torch.ones(1, 2, 2, dtype=torch.bool), block_size=block_size)
+
+
+@pytest.mark.parametrize("block_size", [16.0, True, "16", torch.tensor(16.0), torch.tensor([16])])
+def test_block_size_must_be_an_integer(block_size):
+    with pytest.raises(TypeError, match="block_size must be an integer"):
         BlockPattern(torch.ones(1, 2, 2, dtype=torch.bool), block_size=block_size)
 
 
@@ -214,15 +223,19 @@ def _local_stride_by_definition(
 def test_local_stride_pattern_matches_its_definition(
     num_heads, max_seq_len, block_size, local_blocks, vert_stride, kwargs
 ):
-    p = local_stride_pattern(
-        num_heads,
-        max_seq_len=max_seq_len,
-        block_size=block_size,
-        local_blocks=local_blocks,
-        vert_stride=vert_stride,
-        **kwargs,
-    )
     nb = math.ceil(max_seq_len / block_size)
+    one_block = (
+        pytest.warns(UserWarning, match="one block") if nb == 1 else contextlib.nullcontext()
+    )
+    with one_block:
+        p = local_stride_pattern(
+            num_heads,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+            local_blocks=local_blocks,
+            vert_stride=vert_stride,
+            **kwargs,
+        )
     assert p.mask.shape == (num_heads, nb, nb)
     assert p.block_size == block_size and p.causal == kwargs.get("causal", True)
     group_size = num_heads // kwargs.get("num_kv_heads", num_heads)
@@ -280,7 +293,6 @@ def test_dense_heads_come_last():
         ({"block_size": 24}, "block_size"),
         ({"max_seq_len": 0}, "max_seq_len"),
         ({"num_heads": 0}, "num_heads"),
-        ({"head_offset": 0.5}, "head_offset"),
     ],
 )
 def test_local_stride_pattern_rejects_bad_arguments(kwargs, arg):
@@ -380,7 +392,8 @@ def test_too_few_or_homogeneous_heads_are_not_union_complete(causal):
     assert not local_stride_pattern(3, **args).is_union_complete()
     # A window that covers the whole context needs no stripes.
     full_window = dict(args, local_blocks=128)
-    assert local_stride_pattern(4, homo_head=True, **full_window).is_union_complete()
+    with pytest.warns(UserWarning, match="local_blocks=128 covers all 128 blocks"):
+        assert local_stride_pattern(4, homo_head=True, **full_window).is_union_complete()
 
 
 def test_union_completeness_per_gqa_group():
@@ -525,3 +538,235 @@ def test_rule_patterns_equal_their_lists(
     assert rule.is_kv_efficient() == lists.is_kv_efficient()
     assert rule.is_union_complete() == lists.is_union_complete()
     assert torch.equal(rule[1:3].mask, lists[1:3].mask)  # from the built lists now
+
+
+# ---------------------------------------------------------------------------- integer arguments
+BUILDER_ARGS = dict(max_seq_len=256, block_size=16, local_blocks=2, vert_stride=4)
+INTEGRAL = [np.int64, np.int32, torch.tensor, lambda n: torch.tensor(n, dtype=torch.int32)]
+
+
+@pytest.mark.parametrize("integral", INTEGRAL, ids=["np.int64", "np.int32", "tensor", "int32"])
+def test_builders_take_any_integral_type(integral):
+    """numpy and torch integer scalars and 0-d integer tensors build the pattern of the same plain
+    ints, which it holds as Python ints (its rules, its block size: no tensor or numpy scalar
+    leaks into the layouts or the caches keyed on them)."""
+    want = local_stride_pattern(4, num_kv_heads=2, num_dense_heads=2, head_offset=1, **BUILDER_ARGS)
+    got = local_stride_pattern(
+        integral(4),
+        **{name: integral(value) for name, value in BUILDER_ARGS.items()},
+        num_kv_heads=integral(2),
+        num_dense_heads=integral(2),
+        head_offset=integral(1),
+    )
+    assert got.rules == want.rules and torch.equal(got.mask, want.mask)
+    assert type(got.block_size) is int and type(got.num_heads) is int
+    assert all(type(x) is int for rule in got.rules for x in rule)
+    dense = dense_pattern(integral(3), max_seq_len=integral(100), block_size=integral(32))
+    assert torch.equal(dense.mask, dense_pattern(3, max_seq_len=100, block_size=32).mask)
+    masked = BlockPattern(want.mask, block_size=integral(16))
+    assert type(masked.block_size) is int and torch.equal(masked.mask, want.mask)
+    lists = BlockPattern.from_block_lists(
+        torch.tensor([0, 1, 3]),
+        torch.tensor([0, 0, 1]),
+        num_heads=integral(1),
+        num_kv_blocks=integral(2),
+        block_size=integral(64),
+    )
+    assert lists.mask.tolist() == [[[True, False], [True, True]]]
+
+
+@pytest.mark.parametrize("integral", INTEGRAL, ids=["np.int64", "np.int32", "tensor", "int32"])
+def test_pattern_methods_take_any_integral_type(integral):
+    p = local_stride_pattern(4, **BUILDER_ARGS)
+    assert torch.equal(p.crop(integral(5)).mask, p.crop(5).mask)
+    assert p.crop(integral(5)).num_q_blocks == 5
+    assert p.density(integral(100)) == p.density(100)
+    assert p.kept_token_pairs(integral(100)) == p.kept_token_pairs(100)
+    assert torch.equal(p.token_mask(integral(40), integral(70)), p.token_mask(40, 70))
+    assert p.draw(integral(1), max_blocks=integral(5)) == p.draw(1, max_blocks=5)
+    got = p.block_coordinates(integral(5), slice(integral(1), integral(3)))
+    assert all(torch.equal(a, b) for a, b in zip(got, p.block_coordinates(5, slice(1, 3))))
+    got = p.row_blocks(integral(2), integral(3), integral(9))
+    assert all(torch.equal(a, b) for a, b in zip(got, p.row_blocks(2, 3, 9)))
+    assert torch.equal(p[integral(1) : integral(3)].mask, p[1:3].mask)
+    assert p.is_union_complete(integral(1)) == p.is_union_complete(1)
+
+
+NOT_INTEGERS = [True, 4.0, "4", torch.tensor(4.0), torch.tensor(True), np.float64(4)]
+NOT_INTEGER_IDS = ["bool", "float", "str", "float-tensor", "bool-tensor", "np.float64"]
+
+
+@pytest.mark.parametrize("bad", NOT_INTEGERS, ids=NOT_INTEGER_IDS)
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "num_heads",
+        "max_seq_len",
+        "block_size",
+        "local_blocks",
+        "vert_stride",
+        "num_kv_heads",
+        "num_dense_heads",
+        "head_offset",
+    ],
+)
+def test_builders_refuse_non_integers_by_name(arg, bad):
+    """A bool, a float (even a whole one) or a string is a slip, not a count: a TypeError that
+    names the argument, never a pattern built from a truncated or coerced value."""
+    args = dict(num_heads=4, **BUILDER_ARGS, num_kv_heads=2, num_dense_heads=0, head_offset=0)
+    args[arg] = bad
+    with pytest.raises(TypeError, match=f"{arg} must be an integer"):
+        local_stride_pattern(**args)
+    if arg in ("num_heads", "max_seq_len", "block_size"):
+        args = dict(num_heads=4, max_seq_len=256, block_size=16)
+        args[arg] = bad
+        with pytest.raises(TypeError, match=f"{arg} must be an integer"):
+            dense_pattern(**args)
+
+
+@pytest.mark.parametrize("bad", NOT_INTEGERS, ids=NOT_INTEGER_IDS)
+def test_pattern_methods_refuse_non_integers_by_name(bad):
+    p = local_stride_pattern(4, **BUILDER_ARGS)
+    calls = [
+        ("num_blocks", lambda: p.crop(bad)),
+        ("seq_len", lambda: p.density(bad)),
+        ("seq_len", lambda: p.kept_token_pairs(bad)),
+        ("seq_q", lambda: p.token_mask(bad, 64)),
+        ("seq_k", lambda: p.token_mask(32, bad)),
+        ("head", lambda: p.draw(bad)),
+        ("max_blocks", lambda: p.draw(0, max_blocks=bad)),
+        ("num_blocks", lambda: p.block_coordinates(bad)),
+        ("head", lambda: p.row_blocks(bad, 0, 2)),
+        ("first", lambda: p.row_blocks(0, bad, 2)),
+        ("stop", lambda: p.row_blocks(0, 0, bad)),
+        ("num_kv_heads", lambda: p.is_union_complete(bad)),
+    ]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=f"{name} must be an integer"):
+            call()
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        local_stride_pattern(4, **BUILDER_ARGS, causal=1)
+    with pytest.raises(TypeError, match="homo_head must be a bool"):
+        local_stride_pattern(4, **BUILDER_ARGS, homo_head=1)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        dense_pattern(4, max_seq_len=256, block_size=16, causal=1)
+
+
+def test_builders_take_every_argument_after_the_head_count_by_keyword():
+    """Four integers in a row are easy to swap; a swap must fail, not build another pattern."""
+    with pytest.raises(TypeError, match="positional"):
+        local_stride_pattern(32, 64, 8192, 16, 16)
+    with pytest.raises(TypeError, match="positional"):
+        dense_pattern(32, 8192, 64)
+
+
+# ------------------------------------------------------------------------ effectively dense
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (
+            dict(max_seq_len=2048, block_size=16, local_blocks=300, vert_stride=4),
+            "local_blocks=300 covers all 128 blocks: the pattern is dense",
+        ),
+        (
+            dict(max_seq_len=2048, block_size=16, local_blocks=4, vert_stride=1),
+            "vert_stride=1 keeps every block: the pattern is dense",
+        ),
+        (
+            dict(max_seq_len=100, block_size=128, local_blocks=1, vert_stride=4),
+            "block_size=128 holds the whole sequence in one block: the pattern is dense",
+        ),
+        (
+            dict(max_seq_len=2048, block_size=16, local_blocks=127, vert_stride=4, homo_head=True),
+            "local_blocks=127 of 128 blocks leaves out only block 0, which every head's stripes",
+        ),
+        (
+            dict(
+                max_seq_len=2048,
+                block_size=16,
+                local_blocks=127,
+                vert_stride=127,
+                causal=False,
+                homo_head=True,
+            ),
+            "leaves out only blocks 0 and 127",
+        ),
+        (
+            dict(max_seq_len=2048, block_size=16, local_blocks=2, vert_stride=4, num_dense_heads=4),
+            "num_dense_heads=4 makes every head dense: the pattern is dense",
+        ),
+    ],
+    ids=["window", "stride-1", "one-block", "one-left-out", "bidir-two-left-out", "dense-heads"],
+)
+def test_pattern_that_is_dense_after_all_is_flagged(kwargs, reason):
+    """Sparse arguments that keep every block cost what dense attention costs, and more: the
+    builder warns with the reason, and the pattern's summary says so."""
+    with pytest.warns(UserWarning, match=reason.replace("(", r"\(")) as caught:
+        p = local_stride_pattern(4, **kwargs)
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert p.density() == 1.0
+    if "num_dense_heads" not in kwargs:  # dense heads are dense by their rules
+        assert str(caught[0].message) == f"{p.dense_reason}: the pattern is dense"
+        assert f"effectively dense: {p.dense_reason}" in repr(p)
+
+
+def test_sparse_and_dense_patterns_do_not_warn():
+    """dense_pattern is dense by request; a sparse pattern, even one with a dense head (the
+    last window one block short, head 0's stripes on block 0) is sparse, and a crop to a few
+    blocks is an internal view: none warns or says 'effectively dense'."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patterns = [
+            dense_pattern(4, max_seq_len=2048, block_size=16),
+            dense_pattern(4, max_seq_len=100, block_size=128, causal=False),
+            local_stride_pattern(
+                4, max_seq_len=2048, block_size=16, local_blocks=127, vert_stride=4
+            ),
+            local_stride_pattern(4, **BUILDER_ARGS),
+            local_stride_pattern(4, **BUILDER_ARGS, num_dense_heads=2),
+        ]
+        cropped = patterns[-1].crop(2)
+    for p in patterns:
+        assert p.dense_reason is None and "effectively dense" not in repr(p)
+    assert patterns[2].density() < 1.0
+    assert cropped.density() == 1.0 and "effectively dense" in repr(cropped)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_check_from_the_rules_agrees_with_the_density(causal):
+    """The check reads the rules, never the blocks (patterns reach millions of tokens); over every
+    small case it flags exactly the patterns whose density is the dense one."""
+    flagged = 0
+    for nb, local_blocks, vert_stride in itertools.product(range(1, 7), range(1, 8), range(1, 5)):
+        for head_offset in range(vert_stride):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                p = local_stride_pattern(
+                    1,
+                    max_seq_len=nb * 16,
+                    block_size=16,
+                    local_blocks=local_blocks,
+                    vert_stride=vert_stride,
+                    head_offset=head_offset,
+                    causal=causal,
+                )
+            dense = p.density() == 1.0
+            case = (nb, local_blocks, vert_stride, head_offset)
+            assert (p.dense_reason is not None) == dense, case
+            assert len(caught) == int(dense), case
+            flagged += dense
+    assert 0 < flagged
+
+
+def test_dense_check_is_cheap_at_millions_of_tokens():
+    """At 4M tokens the rules give the answer without building any block list."""
+    with pytest.warns(UserWarning, match="vert_stride=1"):
+        p = local_stride_pattern(
+            32, max_seq_len=2**22, block_size=64, local_blocks=16, vert_stride=1
+        )
+    assert p._lists is None
+    sparse = local_stride_pattern(
+        32, max_seq_len=2**22, block_size=64, local_blocks=16, vert_stride=16
+    )
+    assert sparse.dense_reason is None and sparse._lists is None

@@ -61,9 +61,11 @@ def test_generate_with_s2_cache_matches_reference():
     assert model.config.s2attn["layer_types"] == ["dense", "s2", "s2"]
     ids = torch.randint(2, 128, (1, PROMPT), device=DEVICE)
     mask = torch.ones_like(ids)
-    cache = s2hf.S2Cache(model.config)
+    cache = s2hf.S2Cache(model.config)  # no device: the pages go where the first keys are
+    assert not any(layer.is_initialized for layer in cache.layers)
     got = generate(model, ids, mask, past_key_values=cache)
     assert_same_generation(got, generate(reference, ids, mask))
+    assert all(layer.paged.k_pages.device == model.device for layer in cache.layers)
     report = cache.memory_report()
     assert report["tokens"] == 3 * (PROMPT + NEW_TOKENS - 1)  # the last token is never attended
     s2_layers = [layer.paged for layer in cache.layers[1:]]

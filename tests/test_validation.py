@@ -10,6 +10,7 @@ from helpers import DEVICE, DTYPES
 
 import s2attn
 from s2attn import BlockPattern, local_stride_pattern
+from s2attn.validation import check_heads, check_int
 
 DTYPE = DTYPES[0]
 PATTERN = local_stride_pattern(4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3)
@@ -113,6 +114,72 @@ def test_wrong_ranks():
 def test_pattern_heads_must_match_q_or_kv_heads():
     match = r"pattern has 4 heads; expected the q heads \(8\) or the k/v heads \(2\)"
     _raises(ValueError, match, *_qkv(heads=8, kv_heads=2), PATTERN)
+
+
+@pytest.mark.parametrize(
+    "value", [np.int64(3), np.int32(3), np.uint8(3), torch.tensor(3), torch.tensor(3).int()]
+)
+def test_check_int_takes_any_integral_type(value):
+    got = check_int("num_pages", value)
+    assert got == 3 and type(got) is int
+
+
+@pytest.mark.parametrize(
+    "value", [True, np.True_, 3.0, "3", None, torch.tensor(3.0), torch.tensor([3, 3])]
+)
+def test_check_int_refuses_other_types_by_name(value):
+    with pytest.raises(TypeError, match="num_pages must be an integer"):
+        check_int("num_pages", value)
+
+
+def test_check_int_refuses_values_below_the_minimum():
+    with pytest.raises(ValueError, match="num_pages must be an integer >= 1, got 0"):
+        check_int("num_pages", np.int64(0))
+
+
+def _heads_error(q, k, pattern_heads) -> str:
+    with pytest.raises(ValueError) as caught:
+        check_heads(q, k, pattern_heads)
+    return str(caught.value)
+
+
+def test_heads_check_returns_query_heads_per_pattern_head():
+    q, k, _ = _qkv(heads=8, kv_heads=2)
+    assert check_heads(q, k, 8) == 1 and check_heads(q, k, 2) == 4
+    q, k, _ = _packed([30, 34], [30, 34], heads=8, kv_heads=2)
+    assert check_heads(q, k, 8) == 1 and check_heads(q, k, 2) == 4
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, seq_q, seq_k, pattern_heads",
+    [(4, 4, 64, 64, 4), (8, 2, 64, 64, 8), (8, 2, 64, 64, 2), (8, 2, 48, 64, 8)],
+    ids=["mha", "gqa-q-heads", "gqa-kv-heads", "gqa-fewer-queries"],
+)
+def test_heads_in_dim_1_get_the_layout_and_the_transpose(
+    heads, kv_heads, seq_q, seq_k, pattern_heads
+):
+    """q, k, v laid out (batch, heads, seq, dim) by SDPA habit: whichever check trips (the GQA
+    ratio when seq_q and seq_k differ, the pattern's heads otherwise), the error names
+    flash-attn's layout and the transpose that fixes it."""
+    q, k, v = _qkv(heads=heads, kv_heads=kv_heads, seq_q=seq_q, seq_k=seq_k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    message = _heads_error(q, k, pattern_heads)
+    assert "must be (batch, seq, heads, dim), flash-attn's layout" in message
+    assert "pass q.transpose(1, 2), and k and v likewise" in message
+    assert f"q has shape {tuple(q.shape)}" in message
+
+
+def test_heads_mismatch_names_the_layout_without_a_wrong_transpose():
+    q, k, _ = _qkv(heads=8, kv_heads=2)
+    message = _heads_error(q, k, 4)  # neither layout's heads: no transpose would help
+    assert message.startswith("pattern has 4 heads; expected the q heads (8) or the k/v heads (2)")
+    assert "(batch, seq, heads, dim), flash-attn's layout" in message
+    assert "transpose" not in message
+    q, k, _ = _qkv(heads=6, kv_heads=4)
+    assert "must be a multiple of k/v heads (4)" in _heads_error(q, k, 6)
+    q, k, _ = _packed([30, 34], [30, 34], heads=8, kv_heads=2)  # packed: one layout only
+    message = _heads_error(q, k, 4)
+    assert "pattern has 4 heads" in message and "layout" not in message
 
 
 def test_block_size_must_be_valid():

@@ -138,7 +138,7 @@ def test_triton_decode_needs_page_equal_to_block():
 @pytest.mark.parametrize("path", [paged_attention_torch, paged_prefill], ids=["torch", "prefill"])
 def test_paged_paths_refuse_requests_past_the_pattern(path):
     pattern = local_stride_pattern(
-        HEADS, max_seq_len=64, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
+        HEADS, max_seq_len=64, block_size=32, local_blocks=1, vert_stride=3, num_kv_heads=KV_HEADS
     )
     kv_cache, table, _, _ = make_cache([80], 16, torch.float32)
     q = torch.zeros(1, HEADS, DIM, device=DEVICE)

@@ -61,6 +61,28 @@ _KERNEL_WRITES_UP_TO = 16
 DECODE_STEP_TOKENS = 16
 
 
+def _pool_device(device: torch.device | str | None) -> torch.device:
+    """The page pools' device: ``device``, or when None the current GPU if CUDA is available,
+    else the CPU. A pattern is host metadata and names no device, so it cannot decide."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must name a torch device, got {device!r}") from exc
+    if device.type == "cuda":
+        # Checked here: torch's own error comes at the first allocation, as an AssertionError.
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={str(device)!r}, but CUDA is not available here: pass device='cpu', or "
+                "leave device out to get the GPU when there is one and the CPU otherwise"
+            )
+        if device.index is None:
+            # Tensors report cuda:N; compare like with like.
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _host_synced(method):
     """Run :meth:`PagedKVCache.catch_up` first: the method reads the host bookkeeping, which
     compiled decode steps leave behind the device's."""
@@ -82,7 +104,9 @@ class PagedKVCache:
             for a dense layer.
         batch_size: sequences held; each has its own length.
         num_kv_heads, head_dim: K/V shape per token.
-        dtype, device: of the page pools (float16, bfloat16 or float32).
+        dtype: of the page pools (float16, bfloat16 or float32).
+        device: of the page pools; None (the default): the current GPU when CUDA is available,
+            else the CPU.
         max_seq_len: the longest sequence; defaults to the pattern's. Required when dense.
         block_size: tokens per page; the pattern's block size (required when dense).
         num_pages: pages in the pool (per K and per V). Defaults to the most the pattern ever
@@ -125,21 +149,23 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cuda",
+        device: torch.device | str | None = None,
         max_seq_len: int | None = None,
         block_size: int | None = None,
         num_pages: int | None = None,
         static: bool = False,
     ):
-        check_int("batch_size", batch_size)
-        check_int("num_kv_heads", num_kv_heads)
-        check_int("head_dim", head_dim)
+        batch_size = check_int("batch_size", batch_size)
+        num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        head_dim = check_int("head_dim", head_dim)
+        if max_seq_len is not None:
+            max_seq_len = check_int("max_seq_len", max_seq_len)
         if dtype not in _SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         if pattern is None:
             if block_size is None or max_seq_len is None:
                 raise ValueError("a dense cache (pattern=None) needs block_size and max_seq_len")
-            check_int("block_size", block_size, 16)
+            block_size = check_int("block_size", block_size, 16)
             if block_size & (block_size - 1):
                 raise ValueError(f"block_size must be a power of two, got {block_size}")
         else:
@@ -165,17 +191,14 @@ class PagedKVCache:
                 raise ValueError(
                     f"max_seq_len={max_seq_len} exceeds the pattern's {pattern.max_seq_len}"
                 )
-        check_int("max_seq_len", max_seq_len)
+        max_seq_len = check_int("max_seq_len", max_seq_len)
 
         self.pattern = pattern
         self.batch_size = batch_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # Tensors report cuda:N; compare like with like.
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _pool_device(device)
         self.block_size = block_size
         self.max_seq_len = max_seq_len
         self.max_blocks = nb = math.ceil(max_seq_len / block_size)
@@ -191,8 +214,7 @@ class PagedKVCache:
 
         if num_pages is None:
             num_pages = self.default_num_pages()
-        check_int("num_pages", num_pages)
-        self.num_pages = num_pages
+        self.num_pages = num_pages = check_int("num_pages", num_pages)
         # One extra page at the end takes the writes of blocks that are not stored.
         shape = (num_pages + 1, block_size, head_dim)
         self.k_pages = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -973,7 +995,7 @@ class ModelKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cuda",
+        device: torch.device | str | None = None,
         max_seq_len: int | None = None,
         block_size: int | None = None,
         num_pages: int | None = None,
