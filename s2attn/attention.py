@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 from .custom_ops import _AttentionPlan, attention_forward, pattern_key
 from .pattern import BlockPattern
 from .precision import autocast_dtype, cast_inputs
-from .validation import check_cu_seqlens, check_softmax_scale, check_tensor
+from .validation import check_cu_seqlens, check_heads, check_softmax_scale, check_tensor
 
 __all__ = ["merge_partials", "sparse_attention", "sparse_attention_qkvpacked"]
 
@@ -71,20 +71,7 @@ def _validate(
         raise ValueError(f"k/v head dim {k.shape[-1]} differs from q's {head_dim}")
     if not _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}], got {head_dim}")
-    num_heads, num_kv_heads = q.shape[-2], k.shape[-2]
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads}) for GQA/MQA"
-        )
-    if pattern.num_heads == num_heads:
-        q_heads_per_pattern_head = 1
-    elif pattern.num_heads == num_kv_heads:
-        q_heads_per_pattern_head = num_heads // num_kv_heads
-    else:
-        raise ValueError(
-            f"pattern has {pattern.num_heads} heads; expected the q heads ({num_heads}) "
-            f"or the k/v heads ({num_kv_heads})"
-        )
+    q_heads_per_pattern_head = check_heads(q, k, pattern.num_heads)
 
     if varlen and torch.compiler.is_compiling():
         # Offsets are data: reading them here would break the graph. The operator reads the

@@ -8,7 +8,8 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 
-# Under the Triton interpreter tl.dot on bf16 operands returns garbage: bf16 runs on the GPU only.
+# bf16 kernels run on the GPU only: under the Triton interpreter bf16 calls compute in float32
+# (test_interpreter_bf16.py checks that), so a bf16 case there would test the float32 kernels.
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
 # Relative error (norm of the difference over the norm of the float32 reference) allowed per dtype.
