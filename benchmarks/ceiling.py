@@ -19,7 +19,7 @@ the share of the limit reached. The limits are measured here, on this GPU: a lar
 (``--gemm-size``) and a device-to-device copy (``--copy-gib``); ``--gemm-tflops`` and
 ``--bandwidth-gbs`` give them instead (e.g. on a CPU, ``--smoke``).
 
-    python benchmarks/ceiling.py --measured benchmarks/results/2026-11-22_h100_attention_main.json
+    python benchmarks/ceiling.py --measured docs/results/2026-11-26_h100_attention_main.json
     python benchmarks/ceiling.py --smoke --gemm-tflops 800 --bandwidth-gbs 3000   # CPU
 
 Writes ``<date>_<device>_ceiling.{md,json}`` to ``--out-dir``.

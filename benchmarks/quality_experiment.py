@@ -47,7 +47,7 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 # Validation text and needles, the same whatever --seed, so that runs of several seeds are
-# measured alike. 1: what the seed-0 runs in the README were measured on at the training length
+# measured alike. 1: what the seed-0 runs in docs/results.md were measured on at the training length
 # (their main phase ran with seed 1, and validation then followed the training seed).
 VAL_SEED = 1
 

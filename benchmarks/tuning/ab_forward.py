@@ -1,5 +1,5 @@
 """A/B of the forward (or forward+backward) between this tree's s2attn and another copy of the
-package: the A/B behind the "new/old" ratios of benchmarks/NOTES.md.
+package, the way docs/design.md compares two trees.
 
 Imports both in one process (the other as ``s2attn_base``, a copy of an older tree's s2attn/
 directory; the package uses relative imports only) and times them in alternating rounds, so

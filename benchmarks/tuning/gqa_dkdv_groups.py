@@ -1,6 +1,6 @@
 """Whole backward at 128k, GQA 32/8, V16, for dK/dV queue groupings (the Gluon dK/dV kernel's
-``heads_per_group``) and both GQA patterns (one per query head; one per KV group):
-benchmarks/NOTES.md, "open questions".
+``heads_per_group``) and both GQA patterns (one per query head; one per KV group): the dK/dV
+group rule of docs/design.md.
 
 Drives ``s2attn.ops.dispatch.backward`` directly, with a ``GluonDkdvConfig`` in its
 ``KernelOptions`` (``s2attn.ops.options``): it follows them when they change.
