@@ -2,7 +2,7 @@
 register spills and no serialized wgmma.
 
 Both slow a kernel without changing its results, so no exactness test sees them, and ptxas
-reports serialization only as an info line that Triton does not show (benchmarks/NOTES.md,
+reports serialization only as an info line that Triton does not show (docs/design.md,
 change 35: a loop with a branch around the step made ptxas serialize every wgmma of the dQ
 kernel, 2-5% slower). The build runs in a process of its own (``hopper_build.py``): under
 ``TRITON_INTERPRET=1``, which the CPU tests set, the kernels cannot be compiled.
@@ -22,7 +22,7 @@ import triton
 BUILD = Path(__file__).with_name("hopper_build.py")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 # Spill bytes (stores, loads) each build may have: the dim-128 dK/dV kernel spills a few scalars
-# in its entry loop, as it did when it landed (benchmarks/NOTES.md, change 15), and since its
+# in its entry loop, as it did when it landed (docs/design.md, #15), and since its
 # bulk-copy output (change 40) five more outside it, stored once per item (44 -> 64 bytes).
 SPILLS = {
     "forward-64": (0, 0),

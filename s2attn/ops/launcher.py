@@ -7,7 +7,7 @@ its cache key and launch metadata on every call: 40-50 µs per launch under cPro
 hosts here, for the decode kernel's 39 arguments, more than the kernel takes. :class:`Launcher`
 remembers the compiled kernel that Triton chose for a set of arguments and launches it directly
 when the same kind of arguments come again (a decode step's host time: 137 -> 121 µs, 2 x H200
-host; ``benchmarks/NOTES.md``, change 36).
+host; ``docs/design.md``, #36).
 
 What Triton specializes a compiled kernel on is a function of each argument's *value* for
 integers (its width, divisibility by 16, equality to 1), of a tensor's dtype and the 16-byte

@@ -1,6 +1,6 @@
 """The choices a caller may make about the kernels: which backend runs each pass, and how.
 
-Every default is what the measurements chose (benchmarks/NOTES.md), so ordinary calls pass
+Every default is what the measurements chose (docs/design.md), so ordinary calls pass
 nothing; tests and tuning sweeps pass a :class:`KernelOptions` to pin a backend, turn gathered KV
 tiles off or try other launch settings. Each kernel's settings are one frozen dataclass whose
 fields default to None, "the kernel's own default for this call's shape"; the launcher fills them

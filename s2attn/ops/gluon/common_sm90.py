@@ -449,7 +449,7 @@ def _step_for_rows(
     """(seen, masked) of a step (entries step * ENTRIES...) for the rows of
     ``_entry_for_rows``. Steps of two entries are seen while they hold one and masked when one
     is partial: a pair is rarely unseen or whole for one half of the tile, and testing both
-    cost more than it saved at dim 64 (benchmarks/NOTES.md, change 35)."""
+    cost more than it saved at dim 64 (docs/design.md, #35)."""
     if ENTRIES == 1:
         seen, masked = _entry_for_rows(
             partial_cols, partial_bits, partial_start, n_full, n_total, step, first_row, seq_k,

@@ -1,7 +1,7 @@
 """Warp-specialized forward for Hopper (sm_90), written in Gluon, and its launcher.
 
 The Triton forward (``ops/triton/forward.py``) serializes QK^T -> softmax -> PV inside each
-warpgroup and cannot be warp-specialized on sm_90 with Triton 3.6 (benchmarks/NOTES.md, changes 6
+warpgroup and cannot be warp-specialized on sm_90 with Triton 3.6 (docs/design.md, #6
 and 7). Gluon exposes what it needs: a one-warp *producer* partition walks the tile's entry list
 and issues the bulk tensor copies (TMA) of K and V into a ring of shared-memory buffers, and the
 *consumer* partition (two warpgroups, 64 query rows each) runs the MMAs asynchronously, so the
@@ -184,7 +184,7 @@ def _consumer(
             held = first  # the step whose PV is pending
             # Steps made of full entries only, then the rest, which may be skipped or masked. Two
             # loops: one with a branch around the step slowed the forward by 2-8% and made
-            # ptxas serialize the dQ kernel's MMAs (NOTES 35).
+            # ptxas serialize the dQ kernel's MMAs (docs/design.md, #35).
             full_end = gl.maximum(gl.minimum(n_full // ENTRIES, my_steps), first + 1)
             for step in range(first + 1, full_end):
                 p, acc, m_i, l_i = _softmax_step(
@@ -304,13 +304,13 @@ def _forward_kernel(
 
 
 # Repeat launches skip Triton's per-call binding: an 8k fwd+bwd is about as long on the host as on
-# the GPU (benchmarks/NOTES.md, Host time).
+# the GPU (docs/design.md, Host time).
 _FORWARD = Launcher(_forward_kernel)
 
 
 @functools.cache
 def default_config(head_dim: int) -> GluonForwardConfig:
-    """The measured launch per head dim (H100, benchmarks/NOTES.md, change 11).
+    """The measured launch per head dim (H100, docs/design.md, #11).
 
     Dim 128: one entry per step, q in registers, a ring of 4 KV tiles. Dim 64: the MMAs are half
     as long against the same softmax work, so two entries (128 keys) per step win (+9% at 32k);

@@ -527,7 +527,7 @@ def _dq_kernel(
 
 
 # Measured on H100 (benchmarks/tuning/sweep_kernels.py and sweep_tiles.py, 32k, V16, dim 128,
-# bf16; benchmarks/NOTES.md): 64x64 tiles with 4 warps and 2 stages were best for both kernels
+# bf16; docs/design.md): 64x64 tiles with 4 warps and 2 stages were best for both kernels
 # among 20 and 16 configurations; TMA loads help both; dK/dV is fastest with 4 heads interleaved,
 # dQ with one at a time. A_IN_REGS (MMA A operands kept in registers) measured slower in both.
 

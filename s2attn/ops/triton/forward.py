@@ -152,7 +152,7 @@ def _attend_entries(
     PAIR (unmasked loop, pointer loads) gathers two entries' KV tiles into one 2*BLOCK_N-wide
     tile: wider MMAs and half the accumulator rescales, without the waste of 2*BLOCK_N-wide
     layout tiles on the pattern's lone stride blocks. Off by default: it needs 8 warps to fit
-    and measured slower on H100 (benchmarks/NOTES.md).
+    and measured slower on H100 (docs/design.md).
     """
     ACC = acc.dtype
     if PAIR and not GATHER:
@@ -391,7 +391,7 @@ def _forward_kernel(
 
 @functools.cache
 def default_config(head_dim: int, dtype: torch.dtype) -> TritonForwardConfig:
-    """The measured launch for a head dim and dtype (benchmarks/NOTES.md has the measurements).
+    """The measured launch for a head dim and dtype (docs/design.md has the measurements).
 
     H100, 32k, V16, dim 128, bf16 (benchmarks/tuning/sweep_tiles.py): 4 warps and 2 stages beat
     8 warps / 3 stages by 10% at 128x64 tiles; deeper pipelines lost. K/V through bulk tensor
