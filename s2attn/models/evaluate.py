@@ -630,7 +630,16 @@ def run(args: argparse.Namespace) -> int:
         )
     corpus = SourceCorpus(roots, split="val", val_fraction=val_fraction)
 
-    model = LlamaForCausalLM.from_pretrained(model_dir)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    if args.no_progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = LlamaForCausalLM.from_pretrained(model_dir)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     autocast_dtype = None
     if device == "cpu":
         model = model.float()
