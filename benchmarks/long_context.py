@@ -40,11 +40,12 @@ Time: ``--deadline SECONDS`` bounds the invocation. A training job starts only w
 ``--min-job-s`` remain, and gets ``--time-limit`` = the time left minus ``--margin-s``, so it
 stops with a checkpoint before the deadline; an evaluation starts only if its estimate (its
 tokens at three times the model's training speed, plus start-up) fits; whatever still runs at
-the deadline is stopped. The same command again (same ``--runs``) resumes unfinished training
-jobs (``--resume``), reruns unfinished evaluations and skips finished jobs. On the GPU, in calls
-of at most ten minutes on the same machine::
+the deadline is stopped (SIGINT, as Ctrl-C; so is every job when this script is interrupted or
+terminated). The same command again (same ``--runs``) resumes unfinished training jobs
+(``--resume``), reruns unfinished evaluations and skips finished jobs; ``--until PHASE`` leaves
+the later phases out. On the GPU, in calls of at most ten minutes on the same machine::
 
-    python benchmarks/long_context.py --runs runs/long --gpus 0,1,2,3 --seeds 0,1 --deadline 540
+    python benchmarks/long_context.py --runs /tmp/long --gpus 0,1,2,3 --seeds 0,1 --deadline 540
 
 repeated until it prints "all jobs done" (``--dry-run`` lists the jobs and their commands). On
 the CPU, the whole pipeline at toy sizes (tiny preset, 128 -> 256 -> 512 -> 1024 tokens)::
@@ -76,9 +77,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from run_info import environment, result_stem, table, versions_line
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's s2attn, installed or not
+
+from run_info import environment, result_stem, table, versions_line  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # name -> extra arguments of `s2attn train` (formatted with {len}, {scale}, {theta}).
@@ -289,9 +292,9 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
                 evaluation(trains[-1], p["len"])
                 previous[v] = (trains[-1].name, out)
     order = {name: i for i, name in enumerate(("base1k", *PHASES))}
-    trains.sort(key=lambda j: (order[j.phase], j.seed))
-    evals.sort(key=lambda j: (order[j.phase], j.seed))
-    return trains + evals
+    jobs = [j for j in trains + evals if order[j.phase] <= order[o.until]]
+    # Training first (it leads to the next phase), earlier phases first; sorted() is stable.
+    return sorted(jobs, key=lambda j: (j.kind == "eval", order[j.phase], j.seed))
 
 
 # ------------------------------------------------------------------------------ the scheduler
@@ -376,10 +379,10 @@ class Scheduler:
         env = dict(self.env, CUDA_VISIBLE_DEVICES="" if self.o.smoke else slot)
         with log.open("a") as f:
             f.write(f"\n$ {shlex.join(cmd)}\n")
-        # A session of its own, so that stopping it stops whatever it started too.
-        proc = subprocess.Popen(
-            cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            f.flush()
+            # In this process's group (no session of its own): whatever ends this process
+            # from outside ends the jobs too, so none trains on unwatched.
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         self.running[job.name] = (proc, slot, time.monotonic())
         what = "resuming" if "--resume" in cmd else "starting"
         limit = "" if time_limit is None else f", time limit {time_limit:.0f} s"
@@ -412,12 +415,12 @@ class Scheduler:
         for name, (proc, _, _) in list(self.running.items()):
             if proc.poll() is None:
                 self.say(f"{name}: stopping it ({why})")
-                os.killpg(proc.pid, signal.SIGINT)
+                proc.send_signal(signal.SIGINT)
         for name, (proc, _, _) in list(self.running.items()):
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
                 proc.wait()
             del self.running[name]
             self.finished.add(name)
@@ -800,6 +803,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="start no training job with less time left than this (90)",
     )
     add("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
+    add(
+        "--until",
+        choices=PHASES,
+        default=PHASES[-1],
+        help="plan the jobs up to this phase only (default 128k: all)",
+    )
     add("--report-only", action="store_true", help="tabulate and plot the runs; run nothing")
     add("--dry-run", action="store_true", help="list the jobs and their commands; run nothing")
     add("--smoke", action="store_true", help="CPU: tiny preset, toy lengths, a few steps")
@@ -829,7 +838,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not o.gpus:
         ap.error("--gpus: at least one GPU")
 
-    sys.path.insert(0, str(ROOT))
     from s2attn.models.hhst import PRESETS
 
     if o.preset not in PRESETS:
@@ -864,6 +872,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return o
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # through the scheduler's clean-up, which stops the jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     o = parse(argv)
     jobs = plan_jobs(o)
@@ -883,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
             env.pop("TRITON_INTERPRET", None)
             env["OMP_NUM_THREADS"] = "1"
         o.runs.mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGTERM, _terminated)
         Scheduler(jobs, o, env).run()
     report(jobs, o)
     return 0
