@@ -51,7 +51,7 @@ SMALL = [
     "--no-progress",
 ]
 # Everything but time varies with the weights; time fields differ run to run.
-_TIMING = ("tokens_per_s", "elapsed_s", "max_mem_gib")
+_TIMING = ("tokens_per_s", "elapsed_s", "max_mem_gib", "step_s")
 
 
 def _s2_layers_on_reference(mp: pytest.MonkeyPatch) -> None:
@@ -492,7 +492,7 @@ def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_r
         # Another preset's weights: tiny's trained run into a model of other width.
         extra = ["--init-from", str(trained), "--preset", "small", "--seq-len", "64",
                  "--batch-size", "1"]  # fmt: skip
-        message = "its weights do not fit this model"
+        message = "holds another architecture: num_hidden_layers 2 there, 6 here; hidden_size"
     before = _snapshot(out)
     with pytest.raises(ValueError, match=message) as info:
         train.run(_args(out, root, *extra))

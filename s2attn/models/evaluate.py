@@ -12,10 +12,18 @@ Three functions serve training and the ``s2attn eval`` command alike:
 
 Every function takes any callable model that maps ``(batch, seq)`` int64 token ids to an object
 with ``.logits`` of shape ``(batch, seq, vocab)`` (a transformers causal LM, or a stub in tests).
+A transformers causal LM is run as its decoder, and its output head applied to at most
+``_LOGIT_ROWS`` positions at a time (the needle answers' only, for retrieval), so no
+``(batch, seq, vocab)`` float32 tensor is ever made at long lengths.
 
 ``python -m s2attn eval DIR`` (:func:`add_arguments`, :func:`run`) loads a model saved by
 ``s2attn train``, reports its validation bits per byte and, with ``--needle``, its retrieval
-accuracy over a grid of context lengths and needle depths, written as JSON and a heat map.
+accuracy over a grid of context lengths and needle depths, written as JSON and a heat map. At long
+lengths it reads one sequence per forward pass (``--batch-size`` defaults to the run's, capped at
+``_BATCH_TOKENS`` tokens a pass), and before loading anything it estimates the memory its
+largest forward pass needs (:func:`forward_memory`): one that cannot fit the device's free
+memory is refused with that figure. It prints its own wall time (and on CUDA the peak memory
+next to the estimate).
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import random
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,9 +45,11 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .data import NeedleSample, SourceCorpus, TokenStream, make_needle_sample, needle_filler
+from .hhst import parameter_count
 
 __all__ = [
     "add_arguments",
+    "forward_memory",
     "needle_accuracy",
     "needle_samples",
     "plot_needle_heatmaps",
@@ -50,6 +62,11 @@ __all__ = [
 # with the data module's default key and value lengths.
 _KEY_LEN, _VALUE_LEN = 4, 6
 _NEEDLE_OVERHEAD = 2 * (2 + _KEY_LEN + _VALUE_LEN)
+# Positions whose logits exist at once: (8192, vocab) float32 is a few MiB for bytes, while a
+# (batch, 128k, vocab) float32 tensor would be GiBs for a larger vocabulary.
+_LOGIT_ROWS = 8192
+# Tokens a forward pass of `s2attn eval` reads by default: one sequence from 32k tokens on.
+_BATCH_TOKENS = 32768
 
 
 # ------------------------------------------------------------------------ shared functions
@@ -77,6 +94,53 @@ def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     if isinstance(model, PreTrainedModel):
         return model(input_ids, use_cache=False).logits
     return model(input_ids).logits
+
+
+def _decoder_and_head(model):
+    """(decoder, output head) of a transformers causal LM whose logits are the head applied to
+    the decoder's last hidden state (Llama and its kin); None for anything else."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    decoder, head = model.base_model, model.get_output_embeddings()
+    if decoder is model or not isinstance(head, torch.nn.Linear):
+        return None
+    if getattr(model.config, "final_logit_softcapping", None):
+        return None
+    return decoder, head
+
+
+def _hidden(decoder, input_ids: torch.Tensor) -> torch.Tensor:
+    return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+def _sum_cross_entropy(model, batch: torch.Tensor) -> float:
+    """Summed next-token cross-entropy (nats) of ``batch`` (``(b, n + 1)`` ids), in float32, with
+    at most ``_LOGIT_ROWS`` positions' logits at a time where the model allows it."""
+    inputs, targets = batch[:, :-1], batch[:, 1:].flatten()
+    split = _decoder_and_head(model)
+    if split is None:
+        logits = _logits(model, inputs)
+        # The loss in float32 whatever the model computes in: bf16 logits would round it.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum").item()
+    decoder, head = split
+    hidden = _hidden(decoder, inputs).flatten(0, 1)
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for first in range(0, hidden.shape[0], _LOGIT_ROWS):
+        rows = slice(first, first + _LOGIT_ROWS)
+        total += F.cross_entropy(head(hidden[rows]).float(), targets[rows], reduction="sum")
+    return total.item()
+
+
+def _predictions(model, tokens: torch.Tensor, positions: list[slice]) -> list[torch.Tensor]:
+    """Greedy next-token predictions of ``model`` reading ``tokens`` (``(b, n)``): for row ``r``
+    the argmax at ``positions[r]``."""
+    split = _decoder_and_head(model)
+    if split is None:
+        predicted = _logits(model, tokens).argmax(dim=-1)
+        return [predicted[r, where] for r, where in enumerate(positions)]
+    decoder, head = split
+    hidden = _hidden(decoder, tokens)
+    return [head(hidden[r, where]).argmax(dim=-1) for r, where in enumerate(positions)]
 
 
 def _check_batch(batch: object, what: str) -> None:
@@ -123,11 +187,7 @@ def validation_bpb(
     with _evaluating(model, device, autocast_dtype):
         for batch in batches:
             batch = batch.to(device=device, dtype=torch.int64)
-            logits = _logits(model, batch[:, :-1])
-            # The loss in float32 whatever the model computes in: bf16 logits would round it.
-            total_nats += F.cross_entropy(
-                logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"
-            ).item()
+            total_nats += _sum_cross_entropy(model, batch)
             tokens += batch[:, 1:].numel()
     return total_nats / tokens / math.log(2)
 
@@ -178,12 +238,53 @@ def needle_accuracy(
             for first in range(0, len(group), batch_size):
                 chunk = group[first : first + batch_size]
                 tokens = torch.stack([s.tokens for s in chunk]).to(device=device, dtype=torch.int64)
-                predicted = _logits(model, tokens[:, :-1]).argmax(dim=-1)
+                guesses = [
+                    slice(s.answer_start - 1, s.answer_start + s.answer_len - 1) for s in chunk
+                ]
+                predicted = _predictions(model, tokens[:, :-1], guesses)
                 for row, s in enumerate(chunk):
                     answer = slice(s.answer_start, s.answer_start + s.answer_len)
-                    guess = slice(s.answer_start - 1, s.answer_start + s.answer_len - 1)
-                    correct += bool(torch.equal(predicted[row, guess], tokens[row, answer]))
+                    correct += bool(torch.equal(predicted[row], tokens[row, answer]))
     return correct / len(samples)
+
+
+def forward_memory(config, tokens: int, *, weight_bytes: int = 4, activation_bytes: int = 2) -> int:
+    """Estimated peak bytes of a no-grad forward pass of a transformers Llama model of
+    ``config`` over ``tokens`` tokens (batch times length), logits as :func:`validation_bpb`
+    makes them: the weights, the float32 residual stream, the larger of one layer's attention
+    and MLP intermediates (q and k rotated in float32, as transformers' RoPE leaves them under
+    autocast), the RoPE table and one chunk of logits, plus a quarter for the allocator's
+    fragmentation and temporaries. Attention itself is taken to need memory linear in the length
+    (SDPA's flash or memory-efficient kernels, s2attn's kernels).
+
+    Args:
+        config: the model's config.
+        tokens: tokens of the largest forward pass.
+        weight_bytes: bytes per weight (4: float32 master weights).
+        activation_bytes: bytes per activation element (2 under bf16 autocast, 4 in float32).
+    """
+    text = config.get_text_config(decoder=True)
+    h, f, v = text.hidden_size, text.intermediate_size, text.vocab_size
+    head_dim = getattr(text, "head_dim", None) or h // text.num_attention_heads
+    q = text.num_attention_heads * head_dim
+    kv = text.num_key_value_heads * head_dim
+    residual = 2 * 4 * h
+    attention = activation_bytes * (2 * q + 2 * kv + h) + 3 * 4 * (q + kv)
+    mlp = activation_bytes * (4 * f + h)
+    per_token = residual + max(attention, mlp) + 2 * 4 * head_dim
+    logits = min(tokens, _LOGIT_ROWS) * v * (activation_bytes + 8)
+    weights = parameter_count(config) * weight_bytes
+    return int(1.25 * (weights + tokens * per_token + logits))
+
+
+def _free_memory(device: str) -> int | None:
+    """Bytes free for a new allocation on ``device``; None where that is unknown."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_depths(depths: Sequence[float]) -> list[float]:
@@ -394,7 +495,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         default=None,
-        help="sequences per forward pass (default: run.json's, else 8)",
+        help="sequences per forward pass (default: run.json's, else 8, capped at "
+        f"{_BATCH_TOKENS} tokens a pass: 1 from {_BATCH_TOKENS} tokens on)",
     )
     parser.add_argument(
         "--seed",
@@ -477,6 +579,7 @@ def run(args: argparse.Namespace) -> int:
     """``s2attn eval``: print bits per byte (and the needle grid), write ``--out``. Every
     argument is checked, and the model's context limit read, before any model or data is
     loaded."""
+    started = time.perf_counter()
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -496,7 +599,6 @@ def run(args: argparse.Namespace) -> int:
 
     seq_len = args.seq_len or record.get("seq_len") or limit
     seed = args.seed if args.seed is not None else int(record.get("seed", 0))
-    batch_size = args.batch_size or int(record.get("batch_size", 8))
     val_batches = (
         args.val_batches if args.val_batches is not None else int(record.get("val_batches", 4))
     )
@@ -508,6 +610,10 @@ def run(args: argparse.Namespace) -> int:
     roots = args.data_root or record.get("data_root") or record.get("data_roots") or None
     lengths = args.lengths or [seq_len]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    longest = max([seq_len, *lengths]) if args.needle else seq_len
+    batch_size = args.batch_size or max(
+        1, min(int(record.get("batch_size", 8)), _BATCH_TOKENS // longest)
+    )
     _positive("--batch-size", batch_size)
     _positive("--val-batches", val_batches, allow_zero=True)
     _positive("--samples", args.samples)
@@ -529,6 +635,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device is available")
     if args.out is not None and args.out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {str(args.out)!r}")
+    # Weights as saved (float32 master weights, or bf16: 4 bytes bounds both); float32 weights
+    # run under bf16 autocast on CUDA, as training ran, and in float32 on the CPU.
+    needed = forward_memory(
+        config, batch_size * longest, weight_bytes=4, activation_bytes=4 if device == "cpu" else 2
+    )
+    free = _free_memory(device)
+    if free is not None and needed > free:
+        raise ValueError(
+            f"evaluating {batch_size} x {longest} tokens a forward pass needs about "
+            f"{needed / 2**30:.2f} GiB on {device}, and {free / 2**30:.2f} GiB is free: lower "
+            "--batch-size (1 reads one sequence a pass), --seq-len or --lengths"
+        )
     corpus = SourceCorpus(roots, split="val", val_fraction=val_fraction)
     # Bars in a log file are lines of carriage returns: only on a terminal.
     progress = not args.no_progress and sys.stderr.isatty()
@@ -541,6 +659,8 @@ def run(args: argparse.Namespace) -> int:
     elif next(model.parameters()).dtype == torch.float32:
         autocast_dtype = torch.bfloat16  # float32 master weights: evaluate as training ran
     model.to(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     title = " ".join(str(record[k]) for k in ("variant", "preset") if record.get(k))
     title = title or model_dir.name
     print(
@@ -591,6 +711,19 @@ def run(args: argparse.Namespace) -> int:
             ),
         )
         _print_grid(result["accuracy"])
+    result.update(
+        batch_size=batch_size,
+        memory_estimate_gib=needed / 2**30,
+        wall_s=time.perf_counter() - started,
+    )
+    memory = f"estimated {needed / 2**30:.2f} GiB"
+    if device == "cuda":
+        result["max_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        memory = f"peak {result['max_mem_gib']:.2f} GiB, {memory}"
+    print(
+        f"eval time: {result['wall_s']:.1f} s ({batch_size} sequence(s) a forward pass; "
+        f"memory {memory})"
+    )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

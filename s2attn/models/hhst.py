@@ -19,6 +19,8 @@ homo       the dense layers of ``hhst``, the others S2 with every head on the sa
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,9 +31,25 @@ from ..integrations import transformers as s2hf
 from ..pattern import local_stride_pattern
 from .data import VOCAB_SIZE
 
-__all__ = ["PRESETS", "VARIANTS", "Preset", "build_model", "model_config", "model_summary"]
+__all__ = [
+    "PRESETS",
+    "ROPE_SCALINGS",
+    "VARIANTS",
+    "Preset",
+    "build_model",
+    "model_config",
+    "model_summary",
+    "parameter_count",
+    "rope_settings",
+]
 
 VARIANTS = ("dense", "hhst", "s2", "local", "homo")
+# RoPE position schemes: "none" rotates by the positions themselves (base ``rope_theta``);
+# "linear" divides the positions by ``rope_factor`` (position interpolation).
+ROPE_SCALINGS = ("none", "linear")
+# transformers >= 5 takes the RoPE settings as one ``rope_parameters`` dict; before, as
+# ``rope_theta`` and a ``rope_scaling`` dict.
+_ROPE_PARAMETERS = "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ class Preset:
     needle_edge_fraction: float = 0.0
     answer_weight: float = 1.0
     vocab_size: int = VOCAB_SIZE
+    rope_theta: float = 10000.0
 
     @property
     def head_dim(self) -> int:
@@ -119,6 +138,33 @@ PRESETS: dict[str, Preset] = {
         needle_edge_fraction=0.1,
         answer_weight=10.0,
     ),
+    # The long-context model a size up (~113M parameters): 12 layers of hidden 768, 12 heads of
+    # 64, one KV head per query head (a GQA group shares one pattern, so fewer KV heads than the
+    # stride's 8 residues would leave blocks no head reads). The small preset's S2 pattern, and
+    # its share of dense layers (2 of 12), both in the middle: copying needs S2 layers below the
+    # dense layer that copies.
+    "medium": Preset(
+        num_layers=12,
+        hidden_size=768,
+        num_heads=12,
+        num_kv_heads=12,
+        intermediate_size=3072,
+        seq_len=4096,
+        block_size=64,
+        local_blocks=4,
+        vert_stride=8,
+        dense_layers=(4, 8),
+        batch_size=8,
+        steps=2000,
+        lr=6e-4,
+        warmup_steps=200,
+        val_every=250,
+        val_batches=8,
+        needle_fraction=0.5,
+        needles_per_sample=1,
+        needle_edge_fraction=0.1,
+        answer_weight=10.0,
+    ),
 }
 
 
@@ -172,6 +218,9 @@ def model_config(
     dense_layers: Sequence[int] | None = None,
     vert_stride: int | None = None,
     local_blocks: int | None = None,
+    rope_theta: float | None = None,
+    rope_scaling: str = "none",
+    rope_factor: float = 1.0,
 ) -> LlamaConfig:
     """The transformers config of ``variant`` at ``preset``'s shape.
 
@@ -185,6 +234,9 @@ def model_config(
         dense_layers: indices of the dense layers of hhst, local and homo; defaults to the
             preset's.
         vert_stride, local_blocks: override the preset's S2 pattern.
+        rope_theta: the RoPE base; defaults to the preset's.
+        rope_scaling, rope_factor: one of :data:`ROPE_SCALINGS`; with ``"linear"``, positions
+            are divided by ``rope_factor`` (>= 1) before the rotation.
     """
     if isinstance(preset, str):
         if preset not in PRESETS:
@@ -203,6 +255,9 @@ def model_config(
             local_blocks=local_blocks or preset.local_blocks,
         )
     dense = tuple(preset.dense_layers if dense_layers is None else dense_layers)
+    rope = _rope_arguments(
+        preset.rope_theta if rope_theta is None else rope_theta, rope_scaling, rope_factor
+    )
     config = LlamaConfig(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
@@ -217,6 +272,7 @@ def model_config(
         eos_token_id=None,
         pad_token_id=None,
         attn_implementation="sdpa",
+        **rope,
     )
     if variant == "dense":
         return config
@@ -253,6 +309,61 @@ def model_config(
     return config
 
 
+def _rope_arguments(theta: float, scaling: str, factor: float) -> dict:
+    """``LlamaConfig`` keyword arguments for these RoPE settings, in the installed transformers'
+    form."""
+    if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+        raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
+    if scaling not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling must be one of {list(ROPE_SCALINGS)}, got {scaling!r}")
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
+        raise ValueError(f"rope_factor must be a number >= 1, got {factor!r}")
+    if scaling == "none" and factor != 1:
+        raise ValueError(f"rope_factor {factor} needs rope_scaling 'linear'")
+    theta = float(theta)
+    if _ROPE_PARAMETERS:
+        parameters = {"rope_type": "default", "rope_theta": theta}
+        if scaling == "linear":
+            parameters.update(rope_type="linear", factor=float(factor))
+        return {"rope_parameters": parameters}
+    legacy: dict = {"rope_theta": theta}
+    if scaling == "linear":
+        legacy["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return legacy
+
+
+def rope_settings(config) -> dict:
+    """The RoPE settings of a model config (any transformers version), as
+    ``{"rope_theta": float, "rope_scaling": "none" | "linear", "rope_factor": float}``.
+
+    Raises ``ValueError`` for a scheme other than plain RoPE and linear interpolation."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    parameters = getattr(text, "rope_parameters", None) or {}
+    legacy = getattr(text, "rope_scaling", None) or {}
+    theta = parameters.get("rope_theta", getattr(text, "rope_theta", None))
+    scheme = parameters if "rope_type" in parameters else legacy
+    kind = scheme.get("rope_type", scheme.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ValueError(f"RoPE type {kind!r} is not supported here (only default and linear)")
+    return {
+        "rope_theta": float(theta if theta is not None else 10000.0),
+        "rope_scaling": "linear" if kind == "linear" else "none",
+        "rope_factor": float(scheme.get("factor", 1.0)) if kind == "linear" else 1.0,
+    }
+
+
+def parameter_count(config) -> int:
+    """Parameters of a model of ``config`` (the output head tied to the embedding)."""
+    text = config.get_text_config(decoder=True)
+    h, f, v = text.hidden_size, text.intermediate_size, text.vocab_size
+    head_dim = getattr(text, "head_dim", None) or h // text.num_attention_heads
+    q = text.num_attention_heads * head_dim
+    kv = text.num_key_value_heads * head_dim
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h
+    untied = 0 if text.tie_word_embeddings else v * h
+    return text.num_hidden_layers * per_layer + v * h + h + untied
+
+
 def build_model(config: LlamaConfig, *, seed: int = 0) -> LlamaForCausalLM:
     """A freshly initialised model of ``config``; the same seed gives the same weights for every
     variant (they have the same parameters)."""
@@ -271,15 +382,12 @@ def model_summary(config: LlamaConfig, seq_len: int | None = None) -> dict:
     for i in range(len(layer_types)):
         pattern = s2hf.layer_pattern(text, i) if settings else None
         densities.append(1.0 if pattern is None else round(pattern.density(seq_len), 4))
-    h, f, v = text.hidden_size, text.intermediate_size, text.vocab_size
-    kv = text.num_key_value_heads * text.head_dim
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-    params = text.num_hidden_layers * per_layer + v * h + h
     return {
-        "parameters": params,
+        "parameters": parameter_count(config),
         "layer_types": layer_types,
         "layer_density": densities,
         "mean_density": round(sum(densities) / len(densities), 4),
         "seq_len": seq_len,
+        "rope": rope_settings(text),
         "s2attn": settings,
     }

@@ -35,6 +35,17 @@ early with a checkpoint of the step just completed and print the command that fi
 input is checked, and the data listed, before anything is written; an output directory that
 holds another run, a ``--resume`` with no checkpoint to resume from, and a directory that
 another ``train`` process is using (a lock on ``train.lock`` inside it) are refused.
+
+Long context: a run at a longer ``--seq-len`` starts from a shorter run's model with
+``--init-from DIR``; its patterns and RoPE table cover ``--max-seq-len`` (default ``--seq-len``).
+The source must have the same architecture (layers, hidden and MLP sizes, heads, KV heads,
+vocabulary: the differing fields are listed otherwise); its variant may differ, since the
+variants share every weight. ``--rope-theta`` sets the RoPE base, ``--rope-scaling linear
+--rope-factor F`` divides positions by F (position interpolation); unset, they are the source
+model's with ``--init-from``, else the preset's (base 10000, no scaling). The saved
+``config.json`` records them, so ``s2attn eval`` loads the extended model as trained. Every
+metrics row also holds ``step_s`` (training seconds per step), and the run ends with a line of
+its steps, tokens, training time, tokens/s, step time and peak GPU memory.
 """
 
 from __future__ import annotations
@@ -132,6 +143,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. one trained at a shorter --seq-len), with a fresh optimizer and schedule",
     )
     add("--seq-len", type=int, help="training context length in tokens")
+    add(
+        "--rope-theta",
+        type=float,
+        help="RoPE base (default: the --init-from model's, else the preset's, 10000)",
+    )
+    add(
+        "--rope-scaling",
+        choices=hhst.ROPE_SCALINGS,
+        help="RoPE position scheme: none, or linear (positions divided by --rope-factor: "
+        "position interpolation); default: the --init-from model's, else none",
+    )
+    add(
+        "--rope-factor",
+        type=float,
+        help="divisor of the positions under --rope-scaling linear (>= 1)",
+    )
     add(
         "--max-seq-len",
         type=int,
@@ -286,6 +313,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         return default if value is None else value
 
     seq_len = pick(args.seq_len, preset.seq_len)
+    rope = _rope_options(args, preset)
     options = dict(
         preset=args.preset,
         variant=args.variant,
@@ -309,6 +337,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
         needle_edge_fraction=float(pick(args.needle_edge_fraction, preset.needle_edge_fraction)),
         answer_weight=float(pick(args.answer_weight, preset.answer_weight)),
         init_from=None if args.init_from is None else str(Path(args.init_from).resolve()),
+        **rope,
         data_root=None,  # filled in once the corpus has resolved the roots
         val_fraction=float(args.val_fraction),
         val_every=pick(args.val_every, preset.val_every),
@@ -347,7 +376,53 @@ def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
 
 # Options added after runs were recorded without them: the value that reproduces those runs
 # (None where no single value does: validation then read the text of the run's own seed).
-_ADDED_OPTIONS = {"needle_edge_fraction": 0.0, "val_seed": None}
+_ADDED_OPTIONS = {
+    "needle_edge_fraction": 0.0,
+    "val_seed": None,
+    "rope_theta": 10000.0,
+    "rope_scaling": "none",
+    "rope_factor": 1.0,
+}
+
+
+def _rope_options(args: argparse.Namespace, preset: hhst.Preset) -> dict:
+    """The run's RoPE settings: those given, the rest the --init-from model's (so that a phase
+    extended from it keeps its positions unless told otherwise), else the preset's."""
+    inherited = {"rope_theta": preset.rope_theta, "rope_scaling": "none", "rope_factor": 1.0}
+    if args.init_from is not None:
+        try:
+            inherited = hhst.rope_settings(_source_config(args.init_from))
+        except ValueError as exc:
+            raise ValueError(f"--init-from {str(args.init_from)!r}: {exc}") from None
+    theta = inherited["rope_theta"] if args.rope_theta is None else args.rope_theta
+    scaling = args.rope_scaling or inherited["rope_scaling"]
+    factor = args.rope_factor
+    if factor is None:
+        factor = inherited["rope_factor"] if scaling == inherited["rope_scaling"] else None
+    if not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"--rope-theta must be a positive number, got {theta}")
+    if scaling == "none":
+        if factor not in (None, 1.0):
+            raise ValueError(f"--rope-factor {factor} needs --rope-scaling linear")
+        factor = 1.0
+    elif factor is None:
+        raise ValueError("--rope-scaling linear needs --rope-factor (the positions' divisor)")
+    elif not (math.isfinite(factor) and factor >= 1):
+        raise ValueError(f"--rope-factor must be a number >= 1, got {factor}")
+    return {"rope_theta": float(theta), "rope_scaling": scaling, "rope_factor": float(factor)}
+
+
+def _source_config(path: Path | str):
+    """The config of the model saved in ``path`` (by ``save_pretrained``)."""
+    from transformers import LlamaConfig
+
+    for name in ("model.safetensors", "config.json"):
+        if not (Path(path) / name).is_file():
+            raise ValueError(
+                f"--init-from {str(path)!r}: no {name} there (a directory this command saved "
+                "its final model into)"
+            )
+    return LlamaConfig.from_pretrained(path)
 
 
 def _comparable(options: dict) -> dict:
@@ -418,6 +493,8 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         preset, options["variant"], seq_len=options["seq_len"],
         max_seq_len=options["max_seq_len"], dense_layers=dense,
         vert_stride=options["vert_stride"], local_blocks=options["local_blocks"],
+        rope_theta=options["rope_theta"], rope_scaling=options["rope_scaling"],
+        rope_factor=options["rope_factor"],
     )  # fmt: skip
     roots = [Path(r) for r in args.data_root] if args.data_root else None
     if roots:
@@ -508,13 +585,44 @@ def _lock(out: Path):
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+# What must agree between an --init-from model and the run's: every weight's shape follows
+# from them. The attention pattern, lengths and RoPE settings may differ.
+_ARCHITECTURE = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
 
 
 def _initial_weights(path: str, config) -> dict:
     """The state dict saved in ``path`` (by ``save_pretrained``), checked against a model of
-    ``config``: the same parameter names and shapes (a tied output head may be absent)."""
+    ``config``: the same architecture, parameter names and shapes (a tied output head may be
+    absent)."""
     from safetensors.torch import load_file
 
+    source = _source_config(path).get_text_config(decoder=True)
+    target = config.get_text_config(decoder=True)
+    differ = [
+        f"{name} {getattr(source, name, None)} there, {getattr(target, name, None)} here"
+        for name in _ARCHITECTURE
+        if getattr(source, name, None) != getattr(target, name, None)
+    ]
+    if differ:
+        trained = ""
+        try:
+            preset = json.loads((Path(path) / _RUN_FILE).read_text())["options"]["preset"]
+            trained = f" ({preset})"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a model saved by other means: no run record to name its preset
+        raise ValueError(
+            f"--init-from {path!r} holds another architecture: {'; '.join(differ)}. "
+            f"Use the --preset it was trained with{trained}"
+        )
     weights = Path(path) / "model.safetensors"
     if not weights.is_file():
         raise ValueError(f"--init-from {path!r}: no model.safetensors there (a directory this "
@@ -531,6 +639,23 @@ def _initial_weights(path: str, config) -> dict:
                          f"{missing[:3]}, unexpected {extra[:3]}, other shapes {wrong[:3]}); "
                          "use the same --preset")  # fmt: skip
     return state
+
+
+def _initial_model(plan: _Plan):
+    """The model a run starts from: fresh weights of its seed, or (not resuming) the --init-from
+    model's. Every S2 and RoPE setting lives in the config, so the weights carry over between
+    lengths and between variants of one preset; the tied head is the embedding, loaded with it."""
+    model = hhst.build_model(plan.config, seed=plan.options["seed"])
+    if plan.initial_weights is not None and plan.resume_from is None:
+        result = model.load_state_dict(plan.initial_weights, strict=False)
+        tied = {"lm_head.weight"} if plan.config.tie_word_embeddings else set()
+        missing = sorted(set(result.missing_keys) - tied)
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"--init-from: weights missing {missing[:3]}, unexpected "
+                f"{result.unexpected_keys[:3]}"
+            )
+    return model
 
 
 def _train_stream(options: dict, corpus: SourceCorpus) -> TokenStream:
@@ -766,6 +891,31 @@ def _plot_curves(metrics_path: Path, out_path: Path, title: str, needle_rows: bo
     plt.close(fig)
 
 
+def _run_summary(metrics_path: Path, progress: _Progress, device: torch.device) -> str:
+    """One line on the run so far, over all its processes: steps and tokens, and from the logged
+    rows the training seconds (steps only: validation and checkpoints left out), tokens/s,
+    seconds per step and peak GPU memory."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "tokens_per_s" in r]
+    line = f"summary: {progress.step} steps, {progress.tokens} tokens"
+    if not rows:
+        return line
+    train_s, tokens = 0.0, 0
+    for r in rows:
+        train_s += (r["tokens"] - tokens) / max(r["tokens_per_s"], 1e-9)
+        tokens = r["tokens"]
+    peak = max((r["max_mem_gib"] for r in rows if "max_mem_gib" in r), default=None)
+    memory = "n/a on the CPU"
+    if device.type == "cuda":
+        memory = f"{max(peak or 0.0, torch.cuda.max_memory_allocated(device) / 2**30):.2f} GiB"
+    step_s = train_s / max(rows[-1]["step"], 1)
+    return (
+        f"{line}; {train_s:.1f} s of training steps (to step {rows[-1]['step']}), "
+        f"{tokens / max(train_s, 1e-9):.4g} tokens/s, {step_s:.3g} s/step, "
+        f"peak GPU memory {memory}"
+    )
+
+
 def _save_model(model, out: Path) -> None:
     """``save_pretrained`` without transformers' one-shard progress bar in the run's output."""
     from transformers.utils import logging as hf_logging
@@ -896,11 +1046,7 @@ def _train(plan: _Plan, started: float, ctrl_c: _CtrlC) -> int:
 
     torch.manual_seed(opts["seed"])
     random.seed(opts["seed"])
-    model = hhst.build_model(plan.config, seed=opts["seed"])
-    if plan.initial_weights is not None and plan.resume_from is None:
-        # Every S2 setting lives in the config, so the weights carry over between lengths and
-        # between variants of one preset; the tied head is the embedding, loaded with it.
-        model.load_state_dict(plan.initial_weights, strict=False)
+    model = _initial_model(plan)
     if opts["precision"] == "bf16":
         model.to(torch.bfloat16)
     model.to(device)
@@ -1005,6 +1151,7 @@ def _train(plan: _Plan, started: float, ctrl_c: _CtrlC) -> int:
                     "step": step, "loss_nats": mean_loss, "train_bpb": mean_loss / math.log(2),
                     "tokens": progress.tokens, "lr": lr, "grad_norm": float(grad_norm),
                     "tokens_per_s": progress.row_tokens / max(progress.row_train_s, 1e-9),
+                    "step_s": progress.row_train_s / progress.row_steps,
                 }  # fmt: skip
                 if is_val:
                     validate(row)
@@ -1049,6 +1196,7 @@ def _train(plan: _Plan, started: float, ctrl_c: _CtrlC) -> int:
                 _save_checkpoint(out, model, optimizer, scheduler, stream, progress, device)
                 progress.row_loss = 0.0
 
+    print(_run_summary(metrics_path, progress, device), flush=True)
     title = f"{opts['variant']} ({opts['preset']}, seq {opts['seq_len']}, seed {opts['seed']})"
     _plot_curves(metrics_path, out / "curves.png", title, opts["needle_fraction"] > 0)
     if progress.step < steps:

@@ -1,0 +1,905 @@
+"""Long context: dense, HHST and a control extended from the same 4k weights to 32k, then 128k.
+
+One command runs the whole experiment as a small graph of jobs, each a ``python -m s2attn``
+subprocess with its log in ``--runs``/logs, several at once (one per GPU of ``--gpus``):
+
+==========================  =====================================================================
+``base1k/s<seed>``          the README's 4k recipe, first phase: ``--base-short-steps`` (4000)
+                            steps of 32 x 1024 tokens (patterns and RoPE cover 4096)
+``base/s<seed>``            then ``--base-steps`` (800) steps of 8 x 4096 from those weights, with
+                            seed + 1 (other documents), as ``quality_experiment.py --short-len``
+``32k/<variant>/s<seed>``   from ``base/s<seed>`` (``--init-from``): ``--steps-32k`` steps of
+                            ``--batch-32k`` x ``--len-32k`` tokens, seed + 2
+``128k/<variant>/s<seed>``  from ``32k/<variant>/s<seed>``: ``--steps-128k`` x ``--batch-128k`` x
+                            ``--len-128k``, seed + 3
+``eval/<phase>/...``        ``s2attn eval`` of each trained model: bits per byte at the phase length
+                            and the needle grid at 1/8, 1/4, 1/2 and the whole phase length
+                            (``--depths``: 11 depths, ``--samples`` 20 needles a cell)
+==========================  =====================================================================
+
+The base is one model per seed, of ``--base-variant`` (default hhst); every variant of a phase
+starts from the same weights (the variants share every parameter and differ only in attention),
+reads the same batches (same seed) and so sees equal tokens. Variants (``--variants``, default
+``dense,hhst,local``) are names of ``VARIANTS``: name -> extra ``s2attn train`` arguments;
+``--variant-args NAME=ARGS`` adds or replaces one. ``hhst-pi`` (HHST with position interpolation
+instead of a larger RoPE base) and ``s2`` are there to add; an HHST with a RoPE base of 1M::
+
+    --variants dense,hhst,local,hhst-1m --variant-args "hhst-1m=--variant hhst --rope-theta 1e6"
+
+Each extension phase's position scheme is ``--rope-32k`` / ``--rope-128k`` (train arguments; the
+variant's come after them and win). In these and in variant arguments ``{len}`` is the phase
+length, ``{scale}`` the phase length over the base length (8 at 32k, 32 at 128k) and ``{theta}``
+10000 x ``{scale}``: by default the RoPE base grows with the length (80000 at 32k, 320000 at
+128k), so the slowest rotation still turns less than once over the context as it did at 4k.
+Learning rate ``--lr-32k``/``--lr-128k`` (3e-4) after ``--warmup-32k``/``--warmup-128k`` (20)
+steps; gradient checkpointing from ``--checkpointing-from`` tokens (32768) on; validation every
+``--val-every-32k``/``--val-every-128k`` steps (a tenth of the phase), so dense's curve gives the
+equal-time view below.
+
+Time: ``--deadline SECONDS`` bounds the invocation. A training job starts only while at least
+``--min-job-s`` remain, and gets ``--time-limit`` = the time left minus ``--margin-s``, so it
+stops with a checkpoint before the deadline; an evaluation starts only if its estimate (its
+tokens at three times the model's training speed, plus start-up) fits; whatever still runs at
+the deadline is stopped (SIGINT, as Ctrl-C; so is every job when this script is interrupted or
+terminated). The same command again (same ``--runs``) resumes unfinished training jobs
+(``--resume``), reruns unfinished evaluations and skips finished jobs; ``--until PHASE`` leaves
+the later phases out. On the GPU, in calls of at most ten minutes on the same machine::
+
+    python benchmarks/long_context.py --runs /tmp/long --gpus 0,1,2,3 --seeds 0,1 --deadline 540
+
+repeated until it prints "all jobs done" (``--dry-run`` lists the jobs and their commands). On
+the CPU, the whole pipeline at toy sizes (tiny preset, 128 -> 256 -> 512 -> 1024 tokens)::
+
+    python benchmarks/long_context.py --smoke --runs /tmp/long --out-dir /tmp/long/results
+
+Report (after every invocation, or alone with ``--report-only``): per phase a markdown table of
+variant, seed, validation bits per byte at the phase length (``s2attn eval``), its gap to dense of
+the same seed, needle mean and lowest cell, tokens, training seconds (steps only), tokens/s and
+its ratio to dense, peak GPU memory, and the equal-time view: dense's validation bits per byte
+(training-time validation, interpolated over its training seconds) at the moment this model
+finished, beside this model's own final value on the same batches. Also one needle heat-map PNG
+per phase (rows: variants, columns: seeds; each panel depth x length) and JSON with every number,
+the runs' device and library versions, written as ``<date>_<device>_long_context*`` to
+``--out-dir`` (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's s2attn, installed or not
+
+from run_info import environment, result_stem, table, versions_line  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# name -> extra arguments of `s2attn train` (formatted with {len}, {scale}, {theta}).
+VARIANTS: dict[str, list[str]] = {
+    "dense": ["--variant", "dense"],
+    "hhst": ["--variant", "hhst"],
+    # The window alone, as wide as the S2 layers' density at the phase length allows.
+    "local": ["--variant", "local"],
+    "s2": ["--variant", "s2"],
+    "hhst-pi": [
+        "--variant",
+        "hhst",
+        "--rope-theta",
+        "10000",
+        "--rope-scaling",
+        "linear",
+        "--rope-factor",
+        "{scale}",
+    ],
+}
+# Validation text and needles, whatever --seed, as in benchmarks/quality_experiment.py.
+VAL_SEED = 1
+DEPTHS = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"
+BASE_THETA = 10000.0
+PHASES = ("base", "32k", "128k")
+
+# Defaults of the GPU experiment and of --smoke (CPU, tiny preset, a few steps a phase).
+DEFAULTS = dict(
+    preset="small",
+    base_short_len=1024,
+    base_short_steps=4000,
+    base_steps=800,
+    len_32k=32768,
+    steps_32k=300,
+    batch_32k=2,
+    len_128k=131072,
+    steps_128k=100,
+    batch_128k=1,
+    checkpointing_from=32768,
+    samples=20,
+    depths=DEPTHS,
+    eval_val_batches=8,
+    train_val_batches=2,
+    train_val_needles=8,
+    checkpoint_every=100,
+    train_args="",
+)
+SMOKE = dict(
+    preset="tiny",
+    base_short_len=128,
+    base_short_steps=6,
+    base_steps=4,
+    len_32k=512,
+    steps_32k=4,
+    batch_32k=2,
+    len_128k=1024,
+    steps_128k=3,
+    batch_128k=1,
+    checkpointing_from=1024,
+    samples=2,
+    depths="0,0.5,1",
+    eval_val_batches=1,
+    train_val_batches=1,
+    train_val_needles=2,
+    checkpoint_every=2,
+    # The package's own sources: listed in a moment, unlike the whole site-packages.
+    train_args=f"--data-root {ROOT / 's2attn'} --val-fraction 0.2",
+)
+
+
+# ---------------------------------------------------------------------------------- the jobs
+@dataclass
+class Job:
+    """One subprocess of the experiment: ``s2attn train`` into ``out``, or ``s2attn eval`` of the
+    model in ``out`` (writing ``out/eval.json``)."""
+
+    name: str
+    kind: str  # "train" or "eval"
+    phase: str
+    variant: str
+    seed: int
+    out: Path
+    args: list[str]
+    deps: list[str]
+    eval_tokens: int = 0  # what an evaluation reads, for its time estimate
+
+    def done(self) -> bool:
+        if self.kind == "train":
+            return (self.out / "model.safetensors").is_file()
+        try:
+            json.loads((self.out / "eval.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def command(self, time_limit: float | None) -> list[str]:
+        cmd = [sys.executable, "-m", "s2attn", self.kind, *self.args]
+        if self.kind == "train":
+            if (self.out / "run.json").is_file():
+                cmd.append("--resume")
+            if time_limit is not None:
+                cmd += ["--time-limit", f"{time_limit:.0f}"]
+        return cmd
+
+    def log(self, runs: Path) -> Path:
+        return runs / "logs" / (self.name.replace("/", "_") + ".log")
+
+
+def _format(args: list[str], length: int, base_len: int) -> list[str]:
+    scale = length / base_len
+    values = dict(len=length, scale=f"{scale:g}", theta=f"{BASE_THETA * scale:g}")
+    try:
+        return [a.format(**values) for a in args]
+    except (KeyError, IndexError, ValueError) as exc:
+        raise SystemExit(
+            f"bad placeholder in {' '.join(args)!r}: {exc} (use {{len}}, {{scale}} or {{theta}})"
+        ) from None
+
+
+def flags(**options) -> list[str]:
+    """Command-line arguments from keywords: ``seq_len=1024`` -> ``--seq-len 1024``; True gives
+    the flag alone, False and None nothing."""
+    out = []
+    for key, value in options.items():
+        if value is None or value is False:
+            continue
+        out.append("--" + key.replace("_", "-"))
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+def plan_jobs(o: argparse.Namespace) -> list[Job]:
+    """Every job of the experiment, in the order they are preferred when several are ready:
+    training before evaluation, earlier phases first."""
+    runs, base_len = o.runs, o.base_len
+    common = [
+        *flags(preset=o.preset, val_seed=VAL_SEED, no_progress=True),
+        *flags(checkpoint_every=o.checkpoint_every),
+        *o.device_args,
+    ]
+    extra = shlex.split(o.train_args)
+    trains, evals = [], []
+
+    def train(variant: str, seed: int, out: Path, deps: list[str], *args: str) -> None:
+        """Train ``variant`` into ``out``, named after it (``<phase>/[<variant>/]s<seed>``)."""
+        name = str(out.relative_to(runs))
+        args = [*common, *args, "--out", str(out), *extra]
+        trains.append(Job(name, "train", name.split("/")[0], variant, seed, out, args, deps))
+
+    def evaluation(job: Job, length: int) -> None:
+        lengths = sorted({max(length // k, 1) for k in (8, 4, 2, 1)})
+        args = [
+            str(job.out),
+            *flags(needle=True, lengths=",".join(map(str, lengths)), depths=o.depths),
+            *flags(samples=o.samples, seed=VAL_SEED, seq_len=length),
+            *flags(val_batches=o.eval_val_batches, out=job.out / "eval.json", no_progress=True),
+            *o.device_args,
+        ]
+        depths = len(o.depths.split(","))
+        tokens = o.eval_val_batches * length + o.samples * depths * sum(lengths)
+        name, deps = f"eval/{job.name}", [job.name]
+        evals.append(Job(name, "eval", job.phase, job.variant, job.seed, job.out, args, deps))
+        evals[-1].eval_tokens = tokens
+
+    for seed in o.seeds:
+        short, base = runs / "base1k" / f"s{seed}", runs / "base" / f"s{seed}"
+        variant_args = _format(VARIANTS[o.base_variant], base_len, base_len)
+        train(
+            o.base_variant,
+            seed,
+            short,
+            [],
+            *variant_args,
+            *flags(seq_len=o.base_short_len, max_seq_len=base_len, steps=o.base_short_steps),
+            *flags(batch_size=o.base_batch * base_len // o.base_short_len, seed=seed),
+        )
+        # Another seed for the 4k phase: other documents, not the first phase's again.
+        train(
+            o.base_variant,
+            seed,
+            base,
+            [f"base1k/s{seed}"],
+            *variant_args,
+            *flags(seq_len=base_len, batch_size=o.base_batch),
+            *flags(steps=o.base_steps, seed=seed + 1, init_from=short),
+        )
+        evaluation(trains[-1], base_len)
+        previous = {v: (f"base/s{seed}", base) for v in o.variants}
+        for offset, phase in enumerate(PHASES[1:], start=2):
+            p = o.phase[phase]
+            for v in o.variants:
+                out = runs / phase / v / f"s{seed}"
+                dep, source = previous[v]
+                train(
+                    v,
+                    seed,
+                    out,
+                    [dep],
+                    *flags(seq_len=p["len"], batch_size=p["batch"], steps=p["steps"]),
+                    *flags(lr=p["lr"], warmup_steps=p["warmup"], seed=seed + offset),
+                    *flags(init_from=source, val_every=p["val_every"]),
+                    *flags(val_batches=o.train_val_batches, val_needles=o.train_val_needles),
+                    *flags(gradient_checkpointing=p["len"] >= o.checkpointing_from),
+                    *_format(shlex.split(p["rope"]), p["len"], base_len),
+                    *_format(VARIANTS[v], p["len"], base_len),
+                )
+                evaluation(trains[-1], p["len"])
+                previous[v] = (trains[-1].name, out)
+    order = {name: i for i, name in enumerate(("base1k", *PHASES))}
+    jobs = [j for j in trains + evals if order[j.phase] <= order[o.until]]
+    # Training first (it leads to the next phase), earlier phases first; sorted() is stable.
+    return sorted(jobs, key=lambda j: (j.kind == "eval", order[j.phase], j.seed))
+
+
+# ------------------------------------------------------------------------------ the scheduler
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a torn last line of a killed run
+    return rows
+
+
+def train_seconds(rows: list[dict]) -> list[tuple[dict, float]]:
+    """Each metrics row with the training seconds (steps only) up to it."""
+    out, seconds, tokens = [], 0.0, 0
+    for r in rows:
+        if "tokens_per_s" not in r:
+            continue
+        seconds += (r["tokens"] - tokens) / max(r["tokens_per_s"], 1e-9)
+        tokens = r["tokens"]
+        out.append((r, seconds))
+    return out
+
+
+def eval_estimate(job: Job) -> float:
+    """Seconds an evaluation should take: start-up, and its tokens at three times the model's
+    training speed (a forward pass is about a third of a training step)."""
+    timed = train_seconds(read_rows(job.out / "metrics.jsonl"))
+    if not timed:
+        return 60.0
+    row, seconds = timed[-1]
+    speed = row["tokens"] / max(seconds, 1e-9)
+    return 30.0 + job.eval_tokens / (3 * speed)
+
+
+class Scheduler:
+    """Runs the ready jobs, one per slot (GPU), within the deadline."""
+
+    def __init__(self, jobs: list[Job], o: argparse.Namespace, env: dict):
+        self.jobs, self.o, self.env = {j.name: j for j in jobs}, o, env
+        self.start = time.monotonic()
+        self.deadline = self.start + o.deadline if o.deadline else math.inf
+        self.running: dict[str, tuple[subprocess.Popen, str, float]] = {}
+        self.finished: set[str] = set()  # this invocation: done, failed, stopped or skipped
+        self.failed: set[str] = set()
+
+    def say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.start:6.0f} s] {text}", flush=True)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def ready(self) -> list[Job]:
+        out = []
+        for job in self.jobs.values():
+            if job.name in self.finished or job.name in self.running:
+                continue
+            if any(d in self.failed for d in job.deps):
+                self.finished.add(job.name)
+                self.failed.add(job.name)
+                self.say(f"{job.name}: skipped, a job it needs failed")
+                continue
+            if all(self.jobs[d].done() for d in job.deps):
+                out.append(job)
+        return out
+
+    def may_start(self, job: Job) -> tuple[bool, float | None]:
+        """Whether ``job`` may start now, and the --time-limit it gets."""
+        left = self.left()
+        if job.kind == "train":
+            if left < max(self.o.min_job_s, self.o.margin_s + 1):
+                return False, None
+            return True, None if math.isinf(left) else left - self.o.margin_s
+        return eval_estimate(job) <= left - self.o.margin_s, None
+
+    def launch(self, job: Job, slot: str, time_limit: float | None) -> None:
+        log = job.log(self.o.runs)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = job.command(time_limit)
+        env = dict(self.env, CUDA_VISIBLE_DEVICES="" if self.o.smoke else slot)
+        with log.open("a") as f:
+            f.write(f"\n$ {shlex.join(cmd)}\n")
+            f.flush()
+            # In this process's group (no session of its own): whatever ends this process
+            # from outside ends the jobs too, so none trains on unwatched.
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        self.running[job.name] = (proc, slot, time.monotonic())
+        what = "resuming" if "--resume" in cmd else "starting"
+        limit = "" if time_limit is None else f", time limit {time_limit:.0f} s"
+        self.say(f"{what} {job.name} on {'slot' if self.o.smoke else 'GPU'} {slot}{limit}")
+
+    def reap(self) -> None:
+        for name, (proc, _, began) in list(self.running.items()):
+            if proc.poll() is None:
+                continue
+            del self.running[name]
+            self.finished.add(name)
+            job, took = self.jobs[name], time.monotonic() - began
+            if proc.returncode == 0 and job.done():
+                self.say(f"{name}: done in {took:.0f} s")
+            elif proc.returncode == 0:
+                self.say(
+                    f"{name}: stopped with a checkpoint before its last step (time limit) "
+                    f"after {took:.0f} s; the next invocation resumes it"
+                )
+            else:
+                self.failed.add(name)
+                tail = job.log(self.o.runs).read_text().splitlines()[-15:]
+                self.say(
+                    f"{name}: FAILED (exit {proc.returncode}) after {took:.0f} s; end of "
+                    f"{job.log(self.o.runs)}:\n    " + "\n    ".join(tail)
+                )
+
+    def stop_all(self, why: str) -> None:
+        # SIGINT, as Ctrl-C would: a training run may save a checkpoint on its way out.
+        for name, (proc, _, _) in list(self.running.items()):
+            if proc.poll() is None:
+                self.say(f"{name}: stopping it ({why})")
+                proc.send_signal(signal.SIGINT)
+        for name, (proc, _, _) in list(self.running.items()):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            del self.running[name]
+            self.finished.add(name)
+
+    def run(self) -> None:
+        done = [j.name for j in self.jobs.values() if j.done()]
+        self.finished.update(done)
+        if done:
+            self.say(f"already done, skipped: {', '.join(done)}")
+        slots = list(self.o.gpus)
+        try:
+            while True:
+                self.reap()
+                free = [s for s in slots if s not in {v[1] for v in self.running.values()}]
+                waiting = False
+                for job in self.ready():
+                    if not free:
+                        break
+                    ok, limit = self.may_start(job)
+                    if ok:
+                        self.launch(job, free.pop(0), limit)
+                    else:
+                        waiting = True
+                if not self.running:
+                    if waiting:
+                        self.say("too little time left to start the jobs that are ready")
+                    break
+                if self.left() <= 0:
+                    self.stop_all("deadline")
+                    break
+                time.sleep(self.o.poll_s)
+        finally:
+            if self.running:
+                self.stop_all("interrupted")
+        left = [j.name for j in self.jobs.values() if not j.done()]
+        if left:
+            self.say(
+                f"{len(left)} jobs unfinished ({', '.join(left)}): run the same command "
+                "again to continue"
+            )
+        else:
+            self.say("all jobs done")
+
+
+# ----------------------------------------------------------------------------------- report
+def _val(row: dict) -> float | None:
+    # The metrics rows name validation bits per byte "val_bpb" (formerly "val_loss").
+    value = row.get("val_bpb", row.get("val_loss"))
+    return None if value is None else float(value)
+
+
+def at_time(timed: list[tuple[dict, float]], seconds: float) -> float | None:
+    """Validation bits per byte of a run at ``seconds`` of training, linearly interpolated
+    between its validation rows (its last value once it trained longer than that)."""
+    points = [(s, _val(r)) for r, s in timed if _val(r) is not None]
+    if not points:
+        return None
+    if seconds <= points[0][0]:
+        return points[0][1] if len(points) == 1 else None
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if s0 <= seconds <= s1:
+            return v0 + (v1 - v0) * (seconds - s0) / max(s1 - s0, 1e-9)
+    return points[-1][1]
+
+
+def summarize(jobs: list[Job]) -> list[dict]:
+    rows = []
+    for job in (j for j in jobs if j.kind == "train" and j.phase in PHASES):
+        record_path = job.out / "run.json"
+        if not record_path.is_file():
+            continue
+        record = json.loads(record_path.read_text())
+        timed = train_seconds(read_rows(job.out / "metrics.jsonl"))
+        seconds = timed[-1][1] if timed else None
+        tokens = timed[-1][0]["tokens"] if timed else 0
+        vals = [_val(r) for r, _ in timed if _val(r) is not None]
+        peaks = [r["max_mem_gib"] for r, _ in timed if "max_mem_gib" in r]
+        row = dict(
+            phase=job.phase,
+            variant=job.variant,
+            seed=job.seed,
+            done=job.done(),
+            seq_len=record["options"]["seq_len"],
+            steps=record["options"]["steps"],
+            step=timed[-1][0]["step"] if timed else 0,
+            tokens=tokens,
+            train_s=seconds,
+            wall_s=timed[-1][0].get("elapsed_s") if timed else None,
+            tokens_per_s=tokens / seconds if seconds else None,
+            step_s=seconds / timed[-1][0]["step"] if timed else None,
+            peak_gib=max(peaks) if peaks else None,
+            final_val=vals[-1] if vals else None,
+            density=record["model"]["mean_density"],
+            parameters=record["model"]["parameters"],
+            rope=record["model"].get("rope"),
+            device=record["device"],
+            versions=record["versions"],
+            date=record["date"],
+            curve=[
+                {"step": r["step"], "train_s": s, "val_bpb": _val(r)}
+                for r, s in timed
+                if _val(r) is not None
+            ],
+        )
+        result = job.out / "eval.json"
+        if result.is_file():
+            try:
+                ev = json.loads(result.read_text())
+            except ValueError:
+                ev = {}
+            cells = [v for per_len in ev.get("accuracy", {}).values() for v in per_len.values()]
+            row.update(
+                val_bpb=ev.get("val_bpb"),
+                needle=ev.get("accuracy"),
+                eval_s=ev.get("wall_s"),
+                eval_peak_gib=ev.get("max_mem_gib"),
+                needle_mean=sum(cells) / len(cells) if cells else None,
+                needle_min=min(cells) if cells else None,
+            )
+        rows.append(row)
+    by_key = {(r["phase"], r["variant"], r["seed"]): r for r in rows}
+    for r in rows:
+        dense = by_key.get((r["phase"], "dense", r["seed"]))
+        r["vs_dense"] = r["speedup"] = r["dense_at_equal_time"] = None
+        if dense is None or r["variant"] == "dense":
+            continue
+        if r.get("val_bpb") and dense.get("val_bpb"):
+            r["vs_dense"] = r["val_bpb"] / dense["val_bpb"] - 1
+        if r["tokens_per_s"] and dense["tokens_per_s"]:
+            r["speedup"] = r["tokens_per_s"] / dense["tokens_per_s"]
+        if r["train_s"] is not None:
+            dense_timed = [({"val_bpb": c["val_bpb"]}, c["train_s"]) for c in dense["curve"]]
+            r["dense_at_equal_time"] = at_time(dense_timed, r["train_s"])
+    return rows
+
+
+def _fmt(x, spec: str = "{:.4f}") -> str:
+    return "—" if x is None else spec.format(x)
+
+
+def _seconds(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.2f}"
+
+
+def _rope(settings: dict | None) -> str:
+    if not settings:
+        return "—"
+    text = f"{settings['rope_theta']:g}"
+    if settings["rope_scaling"] == "linear":
+        text += f", positions / {settings['rope_factor']:g}"
+    return text
+
+
+def markdown(rows: list[dict], o: argparse.Namespace, env: dict) -> str:
+    lines = [
+        f"# Long context: dense, HHST and controls extended from 4k — {env['device']}",
+        "",
+        versions_line(env),
+        "",
+        f"Preset `{o.preset}`, base {o.base_short_steps} steps at {o.base_short_len} then "
+        f"{o.base_steps} at {o.base_len} tokens (base variant {o.base_variant}), seeds "
+        f"{','.join(map(str, o.seeds))}; `python benchmarks/long_context.py "
+        f"{shlex.join(sys.argv[1:])}`. Bits per byte and needles from `s2attn eval` at the "
+        f"phase length ({o.samples} needles a cell, depths {o.depths}); seconds are training "
+        "steps only (validation and checkpoints left out); equal time: dense's training-time "
+        "validation at this run's training seconds, beside this run's own last value on the "
+        "same batches.",
+        "",
+    ]
+    header = [
+        "variant",
+        "seed",
+        "steps",
+        "RoPE base",
+        "density",
+        "val bits/byte",
+        "vs dense",
+        "needle mean",
+        "lowest cell",
+        "tokens",
+        "train s",
+        "tokens/s",
+        "x dense",
+        "peak GiB",
+        "dense at equal time",
+        "own (same batches)",
+    ]
+    for phase in PHASES:
+        mine = [r for r in rows if r["phase"] == phase]
+        if not mine:
+            continue
+        p = o.phase.get(phase)
+        what = f"the base at {o.base_len} tokens"
+        if p:
+            what = f"{p['steps']} steps of {p['batch']} x {p['len']} tokens, lr {p['lr']:g}"
+        lines += [f"## {phase}: {what}", ""]
+        body = [
+            [
+                r["variant"],
+                r["seed"],
+                f"{r['step']}/{r['steps']}" + ("" if r["done"] else " *"),
+                _rope(r["rope"]),
+                _fmt(r["density"], "{:.3f}"),
+                _fmt(r.get("val_bpb")),
+                _fmt(r["vs_dense"] and 100 * r["vs_dense"], "{:+.2f}%"),
+                _fmt(r.get("needle_mean"), "{:.3f}"),
+                _fmt(r.get("needle_min"), "{:.2f}"),
+                f"{r['tokens']:,}",
+                _seconds(r["train_s"]),
+                _fmt(r["tokens_per_s"], "{:,.0f}"),
+                _fmt(r["speedup"], "{:.2f}x"),
+                _fmt(r["peak_gib"], "{:.1f}"),
+                _fmt(r["dense_at_equal_time"]),
+                _fmt(r["final_val"]),
+            ]
+            for r in mine
+        ]
+        lines += table(header, body) + [""]
+    if any(not r["done"] for r in rows):
+        lines += ["\\* unfinished: its steps so far.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot_needles(rows: list[dict], phase: str, path: Path) -> Path | None:
+    """One figure per phase: a needle heat map (depth down, length across) per variant (rows)
+    and seed (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r["phase"] == phase and r.get("needle")]
+    if not mine:
+        return None
+    variants = list(dict.fromkeys(r["variant"] for r in mine))
+    seeds = sorted({r["seed"] for r in mine})
+    fig, axes = plt.subplots(
+        len(variants),
+        len(seeds),
+        squeeze=False,
+        figsize=(1.5 + 3.4 * len(seeds), 0.6 + 2.9 * len(variants)),
+        constrained_layout=True,
+    )
+    image = None
+    for i, v in enumerate(variants):
+        for j, s in enumerate(seeds):
+            ax = axes[i][j]
+            row = next((r for r in mine if r["variant"] == v and r["seed"] == s), None)
+            if row is None:
+                ax.set_axis_off()
+                continue
+            grid = row["needle"]
+            lengths = sorted(grid, key=int)
+            depths = sorted({d for cells in grid.values() for d in cells}, key=float)
+            values = [[grid[n].get(d, math.nan) for n in lengths] for d in depths]
+            image = ax.imshow(values, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            for y, line in enumerate(values):
+                for x, value in enumerate(line):
+                    ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(
+                range(len(lengths)),
+                [f"{int(n) // 1024}k" if int(n) % 1024 == 0 else n for n in lengths],
+            )
+            ax.set_yticks(range(len(depths)), depths, fontsize=7)
+            ax.set_title(f"{v}, seed {s}: mean {row['needle_mean']:.3f}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel("needle depth")
+            if i == len(variants) - 1:
+                ax.set_xlabel("context length")
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="retrieval accuracy", shrink=0.8)
+    fig.suptitle(f"needle retrieval after the {phase} phase", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(jobs: list[Job], o: argparse.Namespace) -> None:
+    rows = summarize(jobs)
+    if not rows:
+        print("nothing to report yet")
+        return
+    recorded = next(r for r in rows)
+    env = environment()
+    dates = sorted(r["date"] for r in rows)
+    env.update(
+        device=recorded["device"],
+        torch=recorded["versions"]["torch"],
+        triton=recorded["versions"].get("triton", env["triton"]),
+        date=dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}",
+    )
+    # A CPU's recorded name carries its processor and threads: the file name takes "cpu".
+    stem = result_stem(dict(env, device="cpu") if env["device"].startswith("cpu") else env, o.name)
+    o.out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(rows, o, env)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(o).items()}
+    payload = dict(
+        env=env,
+        versions=recorded["versions"],
+        settings=settings,
+        variants={v: VARIANTS[v] for v in {*o.variants, o.base_variant}},
+        rows=rows,
+    )
+    (o.out_dir / f"{stem}.md").write_text(text)
+    (o.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    print()
+    print(text)
+    written = [f"{stem}.md", f"{stem}.json"]
+    for phase in PHASES:
+        png = plot_needles(rows, phase, o.out_dir / f"{stem}_needle_{phase}.png")
+        if png is not None:
+            written.append(png.name)
+    print(f"wrote {', '.join(written)} in {o.out_dir}")
+
+
+# ------------------------------------------------------------------------------ command line
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = ap.add_argument
+    add("--runs", type=Path, required=True, help="where the runs and their logs go")
+    add("--gpus", default="0", help="GPUs to use, one job each (default 0)")
+    add("--seeds", type=_ints, default=[0], help="comma-separated seeds (default 0)")
+    add(
+        "--variants",
+        default="dense,hhst,local",
+        help=f"of {', '.join(VARIANTS)} and those --variant-args adds (default dense,hhst,local)",
+    )
+    add(
+        "--variant-args",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="add (or replace) variant NAME: its `s2attn train` arguments (repeatable)",
+    )
+    add("--base-variant", default="hhst", help="variant of the 4k base (default hhst)")
+    add("--preset", help="model preset (default small; tiny with --smoke)")
+    add("--base-short-len", type=int, help="the base's first phase length (1024)")
+    add("--base-short-steps", type=int, help="its steps (4000)")
+    add("--base-steps", type=int, help="steps of the base at the preset's length (800)")
+    for phase, length, steps, batch in (("32k", 32768, 300, 2), ("128k", 131072, 100, 1)):
+        add(f"--len-{phase}", type=int, help=f"tokens per sequence ({length})")
+        add(f"--steps-{phase}", type=int, help=f"optimizer steps ({steps})")
+        add(f"--batch-{phase}", type=int, help=f"sequences per step ({batch})")
+        add(f"--lr-{phase}", type=float, default=3e-4, help="peak learning rate (3e-4)")
+        add(f"--warmup-{phase}", type=int, default=20, help="warm-up steps (20)")
+        add(f"--val-every-{phase}", type=int, help="validate every N steps (a tenth)")
+        add(
+            f"--rope-{phase}",
+            default="--rope-theta {theta}",
+            help="its RoPE train arguments (default '--rope-theta {theta}')",
+        )
+    add("--checkpointing-from", type=int, help="gradient checkpointing from this length (32768)")
+    add("--samples", type=int, help="needles a grid cell (20)")
+    add("--depths", help="needle depths (11, from 0 to 1)")
+    add("--eval-val-batches", type=int, help="validation sequences of the evaluation (8)")
+    add("--train-val-batches", type=int, help="validation batches while training (2)")
+    add("--train-val-needles", type=int, help="validation needles while training (8)")
+    add("--checkpoint-every", type=int, help="training checkpoints every N steps (100)")
+    add("--train-args", help="extra arguments for every train job")
+    add("--deadline", type=float, help="seconds this invocation may take (default: no limit)")
+    add(
+        "--margin-s",
+        type=float,
+        default=45.0,
+        help="a training job stops this long before the deadline (45)",
+    )
+    add(
+        "--min-job-s",
+        type=float,
+        default=90.0,
+        help="start no training job with less time left than this (90)",
+    )
+    add("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
+    add(
+        "--until",
+        choices=PHASES,
+        default=PHASES[-1],
+        help="plan the jobs up to this phase only (default 128k: all)",
+    )
+    add("--report-only", action="store_true", help="tabulate and plot the runs; run nothing")
+    add("--dry-run", action="store_true", help="list the jobs and their commands; run nothing")
+    add("--smoke", action="store_true", help="CPU: tiny preset, toy lengths, a few steps")
+    add("--out-dir", type=Path, default=RESULTS)
+    add("--name", default="long_context", help="result files' name (after date and device)")
+    o = ap.parse_args(argv)
+
+    defaults = SMOKE if o.smoke else DEFAULTS
+    for key, value in defaults.items():
+        if getattr(o, key) is None:
+            setattr(o, key, value)
+    for spec in o.variant_args:
+        name, sep, args = spec.partition("=")
+        if not sep or not name.strip():
+            ap.error(f"--variant-args takes NAME=ARGS, got {spec!r}")
+        VARIANTS[name.strip()] = shlex.split(args)
+    o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
+    for v in [*o.variants, o.base_variant]:
+        if v not in VARIANTS:
+            ap.error(
+                f"unknown variant {v!r}: choose from {', '.join(VARIANTS)} or add it with "
+                "--variant-args"
+            )
+    if not o.seeds:
+        ap.error("--seeds: at least one seed")
+    o.gpus = [g.strip() for g in o.gpus.split(",") if g.strip()]
+    if not o.gpus:
+        ap.error("--gpus: at least one GPU")
+
+    from s2attn.models.hhst import PRESETS
+
+    if o.preset not in PRESETS:
+        ap.error(f"--preset: one of {', '.join(PRESETS)}")
+    preset = PRESETS[o.preset]
+    o.base_len, o.base_batch = preset.seq_len, preset.batch_size
+    if (o.base_batch * o.base_len) % o.base_short_len:
+        ap.error("--base-short-len must divide the preset's tokens per step")
+    o.phase = {}
+    for phase in PHASES[1:]:
+        key = phase
+        p = dict(
+            len=getattr(o, f"len_{key}"),
+            steps=getattr(o, f"steps_{key}"),
+            batch=getattr(o, f"batch_{key}"),
+            lr=getattr(o, f"lr_{key}"),
+            warmup=getattr(o, f"warmup_{key}"),
+            rope=getattr(o, f"rope_{key}"),
+        )
+        every = getattr(o, f"val_every_{key}")
+        p["val_every"] = every if every is not None else max(1, p["steps"] // 10)
+        for name in ("len", "steps", "batch", "val_every"):
+            if p[name] < 1:
+                ap.error(f"--{name.replace('_', '-')}-{phase} must be >= 1")
+        o.phase[phase] = p
+    if not o.base_len < o.phase["32k"]["len"] < o.phase["128k"]["len"]:
+        ap.error(f"lengths must grow: base {o.base_len}, then --len-32k, then --len-128k")
+    o.device_args = ["--device", "cpu"] if o.smoke else []
+    if o.deadline is not None and o.deadline <= 0:
+        ap.error("--deadline must be a positive number of seconds")
+    o.runs = o.runs.resolve()
+    return o
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # through the scheduler's clean-up, which stops the jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    o = parse(argv)
+    jobs = plan_jobs(o)
+    if o.dry_run:
+        for job in jobs:
+            state = "done" if job.done() else "to do"
+            print(
+                f"{job.name} [{state}; after {', '.join(job.deps) or 'nothing'}]\n  "
+                f"{shlex.join(job.command(None))}"
+            )
+        return 0
+    if not o.report_only:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if o.smoke:
+            # The CPU runs S2 layers through the exact reference, not the Triton interpreter.
+            env.pop("TRITON_INTERPRET", None)
+            env["OMP_NUM_THREADS"] = "1"
+        o.runs.mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGTERM, _terminated)
+        Scheduler(jobs, o, env).run()
+    report(jobs, o)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,474 @@
+"""Long context (issue 41): RoPE settings through train and eval, --init-from across lengths and
+variants, the refusals of bad extensions and of evaluations that cannot fit, logits in chunks,
+the medium preset, and benchmarks/long_context.py end to end on the CPU (interrupted by its
+deadline, then resumed to completion)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import s2attn  # noqa: E402
+from s2attn.integrations import transformers as s2hf  # noqa: E402
+from s2attn.models import data, evaluate, hhst, train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+SMALL = [
+    "--preset",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--device",
+    "cpu",
+    "--needle-fraction",
+    "0",
+    "--val-batches",
+    "1",
+    "--val-needles",
+    "2",
+    "--val-fraction",
+    "0.3",
+    "--no-progress",
+]
+
+
+@pytest.fixture(autouse=True)
+def _reference_attention(monkeypatch):
+    # The S2 layers through the exact dense-mask reference: the Triton interpreter would take
+    # seconds per forward pass, and the kernels have their own tests.
+    monkeypatch.setattr(s2hf, "sparse_attention", s2attn.attention_reference)
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    names = [f"pkg/mod_{i}.py" for i in range(16)]
+    assert {data.split_of(n, 0.3) for n in names} == {"train", "val"}
+    for i, name in enumerate(names):
+        path = root / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(
+            "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40))
+        )
+    return root
+
+
+def _args(out: Path, root: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return parser.parse_args([*SMALL, "--data-root", str(root), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, corpus_root) -> Path:
+    """A tiny HHST model trained a few steps at 64 tokens: the run the tests extend."""
+    out = tmp_path_factory.mktemp("base") / "hhst"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(s2hf, "sparse_attention", s2attn.attention_reference)
+        assert train.run(_args(out, corpus_root, "--steps", "4", "--val-every", "0")) == 0
+    return out
+
+
+# ------------------------------------------------------------------------------ presets, RoPE
+def test_medium_preset_has_100_to_150m_parameters():
+    config = hhst.model_config("medium", "hhst")
+    with torch.device("meta"):
+        counted = sum(p.numel() for p in hhst.build_model(config).parameters())
+    print(f"medium: {counted / 1e6:.1f}M parameters")
+    assert hhst.parameter_count(config) == counted
+    assert 100e6 <= counted <= 150e6
+    types = config.s2attn["layer_types"]
+    assert [i for i, t in enumerate(types) if t == "dense"] == [4, 8]
+    # Every block reachable from every later block through some head of an S2 layer.
+    assert s2hf.layer_pattern(config, 0).is_union_complete()
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["rope_parameters", "rope_scaling"])
+def test_rope_settings_reach_the_rotary_embedding(legacy, monkeypatch, tmp_path):
+    """Both forms of transformers' RoPE arguments give the same rotation, survive
+    save_pretrained, and linear scaling divides the positions by the factor."""
+    monkeypatch.setattr(hhst, "_ROPE_PARAMETERS", not legacy)
+    scaled = hhst.model_config(
+        "tiny", "hhst", seq_len=256, rope_theta=20000.0, rope_scaling="linear", rope_factor=4.0
+    )
+    plain = hhst.model_config("tiny", "hhst", seq_len=256, rope_theta=20000.0)
+    want = {"rope_theta": 20000.0, "rope_scaling": "linear", "rope_factor": 4.0}
+    assert hhst.rope_settings(scaled) == want
+    hhst.build_model(scaled).save_pretrained(tmp_path)
+    loaded = LlamaConfig.from_pretrained(tmp_path)
+    assert hhst.rope_settings(loaded) == want
+    assert hhst.rope_settings(plain)["rope_scaling"] == "none"
+
+    x = torch.zeros(1, 1, 64)
+    positions = torch.arange(0, 256, 4)[None]
+    cos_scaled, _ = LlamaForCausalLM(loaded).model.rotary_emb(x, positions)
+    cos_plain, _ = LlamaForCausalLM(plain).model.rotary_emb(x, positions // 4)
+    torch.testing.assert_close(cos_scaled, cos_plain, rtol=1e-5, atol=1e-5)
+    theta_10k, _ = LlamaForCausalLM(hhst.model_config("tiny", "hhst")).model.rotary_emb(
+        x, positions // 4
+    )
+    assert not torch.allclose(theta_10k, cos_plain)  # the base reached the rotation too
+
+
+def test_init_from_extends_across_variants_and_eval_loads_it(tmp_path, corpus_root, base):
+    """An HHST run's weights extended to twice the length as a dense model with another RoPE:
+    every weight loads, the saved config records the length and RoPE, a run from that one
+    inherits its RoPE, and `s2attn eval` holds the new length but refuses a longer one."""
+    out = tmp_path / "dense128"
+    extend = [
+        "--init-from",
+        str(base),
+        "--variant",
+        "dense",
+        "--seq-len",
+        "128",
+        "--rope-theta",
+        "20000",
+        "--rope-scaling",
+        "linear",
+        "--rope-factor",
+        "2",
+    ]
+    plan = train._prepare(_args(out, corpus_root, *extend))
+    model = train._initial_model(plan)
+    saved = load_file(str(base / "model.safetensors"))
+    state = model.state_dict()
+    assert set(saved) | {"lm_head.weight"} == set(state)
+    for name, tensor in saved.items():
+        assert torch.equal(state[name], tensor), name
+
+    assert train.run(_args(out, corpus_root, *extend, "--steps", "1", "--val-every", "0")) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 128
+    assert hhst.rope_settings(LlamaConfig.from_pretrained(out)) == {
+        "rope_theta": 20000.0,
+        "rope_scaling": "linear",
+        "rope_factor": 2.0,
+    }
+    again = train._prepare(
+        _args(
+            tmp_path / "next",
+            corpus_root,
+            "--init-from",
+            str(out),
+            "--variant",
+            "hhst",
+            "--seq-len",
+            "128",
+        )
+    )
+    assert {k: again.options[k] for k in ("rope_theta", "rope_scaling", "rope_factor")} == {
+        "rope_theta": 20000.0,
+        "rope_scaling": "linear",
+        "rope_factor": 2.0,
+    }
+
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    common = ["--device", "cpu", "--no-progress", "--val-batches", "1"]
+    result = tmp_path / "eval.json"
+    args = parser.parse_args([str(out), *common, "--seq-len", "128", "--out", str(result)])
+    assert evaluate.run(args) == 0
+    assert json.loads(result.read_text())["val_tokens"] == 2 * 128
+    with pytest.raises(ValueError, match="--seq-len 129 exceeds the model's context limit of 128"):
+        evaluate.run(parser.parse_args([str(out), *common, "--seq-len", "129"]))
+
+
+# ---------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rope-factor", "2"], "--rope-factor 2.0 needs --rope-scaling linear"),
+        (["--rope-scaling", "linear"], "--rope-scaling linear needs --rope-factor"),
+        (["--rope-scaling", "linear", "--rope-factor", "0.5"], "--rope-factor must be .*>= 1"),
+        (["--rope-theta", "0"], "--rope-theta must be a positive number"),
+        (["--rope-theta", "nan"], "--rope-theta must be a positive number"),
+        (["--seq-len", "256", "--max-seq-len", "128"], "--seq-len 256 exceeds --max-seq-len"),
+    ],
+)
+def test_bad_extension_is_refused_before_writing(extra, message, tmp_path, corpus_root, base):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=message):
+        train.run(_args(out, corpus_root, "--init-from", str(base), *extra))
+    assert not out.exists()
+
+
+def test_init_from_another_architecture_lists_the_fields(tmp_path, corpus_root):
+    """A model with other KV heads and vocabulary (but the tiny preset's other sizes) is refused
+    with exactly the fields that differ, before anything is written."""
+    config = hhst.model_config("tiny", "dense", seq_len=64)
+    config.num_key_value_heads, config.vocab_size = 4, 300
+    source = tmp_path / "other"
+    LlamaForCausalLM(config).save_pretrained(source)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as info:
+        train.run(_args(out, corpus_root, "--init-from", str(source)))
+    text = str(info.value)
+    print(text)
+    fields = "num_key_value_heads 4 there, 2 here; vocab_size 300 there, 260 here."
+    assert f"holds another architecture: {fields}" in text
+    for same in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+        assert same not in text
+    assert not out.exists()
+
+
+def test_eval_refuses_a_pass_that_cannot_fit(tmp_path, corpus_root, base, monkeypatch):
+    """An evaluation whose largest forward pass needs more memory than is free fails with the
+    memory it needs, before any model or data is loaded."""
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    needed = evaluate.forward_memory(LlamaConfig.from_pretrained(base), 16 * 64, activation_bytes=4)
+    monkeypatch.setattr(evaluate, "_free_memory", lambda device: needed - 1)
+    loaded = []
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))
+    out = tmp_path / "eval.json"
+    args = parser.parse_args(
+        [str(base), "--device", "cpu", "--batch-size", "16", "--out", str(out)]
+    )
+    gib = f"{needed / 2**30:.2f}"
+    with pytest.raises(ValueError, match=f"16 x 64 tokens a forward pass needs about {gib} GiB"):
+        evaluate.run(args)
+    assert not loaded and not out.exists()
+    # One sequence a pass fits.
+    monkeypatch.setattr(evaluate, "_free_memory", lambda device: needed)
+    small = evaluate.forward_memory(LlamaConfig.from_pretrained(base), 64, activation_bytes=4)
+    assert small < needed
+
+
+def test_forward_memory_grows_with_tokens_and_bounds_the_weights():
+    config = hhst.model_config("small", "hhst", seq_len=131072)
+    weights = hhst.parameter_count(config) * 4
+    at_32k, at_128k = (evaluate.forward_memory(config, n) for n in (32768, 131072))
+    assert weights < at_32k < at_128k
+    # The small model's 128k evaluation is a few GiB, far from an H100's 80.
+    assert at_128k < 8 * 2**30
+
+
+def test_eval_batch_defaults_to_one_sequence_at_long_lengths(tmp_path, base, monkeypatch):
+    monkeypatch.setattr(evaluate, "_BATCH_TOKENS", 64)  # 64 tokens is "long" here
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    out = tmp_path / "eval.json"
+    args = parser.parse_args(
+        [str(base), "--device", "cpu", "--no-progress", "--val-batches", "2", "--out", str(out)]
+    )
+    assert evaluate.run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["batch_size"] == 1 and result["val_tokens"] == 2 * 64
+    assert result["wall_s"] > 0
+
+
+# ------------------------------------------------------------------------------ chunked logits
+def test_chunked_logits_match_the_whole_logits(base, corpus_root, monkeypatch):
+    """Bits per byte and needle predictions with the head applied in chunks of 7 positions
+    equal those from the model's whole (batch, seq, vocab) logits."""
+    model = LlamaForCausalLM.from_pretrained(base).float().eval()
+    corpus = data.SourceCorpus([corpus_root], split="val", val_fraction=0.3)
+    batches = evaluate.validation_batches(corpus, 64, 3, 2, seed=0)
+    needles = [
+        s for g in evaluate.needle_samples(corpus, 64, [0, 0.5, 1], 2, 0).values() for s in g
+    ]
+
+    class Whole(torch.nn.Module):  # not a PreTrainedModel: the unchunked path
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids):
+            return self.inner(input_ids, use_cache=False)
+
+    monkeypatch.setattr(evaluate, "_LOGIT_ROWS", 7)
+    assert evaluate._decoder_and_head(model) is not None
+    chunked = evaluate.validation_bpb(model, batches, device="cpu")
+    whole = evaluate.validation_bpb(Whole(), batches, device="cpu")
+    print(f"chunked {chunked:.6f}, whole {whole:.6f}")
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    tokens = torch.stack([s.tokens for s in needles])[:, :-1]
+    where = [slice(s.answer_start - 1, s.answer_start + s.answer_len - 1) for s in needles]
+    with torch.no_grad():
+        got = evaluate._predictions(model, tokens, where)
+        want = Whole()(tokens).logits.argmax(-1)
+    for row, w in enumerate(where):
+        assert torch.equal(got[row], want[row, w])
+
+
+# ------------------------------------------------------------------------ the experiment script
+def _script():
+    sys.path.insert(0, str(BENCHMARKS))
+    import long_context
+
+    return long_context
+
+
+def test_equal_time_reads_dense_between_its_validations():
+    lc = _script()
+    timed = [({"val_bpb": 2.0}, 10.0), ({"loss": 1.0}, 15.0), ({"val_loss": 1.0}, 20.0)]
+    assert lc.at_time(timed, 15.0) == pytest.approx(1.5)  # older rows name it val_loss
+    assert lc.at_time(timed, 40.0) == 1.0  # dense finished sooner: its last value
+    assert lc.at_time(timed, 5.0) is None  # before its first validation: unknown
+
+
+def test_scheduler_starts_only_what_fits_before_the_deadline(tmp_path):
+    lc = _script()
+    o = lc.parse(
+        [
+            "--smoke",
+            "--runs",
+            str(tmp_path),
+            "--deadline",
+            "100",
+            "--margin-s",
+            "20",
+            "--min-job-s",
+            "50",
+        ]
+    )
+    jobs = lc.plan_jobs(o)
+    sched = lc.Scheduler(jobs, o, {})
+    first = jobs[0]
+    assert first.name == "base1k/s0" and not first.deps
+    ok, limit = sched.may_start(first)
+    assert ok and 75 < limit <= 80  # the time left minus the margin
+    assert "--time-limit" in first.command(limit) and "--resume" not in first.command(limit)
+    sched.deadline -= 60  # 40 s left: below --min-job-s
+    assert sched.may_start(first) == (False, None)
+    evaluation = next(j for j in jobs if j.kind == "eval")
+    assert sched.may_start(evaluation)[0] is False  # no speed known: 60 s estimated > 40 - 20
+
+
+def test_variant_specs_are_formatted_per_phase(tmp_path):
+    lc = _script()
+    o = lc.parse(
+        [
+            "--smoke",
+            "--runs",
+            str(tmp_path),
+            "--variants",
+            "hhst,mine",
+            "--variant-args",
+            "mine=--variant local --rope-factor {scale} --x {len}",
+        ]
+    )
+    jobs = {j.name: j for j in lc.plan_jobs(o)}
+    assert set(jobs) >= {"32k/mine/s0", "128k/mine/s0", "eval/128k/hhst/s0", "base/s0"}
+    args = jobs["128k/mine/s0"].args
+    assert args[args.index("--rope-factor") + 1] == "4" and args[args.index("--x") + 1] == "1024"
+    assert args[args.index("--rope-theta") + 1] == "40000"  # the phase's default: 10000 x 4
+    assert args[args.index("--init-from") + 1] == str(o.runs / "32k" / "mine" / "s0")
+    assert "--gradient-checkpointing" in args
+    assert "--gradient-checkpointing" not in jobs["32k/mine/s0"].args
+    with pytest.raises(SystemExit):
+        lc.parse(["--smoke", "--runs", str(tmp_path), "--variants", "nope"])
+
+
+def test_time_limit_stops_after_the_step_that_crosses_it(tmp_path, corpus_root):
+    out = tmp_path / "run"
+    assert (
+        train.run(
+            _args(out, corpus_root, "--steps", "3", "--log-every", "1", "--time-limit", "1e-9")
+        )
+        == 0
+    )
+    progress = json.loads((out / "checkpoint" / "progress.json").read_text())["progress"]
+    assert progress["step"] == 1 and not (out / "model.safetensors").exists()
+
+
+def test_pipeline_on_the_cpu_resumes_after_its_deadline(tmp_path):
+    """base -> 32k phase -> 128k phase -> evaluations -> report at toy sizes, over three
+    invocations: the first stops its first job early (--stop-at through --train-args), the second
+    resumes it and stops at a short deadline, the third finishes the rest, skipping what was
+    done."""
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    data_args = f"--data-root {ROOT / 's2attn'} --val-fraction 0.2"
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "long_context.py"),
+        "--smoke",
+        "--runs",
+        str(runs),
+        "--out-dir",
+        str(results),
+        "--gpus",
+        "0,1",
+        "--variants",
+        "dense,hhst",
+        "--poll-s",
+        "0.3",
+        "--margin-s",
+        "4",
+        "--min-job-s",
+        "6",
+    ]
+
+    def invoke(*extra: str) -> str:
+        done = subprocess.run([*cmd, *extra], env=env, capture_output=True, text=True, timeout=180)
+        print(done.stdout[-4000:], done.stderr[-3000:])
+        assert done.returncode == 0
+        return done.stdout
+
+    stopped = invoke("--train-args", f"{data_args} --stop-at 2", "--deadline", "100")
+    assert "base1k/s0: stopped with a checkpoint before its last step" in stopped
+    assert "jobs unfinished" in stopped and "run the same command again" in stopped
+    assert not (runs / "base" / "s0").exists()  # nothing after an unfinished job
+
+    first = invoke("--deadline", "14")
+    assert "resuming base1k/s0" in first
+    assert "resuming at step 2" in (runs / "logs" / "base1k_s0.log").read_text()
+    assert "jobs unfinished" in first
+    starts = [line for line in first.splitlines() if "starting " in line and "eval/" not in line]
+    assert starts and all("time limit" in line for line in starts)
+    done_first = set(re.findall(r"\] (\S+): done in", first))
+    unfinished = [
+        p.parent for p in runs.glob("**/run.json") if not (p.parent / "config.json").exists()
+    ]
+
+    second = invoke()
+    assert "all jobs done" in second
+    skipped = next(line for line in second.splitlines() if "already done, skipped" in line)
+    assert "base1k/s0" in done_first or "base1k/s0" in skipped
+    assert all(name in skipped for name in done_first)
+    for run in unfinished:
+        name = str(run.relative_to(runs))
+        assert f"resuming {name}" in second
+
+    [report] = results.glob("*_long_context.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert {(r["phase"], r["variant"]) for r in rows} == {
+        ("base", "hhst"),
+        ("32k", "dense"),
+        ("32k", "hhst"),
+        ("128k", "dense"),
+        ("128k", "hhst"),
+    }
+    for r in rows:
+        assert r["done"] and r["val_bpb"] > 0 and set(r["needle"]) and r["tokens_per_s"] > 0
+        expected_len = {"base": 256, "32k": 512, "128k": 1024}[r["phase"]]
+        assert r["seq_len"] == expected_len and max(map(int, r["needle"])) == expected_len
+    by = {(r["phase"], r["variant"]): r for r in rows}
+    assert by["32k", "dense"]["tokens"] == by["32k", "hhst"]["tokens"] > 0  # equal tokens
+    assert by["128k", "hhst"]["rope"]["rope_theta"] == 40000.0
+    assert by["128k", "hhst"]["dense_at_equal_time"] is not None
+    assert by["128k", "hhst"]["vs_dense"] is not None
+    for phase in ("base", "32k", "128k"):
+        assert (results / report.name.replace(".json", f"_needle_{phase}.png")).is_file()
+    markdown = report.with_suffix(".md").read_text()
+    assert "## 32k: 4 steps of 2 x 512 tokens" in markdown and "dense at equal time" in markdown
