@@ -221,7 +221,8 @@ def blockwise_backward(
     dK and dV of a GQA group's query heads add into their KV head."""
     compute = _compute_dtype(q.dtype)
     packed = cu_seqlens_q is not None
-    dq, dk, dv = (torch.zeros(t.shape, dtype=compute, device=t.device) for t in (q, k, v))
+    # Strided like the inputs, as the operator's fake promises (``torch.empty_like``).
+    dq, dk, dv = (torch.zeros_like(t, dtype=compute) for t in (q, k, v))
     # Per row, as (..., rows, heads): the LSE and its gradient, and delta = rowsum(dO * O).
     lse_rows = (lse.permute(1, 0) if packed else lse.permute(0, 2, 1)).to(compute)
     if grad_lse is not None:
