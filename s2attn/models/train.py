@@ -585,6 +585,8 @@ def _lock(out: Path):
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
 # What must agree between an --init-from model and the run's: every weight's shape follows
 # from them. The attention pattern, lengths and RoPE settings may differ.
 _ARCHITECTURE = (
