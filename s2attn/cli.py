@@ -101,42 +101,12 @@ def _ensure_backend(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "s2attn", *argv])
 
 
-def _hhst_layers(
-    num_layers: int,
-    num_dense_layers: int,
-    num_heads: int,
-    seq: int,
-    block: int,
-    local_blocks: int,
-    vert_stride: int,
-):
-    """The pattern of every layer of an HHST stack: the first layers dense, the rest S2."""
-    import s2attn
-
-    layers = []
-    for i in range(num_layers):
-        if i < num_dense_layers:
-            layers.append(
-                ("dense", s2attn.dense_pattern(num_heads, max_seq_len=seq, block_size=block))
-            )
-        else:
-            pattern = s2attn.local_stride_pattern(
-                num_heads,
-                max_seq_len=seq,
-                block_size=block,
-                local_blocks=local_blocks,
-                vert_stride=vert_stride,
-                head_offset=i,
-            )
-            layers.append(("S2", pattern))
-    return layers
-
-
 def demo(args: argparse.Namespace) -> int:
     import torch
     import triton
 
     import s2attn
+    from s2attn.stack import S2Settings
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -159,16 +129,21 @@ def demo(args: argparse.Namespace) -> int:
         f"\nHHST stack: {args.layers} layers, the first {args.dense_layers} dense, {heads} heads, "
         f"seq {seq}, block {block}, local {local_blocks} blocks, vertical stride {vert_stride}"
     )
-    layers = _hhst_layers(
-        args.layers, args.dense_layers, heads, seq, block, local_blocks, vert_stride
+    stack = S2Settings(
+        block_size=block,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        dense_layers=tuple(range(args.dense_layers)),
     )
+    kinds = stack.layer_types(args.layers)
+    layers = stack.layer_patterns(args.layers, heads, max_seq_len=seq)
     print(f"{'layer':>5} {'kind':>5} {'density':>8} {'KV-efficient':>13} {'union-complete':>15}")
-    for i, (kind, p) in enumerate(layers):
+    for i, (kind, p) in enumerate(zip(kinds, layers)):
         print(
-            f"{i:>5} {kind:>5} {p.density(seq):>8.3f} {str(p.is_kv_efficient()):>13} "
-            f"{str(p.is_union_complete()):>15}"
+            f"{i:>5} {'S2' if kind == 's2' else kind:>5} {p.density(seq):>8.3f} "
+            f"{str(p.is_kv_efficient()):>13} {str(p.is_union_complete()):>15}"
         )
-    _, pattern = layers[-1]
+    pattern = layers[-1]
     print("\nhead 0 of the last layer")
     print(_legend(block, pattern.causal, _DEMO_DRAW_BLOCKS))
     print(pattern.draw(head=0, max_blocks=_DEMO_DRAW_BLOCKS))

@@ -354,8 +354,15 @@ def test_stream_edge_fraction_plants_needles_at_the_ends(corpus_root):
     needle_len = 2 + 4 + 6
 
     def needle_starts(edge_fraction):
-        stream = D.TokenStream(corpus, seq_len=399, batch_size=16, seed=3, needle_fraction=1.0,
-                               needles_per_sample=1, edge_fraction=edge_fraction)  # fmt: skip
+        stream = D.TokenStream(
+            corpus,
+            seq_len=399,
+            batch_size=16,
+            seed=3,
+            needle_fraction=1.0,
+            needles_per_sample=1,
+            edge_fraction=edge_fraction,
+        )
         return [row.index(D.KEY) for row in stream.next_batch().tolist()]
 
     first, last = 1, 400 - 2 * needle_len  # right after the BOS; right before the question
@@ -409,8 +416,15 @@ def test_stream_marks_exactly_the_answers(corpus_root):
     root, _ = corpus_root
     corpus = D.SourceCorpus([root], val_fraction=0.0)
     n, value_len = 2, 6
-    stream = D.TokenStream(corpus, seq_len=199, batch_size=6, seed=3, needle_fraction=0.5,
-                           needles_per_sample=n, value_len=value_len)  # fmt: skip
+    stream = D.TokenStream(
+        corpus,
+        seq_len=199,
+        batch_size=6,
+        seed=3,
+        needle_fraction=0.5,
+        needles_per_sample=n,
+        value_len=value_len,
+    )
     state = stream.state_dict()
     tokens, answers = stream.next_batch_with_answers()
     stream.load_state_dict(state)

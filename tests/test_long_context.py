@@ -175,7 +175,9 @@ def test_init_from_extends_across_variants_and_eval_loads_it(tmp_path, corpus_ro
             "128",
         )
     )
-    assert {k: again.options[k] for k in ("rope_theta", "rope_scaling", "rope_factor")} == {
+    assert {
+        k: getattr(again.options, k) for k in ("rope_theta", "rope_scaling", "rope_factor")
+    } == {
         "rope_theta": 20000.0,
         "rope_scaling": "linear",
         "rope_factor": 2.0,

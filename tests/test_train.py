@@ -490,8 +490,16 @@ def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_r
         extra = ["--init-from", str(tmp_path)]
     elif case == "init_other_shape":
         # Another preset's weights: tiny's trained run into a model of other width.
-        extra = ["--init-from", str(trained), "--preset", "small", "--seq-len", "64",
-                 "--batch-size", "1"]  # fmt: skip
+        extra = [
+            "--init-from",
+            str(trained),
+            "--preset",
+            "small",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "1",
+        ]
         message = "holds another architecture: num_hidden_layers 2 there, 6 here; hidden_size"
     before = _snapshot(out)
     with pytest.raises(ValueError, match=message) as info:
@@ -523,9 +531,10 @@ def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
     assert [r["step"] for r in rows] == [1, 2] and "val_bpb" in rows[-1]
     assert rows[-1]["tokens"] == 2 * 4 * 64 * (2 if "--grad-accum" in extra else 1)
     config = json.loads((out / "config.json").read_text())
-    want = hhst.model_config(
-        "tiny", variant, seq_len=64, dense_layers=[1] if "--dense-layers" in extra else None
-    )
+    s2 = hhst.PRESETS["tiny"].s2
+    if "--dense-layers" in extra:
+        s2 = s2.replace(dense_layers=(1,))
+    want = hhst.model_config("tiny", variant, seq_len=64, s2=s2)
     assert config.get("s2attn") == getattr(want, "s2attn", None)
 
 
@@ -552,8 +561,22 @@ def test_init_from_starts_at_the_saved_weights(tmp_path, corpus_root, trained):
     vanishing learning rate, one step leaves them where they were, and the run's first loss
     is the trained model's, far below a fresh model's."""
     out = tmp_path / "longer"
-    args = _args(out, corpus_root, "--init-from", str(trained), "--seq-len", "128", "--steps",
-                 "1", "--lr", "1e-12", "--warmup-steps", "0", "--log-every", "1")  # fmt: skip
+    args = _args(
+        out,
+        corpus_root,
+        "--init-from",
+        str(trained),
+        "--seq-len",
+        "128",
+        "--steps",
+        "1",
+        "--lr",
+        "1e-12",
+        "--warmup-steps",
+        "0",
+        "--log-every",
+        "1",
+    )
     with pytest.MonkeyPatch.context() as mp:
         _s2_layers_on_reference(mp)
         assert train.run(args) == 0

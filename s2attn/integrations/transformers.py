@@ -56,6 +56,7 @@ from ..inference.decode_op import static_decode_step
 from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..reference import attention_reference
+from ..stack import S2Settings
 from ..validation import check_softmax_scale
 
 __all__ = [
@@ -78,21 +79,25 @@ _CONFIG_KEY = "s2attn"
 # ------------------------------------------------------------------------------- config
 def configure(
     config,
+    settings: S2Settings | None = None,
     *,
-    block_size: int = 64,
-    local_blocks: int = 16,
-    vert_stride: int = 16,
-    dense_layers: int | Sequence[int] = 2,
+    block_size: int | None = None,
+    local_blocks: int | None = None,
+    vert_stride: int | None = None,
+    dense_layers: int | Sequence[int] | None = None,
     max_seq_len: int | None = None,
-    num_dense_heads: int = 0,
-    homo_head: bool = False,
-    head_offset: int = 0,
+    num_dense_heads: int | None = None,
+    homo_head: bool | None = None,
+    head_offset: int | None = None,
     attn_implementation: str = ATTN_IMPLEMENTATION,
 ):
     """Make a transformers config an HHST model: some layers dense, the others S2.
 
     Args:
         config: a decoder config (e.g. ``LlamaConfig``); changed in place and returned.
+        settings: the :class:`~s2attn.stack.S2Settings` (default ``S2Settings()``: block 64,
+            local 16 blocks, stride 16, the first two layers dense); each of the keywords below
+            that is given replaces its field.
         block_size, local_blocks, vert_stride, num_dense_heads, homo_head, head_offset: the S2
             layers' :func:`s2attn.local_stride_pattern` (GQA groups share one pattern, so the KV
             cache can evict).
@@ -102,7 +107,8 @@ def configure(
             reference).
 
     The choice is stored as the JSON-friendly dict ``config.s2attn`` (so it survives
-    ``save_pretrained``), with ``config.s2attn["layer_types"]`` one of "dense" or "s2" per layer.
+    ``save_pretrained``), with ``config.s2attn["layer_types"]`` one of "dense" or "s2" per layer;
+    ``S2Settings.from_config(config)`` reads it back.
 
     Example::
 
@@ -116,35 +122,32 @@ def configure(
     if isinstance(dense_layers, int):
         if not 0 <= dense_layers <= num_layers:
             raise ValueError(f"dense_layers must be in [0, {num_layers}], got {dense_layers}")
-        dense = set(range(dense_layers))
-    else:
-        dense = set(dense_layers)
-        if any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
-            raise ValueError(
-                f"dense_layers must be layer indices in [0, {num_layers}), got {dense_layers}"
-            )
+        dense_layers = tuple(range(dense_layers))
     if attn_implementation not in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
         raise ValueError(
             f"attn_implementation must be {ATTN_IMPLEMENTATION!r} or "
             f"{REFERENCE_IMPLEMENTATION!r}, got {attn_implementation!r}"
         )
-    settings = dict(
+    given = dict(
         block_size=block_size,
         local_blocks=local_blocks,
         vert_stride=vert_stride,
-        max_seq_len=max_seq_len or text.max_position_embeddings,
+        dense_layers=dense_layers,
         num_dense_heads=num_dense_heads,
         homo_head=homo_head,
         head_offset=head_offset,
-        layer_types=["dense" if i in dense else "s2" for i in range(num_layers)],
     )
+    settings = (settings or S2Settings()).replace(
+        **{k: v for k, v in given.items() if v is not None}
+    )
+    entry = settings.config_entry(num_layers, max_seq_len or text.max_position_embeddings)
     # Built now, not at the first forward: it validates the settings, and a compiled forward
     # finds the patterns ready (see s2attn.pattern.shared_pattern).
-    heads, kv_heads, *_ = key = _pattern_key(text, settings)
+    heads, kv_heads, *_ = key = _pattern_key(text, entry)
     _build_pattern(*key)
-    if dense:
-        shared_dense_pattern(kv_heads, settings["max_seq_len"], block_size)
-    setattr(text, _CONFIG_KEY, settings)
+    if settings.dense_layers:
+        shared_dense_pattern(kv_heads, entry["max_seq_len"], settings.block_size)
+    setattr(text, _CONFIG_KEY, entry)
     text._attn_implementation = attn_implementation
     return config
 

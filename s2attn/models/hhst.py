@@ -18,17 +18,15 @@ homo       the dense layers of ``hhst``, the others S2 with every head on the sa
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..integrations import transformers as s2hf
-from ..pattern import local_stride_pattern
+from ..stack import S2Settings
 from .data import VOCAB_SIZE
 
 __all__ = [
@@ -41,6 +39,7 @@ __all__ = [
     "model_summary",
     "parameter_count",
     "rope_settings",
+    "variant_settings",
 ]
 
 VARIANTS = ("dense", "hhst", "s2", "local", "homo")
@@ -62,10 +61,7 @@ class Preset:
     num_kv_heads: int
     intermediate_size: int
     seq_len: int
-    block_size: int
-    local_blocks: int
-    vert_stride: int
-    dense_layers: tuple[int, ...]
+    s2: S2Settings
     batch_size: int
     steps: int
     lr: float
@@ -93,10 +89,7 @@ PRESETS: dict[str, Preset] = {
         num_kv_heads=2,
         intermediate_size=176,
         seq_len=256,
-        block_size=16,
-        local_blocks=2,
-        vert_stride=2,
-        dense_layers=(0,),
+        s2=S2Settings(block_size=16, local_blocks=2, vert_stride=2, dense_layers=(0,)),
         batch_size=8,
         steps=60,
         lr=3e-3,
@@ -123,10 +116,7 @@ PRESETS: dict[str, Preset] = {
         num_kv_heads=8,
         intermediate_size=1408,
         seq_len=4096,
-        block_size=64,
-        local_blocks=4,
-        vert_stride=8,
-        dense_layers=(3,),
+        s2=S2Settings(block_size=64, local_blocks=4, vert_stride=8, dense_layers=(3,)),
         batch_size=8,
         steps=2000,
         lr=1e-3,
@@ -150,10 +140,7 @@ PRESETS: dict[str, Preset] = {
         num_kv_heads=12,
         intermediate_size=3072,
         seq_len=4096,
-        block_size=64,
-        local_blocks=4,
-        vert_stride=8,
-        dense_layers=(4, 8),
+        s2=S2Settings(block_size=64, local_blocks=4, vert_stride=8, dense_layers=(4, 8)),
         batch_size=8,
         steps=2000,
         lr=6e-4,
@@ -168,8 +155,43 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def variant_settings(
+    preset: Preset, variant: str, *, seq_len: int, max_seq_len: int, s2: S2Settings | None = None
+) -> S2Settings | None:
+    """The S2 settings of ``variant`` (None for ``dense``), from ``s2`` (default: the preset's).
+
+    ``local`` keeps the dense layers and replaces the S2 pattern by a local window alone, as wide
+    as makes its density at ``seq_len`` closest to the S2 pattern's there."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    s2 = preset.s2 if s2 is None else s2
+    if variant == "dense":
+        return None
+    if variant == "s2":
+        return s2.replace(dense_layers=())
+    if variant == "homo":
+        return s2.replace(homo_head=True)
+    if variant == "local":
+        heads, kv_heads = preset.num_heads, preset.num_kv_heads
+        target = s2.pattern(heads, max_seq_len=seq_len, num_kv_heads=kv_heads).density()
+        blocks = _local_blocks_at_density(s2.block_size, heads, kv_heads, seq_len, target)
+        return _local_only(s2, blocks, max_seq_len)
+    return s2
+
+
+def _local_only(s2: S2Settings, local_blocks: int, max_seq_len: int) -> S2Settings:
+    # A stride longer than the sequence, shifted so that no stripe lands on a block: the window
+    # alone is left.
+    return s2.replace(
+        local_blocks=local_blocks,
+        vert_stride=-(-max_seq_len // s2.block_size) + 1,
+        homo_head=True,
+        head_offset=1,
+    )
+
+
 def _local_blocks_at_density(
-    preset: Preset, heads: int, kv_heads: int, seq_len: int, target: float
+    block_size: int, heads: int, kv_heads: int, seq_len: int, target: float
 ) -> int:
     """The local window (in blocks) whose density at ``seq_len`` is closest to ``target``.
 
@@ -177,11 +199,13 @@ def _local_blocks_at_density(
     narrowest window at or above ``target`` and take it or the one below, whichever is closer
     (the narrower on a tie). Each density costs a pattern of (heads, blocks, blocks): a scan of
     every width would build thousands of them at long lengths."""
+    window = S2Settings(block_size=block_size, dense_layers=())
 
     def density(blocks: int) -> float:
-        return _local_only(heads, kv_heads, seq_len, preset.block_size, blocks).density()
+        local = _local_only(window, blocks, seq_len)
+        return local.pattern(heads, max_seq_len=seq_len, num_kv_heads=kv_heads).density()
 
-    lo, hi = 1, -(-seq_len // preset.block_size)
+    lo, hi = 1, -(-seq_len // block_size)
     while lo < hi:
         mid = (lo + hi) // 2
         if density(mid) < target:
@@ -193,31 +217,13 @@ def _local_blocks_at_density(
     return lo
 
 
-def _local_only(heads: int, kv_heads: int, seq_len: int, block_size: int, local_blocks: int):
-    # A stride longer than the sequence, shifted so that no stripe lands on a block: the window
-    # alone is left.
-    nb = -(-seq_len // block_size)
-    return local_stride_pattern(
-        heads,
-        max_seq_len=seq_len,
-        block_size=block_size,
-        local_blocks=local_blocks,
-        vert_stride=nb + 1,
-        num_kv_heads=kv_heads,
-        homo_head=True,
-        head_offset=1,
-    )
-
-
 def model_config(
     preset: Preset | str,
     variant: str,
     *,
     seq_len: int | None = None,
     max_seq_len: int | None = None,
-    dense_layers: Sequence[int] | None = None,
-    vert_stride: int | None = None,
-    local_blocks: int | None = None,
+    s2: S2Settings | None = None,
     rope_theta: float | None = None,
     rope_scaling: str = "none",
     rope_factor: float = 1.0,
@@ -231,9 +237,8 @@ def model_config(
             to the preset's.
         max_seq_len: the longest sequence the model's patterns (and RoPE table) cover; defaults
             to ``seq_len``. Longer inputs raise a clear error in the S2 layers.
-        dense_layers: indices of the dense layers of hhst, local and homo; defaults to the
-            preset's.
-        vert_stride, local_blocks: override the preset's S2 pattern.
+        s2: the S2 settings that ``variant`` starts from (:func:`variant_settings`); defaults to
+            the preset's.
         rope_theta: the RoPE base; defaults to the preset's.
         rope_scaling, rope_factor: one of :data:`ROPE_SCALINGS`; with ``"linear"``, positions
             are divided by ``rope_factor`` (>= 1) before the rotation.
@@ -242,19 +247,11 @@ def model_config(
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         preset = PRESETS[preset]
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
     seq_len = seq_len or preset.seq_len
     max_seq_len = max_seq_len or seq_len
     if max_seq_len < seq_len:
         raise ValueError(f"max_seq_len ({max_seq_len}) is below seq_len ({seq_len})")
-    if vert_stride is not None or local_blocks is not None:
-        preset = dataclasses.replace(
-            preset,
-            vert_stride=vert_stride or preset.vert_stride,
-            local_blocks=local_blocks or preset.local_blocks,
-        )
-    dense = tuple(preset.dense_layers if dense_layers is None else dense_layers)
+    settings = variant_settings(preset, variant, seq_len=seq_len, max_seq_len=max_seq_len, s2=s2)
     rope = _rope_arguments(
         preset.rope_theta if rope_theta is None else rope_theta, rope_scaling, rope_factor
     )
@@ -274,38 +271,8 @@ def model_config(
         attn_implementation="sdpa",
         **rope,
     )
-    if variant == "dense":
-        return config
-    pattern = dict(
-        block_size=preset.block_size,
-        local_blocks=preset.local_blocks,
-        vert_stride=preset.vert_stride,
-    )
-    if variant == "s2":
-        dense = ()
-    elif variant == "homo":
-        pattern["homo_head"] = True
-    elif variant == "local":
-        s2_density = local_stride_pattern(
-            preset.num_heads,
-            max_seq_len=seq_len,
-            block_size=preset.block_size,
-            local_blocks=preset.local_blocks,
-            vert_stride=preset.vert_stride,
-            num_kv_heads=preset.num_kv_heads,
-        ).density()
-        blocks = _local_blocks_at_density(
-            preset, preset.num_heads, preset.num_kv_heads, seq_len, s2_density
-        )
-        nb = -(-max_seq_len // preset.block_size)
-        pattern = dict(
-            block_size=preset.block_size,
-            local_blocks=blocks,
-            vert_stride=nb + 1,
-            homo_head=True,
-            head_offset=1,
-        )
-    s2hf.configure(config, dense_layers=list(dense), max_seq_len=max_seq_len, **pattern)
+    if settings is not None:
+        s2hf.configure(config, settings, max_seq_len=max_seq_len)
     return config
 
 

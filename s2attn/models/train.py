@@ -74,23 +74,21 @@ import torch.nn.functional as F
 from . import hhst
 from .data import NeedleSample, SourceCorpus, TokenStream, default_roots
 from .evaluate import needle_accuracy, needle_samples, validation_batches, validation_bpb
+from .options import TrainOptions, add_arguments, comparable, source_config
 
 try:
     import fcntl
 except ImportError:  # Windows: no flock, so the output directory goes unguarded
     fcntl = None
 
-__all__ = ["add_arguments", "metrics_row", "read_metrics", "run"]
+__all__ = ["TrainOptions", "add_arguments", "metrics_row", "read_metrics", "run"]
 
-PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 _BETAS = (0.9, 0.95)
 _WEIGHT_DECAY = 0.1
 _CLIP_NORM = 1.0
 _MIN_LR_RATIO = 0.1
 # Depths of the validation needles: evenly spread from the start (0) to the end (1) of the context.
 _NEEDLE_DEPTHS = 8
-# Options that change neither the trained weights nor the log, so a resumed run may differ in them.
-_RESUME_FREE = ("resume", "no_progress", "checkpoint_every", "stop_at", "time_limit")
 _RUN_FILE = "run.json"
 _METRICS_FILE = "metrics.jsonl"
 _CHECKPOINT = "checkpoint"
@@ -99,179 +97,12 @@ _LOCK_FILE = "train.lock"
 _INTERRUPTED = 130
 
 
-# --------------------------------------------------------------------------- arguments
-def _dense_layers(text: str) -> list[int]:
-    if text.strip().lower() == "none":
-        return []
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer indices or 'none', got {text!r}"
-        ) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``s2attn train``; those left unset take the preset's values."""
-    add = parser.add_argument
-    add(
-        "--preset",
-        default="tiny",
-        help=f"model shape and recipe: one of {', '.join(hhst.PRESETS)} (default tiny)",
-    )
-    add(
-        "--variant",
-        default="hhst",
-        help=f"attention per layer: one of {', '.join(hhst.VARIANTS)} (default hhst)",
-    )
-    add(
-        "--out",
-        type=Path,
-        required=True,
-        help="output directory: new or empty, or this run's own with --resume",
-    )
-    add(
-        "--resume",
-        action="store_true",
-        help="continue the run in --out from its last checkpoint (same options)",
-    )
-    add("--steps", type=int, help="optimizer steps")
-    add(
-        "--init-from",
-        type=Path,
-        help="start from the weights of a model this command saved (same preset and variant; "
-        "e.g. one trained at a shorter --seq-len), with a fresh optimizer and schedule",
-    )
-    add("--seq-len", type=int, help="training context length in tokens")
-    add(
-        "--rope-theta",
-        type=float,
-        help="RoPE base (default: the --init-from model's, else the preset's, 10000)",
-    )
-    add(
-        "--rope-scaling",
-        choices=hhst.ROPE_SCALINGS,
-        help="RoPE position scheme: none, or linear (positions divided by --rope-factor: "
-        "position interpolation); default: the --init-from model's, else none",
-    )
-    add(
-        "--rope-factor",
-        type=float,
-        help="divisor of the positions under --rope-scaling linear (>= 1)",
-    )
-    add(
-        "--max-seq-len",
-        type=int,
-        help="length the S2 patterns and RoPE table cover (default --seq-len); set it higher to "
-        "evaluate the model beyond its training length",
-    )
-    add("--batch-size", type=int, help="sequences per micro-batch")
-    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    add("--lr", type=float, help="peak learning rate")
-    add("--warmup-steps", type=int, help="linear warm-up steps before the cosine decay")
-    add(
-        "--dense-layers",
-        type=_dense_layers,
-        help="dense layers of hhst/local/homo: comma-separated indices, or 'none' "
-        "(dense and s2 ignore it)",
-    )
-    add("--vert-stride", type=int, help="S2 vertical stride in blocks")
-    add("--local-blocks", type=int, help="S2 local window in blocks")
-    add("--device", choices=("cpu", "cuda"), help="default: cuda if available")
-    add(
-        "--precision",
-        choices=PRECISIONS,
-        default="auto",
-        help="auto: float32 weights under bf16 autocast on CUDA, float32 on the CPU; bf16: "
-        "bf16 weights and optimizer state",
-    )
-    add(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="recompute activations in the backward pass (less memory, ~30%% more time)",
-    )
-    add(
-        "--seed",
-        type=int,
-        default=0,
-        help="initial weights and batch order (default 0)",
-    )
-    add(
-        "--val-seed",
-        type=int,
-        default=0,
-        help="which held-out text and needles validation reads (default 0); kept apart from "
-        "--seed so that runs of several seeds are measured on the same text",
-    )
-    add("--needle-fraction", type=float, help="share of training rows that are retrieval samples")
-    add(
-        "--needles-per-sample",
-        type=int,
-        help="needles planted in each retrieval row, each asked for at its end",
-    )
-    add(
-        "--needle-edge-fraction",
-        type=float,
-        help="share of needles planted at the very start or end of the context instead of a "
-        "uniform depth (a uniform depth almost never tests the first tokens)",
-    )
-    add(
-        "--answer-weight",
-        type=float,
-        help="weight of the needle answers' tokens in the training loss (1: plain LM loss)",
-    )
-    add(
-        "--data-root",
-        action="append",
-        type=Path,
-        help="directory of source files to train on (repeatable; default: the standard library "
-        "and site-packages)",
-    )
-    add(
-        "--val-fraction",
-        type=float,
-        default=0.05,
-        help="share of files (by path hash) in the validation split (default 0.05)",
-    )
-    add("--val-every", type=int, help="validate every N steps (0: only at the end)")
-    add("--val-batches", type=int, help="held-out batches per validation (0: none)")
-    add(
-        "--val-needles",
-        type=int,
-        default=32,
-        help="retrieval samples per validation, at depths spread over [0, 1] (default 32)",
-    )
-    add("--log-every", type=int, default=10, help="write a metrics row every N steps")
-    add(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        help="checkpoint every N steps (0: only at the end or when stopping)",
-    )
-    add(
-        "--stop-at",
-        type=int,
-        help="stop after this step with a checkpoint, as if interrupted; finish with --resume",
-    )
-    add(
-        "--time-limit",
-        type=float,
-        help="stop with a checkpoint once this many seconds have passed in this process",
-    )
-    add(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (it shows only when stderr is a terminal)",
-    )
-
-
 # ------------------------------------------------------------------------------ the plan
 @dataclass
 class _Plan:
     """Everything decided before the output directory is touched."""
 
-    options: dict
-    preset: hhst.Preset
+    options: TrainOptions
     config: object
     out: Path
     device: torch.device
@@ -287,149 +118,7 @@ class _Plan:
     progress: bool
 
 
-def _positive(name: str, value: int | float, minimum: int = 1) -> None:
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _resolve(args: argparse.Namespace) -> tuple[dict, hhst.Preset]:
-    """The run's options with the preset's defaults filled in (JSON-friendly, so a saved run
-    compares equal to a new one)."""
-    if args.preset not in hhst.PRESETS:
-        raise ValueError(f"--preset: unknown preset {args.preset!r}; choose one of "
-                         f"{sorted(hhst.PRESETS)}")  # fmt: skip
-    if args.variant not in hhst.VARIANTS:
-        raise ValueError(f"--variant: unknown variant {args.variant!r}; choose one of "
-                         f"{list(hhst.VARIANTS)}")  # fmt: skip
-    preset = hhst.PRESETS[args.preset]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    precision = args.precision
-    if precision == "auto":
-        precision = "bf16-autocast" if device == "cuda" else "fp32"
-
-    def pick(value, default):
-        return default if value is None else value
-
-    seq_len = pick(args.seq_len, preset.seq_len)
-    rope = _rope_options(args, preset)
-    options = dict(
-        preset=args.preset,
-        variant=args.variant,
-        steps=pick(args.steps, preset.steps),
-        seq_len=seq_len,
-        max_seq_len=pick(args.max_seq_len, seq_len),
-        batch_size=pick(args.batch_size, preset.batch_size),
-        grad_accum=args.grad_accum,
-        lr=float(pick(args.lr, preset.lr)),
-        warmup_steps=pick(args.warmup_steps, preset.warmup_steps),
-        dense_layers=list(pick(args.dense_layers, preset.dense_layers)),
-        vert_stride=pick(args.vert_stride, preset.vert_stride),
-        local_blocks=pick(args.local_blocks, preset.local_blocks),
-        device=device,
-        precision=precision,
-        gradient_checkpointing=bool(args.gradient_checkpointing),
-        seed=args.seed,
-        val_seed=args.val_seed,
-        needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),
-        needles_per_sample=pick(args.needles_per_sample, preset.needles_per_sample),
-        needle_edge_fraction=float(pick(args.needle_edge_fraction, preset.needle_edge_fraction)),
-        answer_weight=float(pick(args.answer_weight, preset.answer_weight)),
-        init_from=None if args.init_from is None else str(Path(args.init_from).resolve()),
-        **rope,
-        data_root=None,  # filled in once the corpus has resolved the roots
-        val_fraction=float(args.val_fraction),
-        val_every=pick(args.val_every, preset.val_every),
-        val_batches=pick(args.val_batches, preset.val_batches),
-        val_needles=args.val_needles,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-    )
-    for name in ("steps", "seq_len", "max_seq_len", "batch_size", "grad_accum", "vert_stride",
-                 "local_blocks", "log_every", "needles_per_sample"):  # fmt: skip
-        _positive("--" + name.replace("_", "-"), options[name])
-    for name in ("warmup_steps", "val_every", "val_batches", "val_needles", "checkpoint_every"):
-        _positive("--" + name.replace("_", "-"), options[name], minimum=0)
-    if not options["answer_weight"] >= 0 or not math.isfinite(options["answer_weight"]):
-        raise ValueError(f"--answer-weight must be >= 0, got {options['answer_weight']}")
-    if not options["lr"] > 0 or not math.isfinite(options["lr"]):
-        raise ValueError(f"--lr must be a positive number, got {options['lr']}")
-    if options["seq_len"] > options["max_seq_len"]:
-        raise ValueError(
-            f"--seq-len {options['seq_len']} exceeds --max-seq-len {options['max_seq_len']}: the "
-            "S2 layers' patterns (and the RoPE table) would not cover the training context; "
-            "raise --max-seq-len"
-        )
-    if args.stop_at is not None:
-        _positive("--stop-at", args.stop_at)
-        if args.stop_at > options["steps"]:
-            raise ValueError(
-                f"--stop-at {args.stop_at} is beyond --steps {options['steps']}: the run would "
-                "end before it"
-            )
-    if args.time_limit is not None and not args.time_limit > 0:
-        raise ValueError(f"--time-limit must be a positive number of seconds, got "
-                         f"{args.time_limit}")  # fmt: skip
-    return options, preset
-
-
-# Options added after runs were recorded without them: the value that reproduces those runs
-# (None where no single value does: validation then read the text of the run's own seed).
-_ADDED_OPTIONS = {
-    "needle_edge_fraction": 0.0,
-    "val_seed": None,
-    "rope_theta": 10000.0,
-    "rope_scaling": "none",
-    "rope_factor": 1.0,
-}
-
-
-def _rope_options(args: argparse.Namespace, preset: hhst.Preset) -> dict:
-    """The run's RoPE settings: those given, the rest the --init-from model's (so that a phase
-    extended from it keeps its positions unless told otherwise), else the preset's."""
-    inherited = {"rope_theta": preset.rope_theta, "rope_scaling": "none", "rope_factor": 1.0}
-    if args.init_from is not None:
-        try:
-            inherited = hhst.rope_settings(_source_config(args.init_from))
-        except ValueError as exc:
-            raise ValueError(f"--init-from {str(args.init_from)!r}: {exc}") from None
-    theta = inherited["rope_theta"] if args.rope_theta is None else args.rope_theta
-    scaling = args.rope_scaling or inherited["rope_scaling"]
-    factor = args.rope_factor
-    if factor is None:
-        factor = inherited["rope_factor"] if scaling == inherited["rope_scaling"] else None
-    if not (math.isfinite(theta) and theta > 0):
-        raise ValueError(f"--rope-theta must be a positive number, got {theta}")
-    if scaling == "none":
-        if factor not in (None, 1.0):
-            raise ValueError(f"--rope-factor {factor} needs --rope-scaling linear")
-        factor = 1.0
-    elif factor is None:
-        raise ValueError("--rope-scaling linear needs --rope-factor (the positions' divisor)")
-    elif not (math.isfinite(factor) and factor >= 1):
-        raise ValueError(f"--rope-factor must be a number >= 1, got {factor}")
-    return {"rope_theta": float(theta), "rope_scaling": scaling, "rope_factor": float(factor)}
-
-
-def _source_config(path: Path | str):
-    """The config of the model saved in ``path`` (by ``save_pretrained``)."""
-    from transformers import LlamaConfig
-
-    for name in ("model.safetensors", "config.json"):
-        if not (Path(path) / name).is_file():
-            raise ValueError(
-                f"--init-from {str(path)!r}: no {name} there (a directory this command saved "
-                "its final model into)"
-            )
-    return LlamaConfig.from_pretrained(path)
-
-
-def _comparable(options: dict) -> dict:
-    return {**_ADDED_OPTIONS, **{k: v for k, v in options.items() if k not in _RESUME_FREE}}
-
-
-def _check_out_dir(out: Path, options: dict, resume: bool) -> tuple[Path | None, bool]:
+def _check_out_dir(out: Path, options: TrainOptions, resume: bool) -> tuple[Path | None, bool]:
     """Whether ``out`` may take this run: (checkpoint to resume from or None, fresh start).
 
     Reads only; raises ``ValueError`` for a file, a directory of something else, another run,
@@ -453,16 +142,21 @@ def _check_out_dir(out: Path, options: dict, resume: bool) -> tuple[Path | None,
     try:
         saved = json.loads(record_path.read_text())["options"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{record_path} is not a readable run record ({exc}); choose a new "
-                         "or empty --out") from None  # fmt: skip
-    mine = json.loads(json.dumps(_comparable(options)))
-    theirs = _comparable(saved)
+        raise ValueError(
+            f"{record_path} is not a readable run record ({exc}); choose a new or empty --out"
+        ) from None
+    mine = json.loads(json.dumps(options.comparable()))
+    theirs = comparable(saved)
     if mine != theirs:
         keys = sorted(set(mine) | set(theirs))
-        diff = ", ".join(f"{k}: saved {theirs.get(k)!r}, now {mine.get(k)!r}"
-                         for k in keys if mine.get(k) != theirs.get(k))  # fmt: skip
-        raise ValueError(f"--out {str(out)!r} holds a different run ({diff}); choose another "
-                         "directory")  # fmt: skip
+        diff = ", ".join(
+            f"{k}: saved {theirs.get(k)!r}, now {mine.get(k)!r}"
+            for k in keys
+            if mine.get(k) != theirs.get(k)
+        )
+        raise ValueError(
+            f"--out {str(out)!r} holds a different run ({diff}); choose another directory"
+        )
     checkpoint = _find_checkpoint(out)
     if checkpoint is None:
         # Starting over in place would discard the metrics it logged: the user decides.
@@ -481,64 +175,81 @@ def _check_out_dir(out: Path, options: dict, resume: bool) -> tuple[Path | None,
 
 def _prepare(args: argparse.Namespace) -> _Plan:
     """Check every input and load the validation data; writes nothing."""
-    options, preset = _resolve(args)
+    options = TrainOptions.resolve(args)
     _check_not_in_use(Path(args.out))
-    dense = options["dense_layers"]
-    if options["variant"] in ("hhst", "local", "homo"):
-        bad = [i for i in dense if not 0 <= i < preset.num_layers]
+    num_layers = options.preset_shape.num_layers
+    if options.variant in ("hhst", "local", "homo"):
+        bad = [i for i in options.dense_layers if not 0 <= i < num_layers]
         if bad:
-            raise ValueError(f"--dense-layers: {bad} out of range; preset {options['preset']!r} "
-                             f"has layers 0..{preset.num_layers - 1}")  # fmt: skip
-    config = hhst.model_config(
-        preset, options["variant"], seq_len=options["seq_len"],
-        max_seq_len=options["max_seq_len"], dense_layers=dense,
-        vert_stride=options["vert_stride"], local_blocks=options["local_blocks"],
-        rope_theta=options["rope_theta"], rope_scaling=options["rope_scaling"],
-        rope_factor=options["rope_factor"],
-    )  # fmt: skip
-    roots = [Path(r) for r in args.data_root] if args.data_root else None
-    if roots:
-        for r in roots:
-            if not r.is_dir():
-                raise ValueError(f"--data-root {str(r)!r} is not a directory")
-    try:
-        train_corpus = SourceCorpus(roots, split="train", val_fraction=options["val_fraction"])
-        val_corpus = SourceCorpus(roots, split="val", val_fraction=options["val_fraction"])
-    except ValueError as exc:
-        raise ValueError(f"--data-root / --val-fraction: {exc}") from None
-    options["data_root"] = [str(r) for r in train_corpus.roots]
+            raise ValueError(
+                f"--dense-layers: {bad} out of range; preset {options.preset!r} has layers "
+                f"0..{num_layers - 1}"
+            )
+    config = options.model_config()
+    train_corpus, val_corpus = _corpora(args.data_root, options.val_fraction)
+    options = options.replace(data_root=tuple(str(r) for r in train_corpus.roots))
     try:
         # The stream checks the retrieval rows fit in seq_len; it is built again in _train.
         _train_stream(options, train_corpus)
     except ValueError as exc:
         raise ValueError(f"--needle-fraction / --seq-len: {exc}") from None
     initial = None
-    if options["init_from"] is not None:
-        initial = _initial_weights(options["init_from"], config)
+    if options.init_from is not None:
+        initial = _initial_weights(options.init_from, config)
     out = Path(args.out)
     resume_from, fresh = _check_out_dir(out, options, args.resume)
-    seed = options["val_seed"]
-    batches = []
-    if options["val_batches"]:
-        batches = validation_batches(val_corpus, options["seq_len"], options["batch_size"],
-                                     options["val_batches"], seed)  # fmt: skip
-    needles: list[NeedleSample] = []
-    if options["val_needles"]:
-        count = min(_NEEDLE_DEPTHS, options["val_needles"])
-        depths = [i / max(count - 1, 1) for i in range(count)]
-        try:
-            grid = needle_samples(val_corpus, options["seq_len"], depths,
-                                  options["val_needles"] // count, seed)  # fmt: skip
-        except ValueError as exc:
-            raise ValueError(f"--val-needles (0 turns them off): {exc}") from None
-        needles = [s for group in grid.values() for s in group]
     return _Plan(
-        options=options, preset=preset, config=config, out=out,
-        device=torch.device(options["device"]), train_corpus=train_corpus,
-        val_corpus=val_corpus, val_batches=batches, val_needles=needles,
-        resume_from=resume_from, initial_weights=initial, fresh=fresh, stop_at=args.stop_at,
-        time_limit=args.time_limit, progress=not args.no_progress and sys.stderr.isatty(),
-    )  # fmt: skip
+        options=options,
+        config=config,
+        out=out,
+        device=torch.device(options.device),
+        train_corpus=train_corpus,
+        val_corpus=val_corpus,
+        val_batches=_validation_batches(options, val_corpus),
+        val_needles=_validation_needles(options, val_corpus),
+        resume_from=resume_from,
+        initial_weights=initial,
+        fresh=fresh,
+        stop_at=args.stop_at,
+        time_limit=args.time_limit,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+
+
+def _corpora(data_root: list[Path] | None, val_fraction: float):
+    """The training and validation splits of ``--data-root`` (default: the machine's)."""
+    roots = [Path(r) for r in data_root] if data_root else None
+    for r in roots or ():
+        if not r.is_dir():
+            raise ValueError(f"--data-root {str(r)!r} is not a directory")
+    try:
+        train = SourceCorpus(roots, split="train", val_fraction=val_fraction)
+        val = SourceCorpus(roots, split="val", val_fraction=val_fraction)
+    except ValueError as exc:
+        raise ValueError(f"--data-root / --val-fraction: {exc}") from None
+    return train, val
+
+
+def _validation_batches(options: TrainOptions, corpus: SourceCorpus) -> list[torch.Tensor]:
+    if not options.val_batches:
+        return []
+    return validation_batches(
+        corpus, options.seq_len, options.batch_size, options.val_batches, options.val_seed
+    )
+
+
+def _validation_needles(options: TrainOptions, corpus: SourceCorpus) -> list[NeedleSample]:
+    if not options.val_needles:
+        return []
+    count = min(_NEEDLE_DEPTHS, options.val_needles)
+    depths = [i / max(count - 1, 1) for i in range(count)]
+    try:
+        grid = needle_samples(
+            corpus, options.seq_len, depths, options.val_needles // count, options.val_seed
+        )
+    except ValueError as exc:
+        raise ValueError(f"--val-needles (0 turns them off): {exc}") from None
+    return [s for group in grid.values() for s in group]
 
 
 # ---------------------------------------------------------------------------------- lock
@@ -607,7 +318,7 @@ def _initial_weights(path: str, config) -> dict:
     absent)."""
     from safetensors.torch import load_file
 
-    source = _source_config(path).get_text_config(decoder=True)
+    source = source_config(path).get_text_config(decoder=True)
     target = config.get_text_config(decoder=True)
     differ = [
         f"{name} {getattr(source, name, None)} there, {getattr(target, name, None)} here"
@@ -627,8 +338,10 @@ def _initial_weights(path: str, config) -> dict:
         )
     weights = Path(path) / "model.safetensors"
     if not weights.is_file():
-        raise ValueError(f"--init-from {path!r}: no model.safetensors there (a directory this "
-                         "command saved its final model into)")  # fmt: skip
+        raise ValueError(
+            f"--init-from {path!r}: no model.safetensors there (a directory this command saved "
+            "its final model into)"
+        )
     state = load_file(str(weights))
     with torch.device("meta"):
         expected = {k: v.shape for k, v in hhst.build_model(config).state_dict().items()}
@@ -637,9 +350,10 @@ def _initial_weights(path: str, config) -> dict:
     extra = sorted(set(state) - set(expected))
     wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k])
     if missing or extra or wrong:
-        raise ValueError(f"--init-from {path!r}: its weights do not fit this model (missing "
-                         f"{missing[:3]}, unexpected {extra[:3]}, other shapes {wrong[:3]}); "
-                         "use the same --preset")  # fmt: skip
+        raise ValueError(
+            f"--init-from {path!r}: its weights do not fit this model (missing {missing[:3]}, "
+            f"unexpected {extra[:3]}, other shapes {wrong[:3]}); use the same --preset"
+        )
     return state
 
 
@@ -647,7 +361,7 @@ def _initial_model(plan: _Plan):
     """The model a run starts from: fresh weights of its seed, or (not resuming) the --init-from
     model's. Every S2 and RoPE setting lives in the config, so the weights carry over between
     lengths and between variants of one preset; the tied head is the embedding, loaded with it."""
-    model = hhst.build_model(plan.config, seed=plan.options["seed"])
+    model = hhst.build_model(plan.config, seed=plan.options.seed)
     if plan.initial_weights is not None and plan.resume_from is None:
         result = model.load_state_dict(plan.initial_weights, strict=False)
         tied = {"lm_head.weight"} if plan.config.tie_word_embeddings else set()
@@ -660,11 +374,16 @@ def _initial_model(plan: _Plan):
     return model
 
 
-def _train_stream(options: dict, corpus: SourceCorpus) -> TokenStream:
-    return TokenStream(corpus, options["seq_len"], options["batch_size"], seed=options["seed"],
-                       needle_fraction=options["needle_fraction"],
-                       needles_per_sample=options["needles_per_sample"],
-                       edge_fraction=options["needle_edge_fraction"])  # fmt: skip
+def _train_stream(options: TrainOptions, corpus: SourceCorpus) -> TokenStream:
+    return TokenStream(
+        corpus,
+        options.seq_len,
+        options.batch_size,
+        seed=options.seed,
+        needle_fraction=options.needle_fraction,
+        needles_per_sample=options.needles_per_sample,
+        edge_fraction=options.needle_edge_fraction,
+    )
 
 
 # ------------------------------------------------------------------------- run record
@@ -678,9 +397,13 @@ def _git_commit() -> str | None:
             text=True,
             timeout=10,
         ).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                "--untracked-files=no"], check=True, capture_output=True,
-                               text=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("-dirty" if dirty else "") if commit else None
@@ -691,22 +414,30 @@ def _run_record(plan: _Plan) -> dict:
     import triton
 
     device = plan.device
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        processor = platform.processor() or platform.machine()
+        device_name = f"cpu ({processor}, {torch.get_num_threads()} threads)"
+    command = None
+    if sys.argv[1:2] == ["train"]:
+        command = "python -m s2attn train " + " ".join(sys.argv[2:])
     return {
-        "options": plan.options,
-        "preset": dataclasses.asdict(plan.preset),
-        "model": hhst.model_summary(plan.config, plan.options["seq_len"]),
+        "options": plan.options.record(),
+        "preset": dataclasses.asdict(plan.options.preset_shape),
+        "model": hhst.model_summary(plan.config, plan.options.seq_len),
         "data": {"train": plan.train_corpus.describe(), "val": plan.val_corpus.describe()},
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else f"cpu ({platform.processor() or platform.machine()}, "
-             f"{torch.get_num_threads()} threads)",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__,
-                     "triton": triton.__version__},
+        "device": device_name,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "triton": triton.__version__,
+        },
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "git_commit": _git_commit(),
-        "command": "python -m s2attn train " + " ".join(sys.argv[2:])
-        if sys.argv[1:2] == ["train"] else None,
-    }  # fmt: skip
+        "command": command,
+    }
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -721,8 +452,10 @@ def _optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch
     # zero for no regularising benefit.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": _WEIGHT_DECAY},
-              {"params": other, "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": decay, "weight_decay": _WEIGHT_DECAY},
+        {"params": other, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=_BETAS, fused=device.type == "cuda")
 
 
@@ -759,8 +492,15 @@ def _find_checkpoint(out: Path) -> Path | None:
     return None
 
 
-def _save_checkpoint(out: Path, model, optimizer, scheduler, stream: TokenStream,
-                     progress: _Progress, device: torch.device) -> None:  # fmt: skip
+def _save_checkpoint(
+    out: Path,
+    model,
+    optimizer,
+    scheduler,
+    stream: TokenStream,
+    progress: _Progress,
+    device: torch.device,
+) -> None:
     """Write the checkpoint to a temporary directory, then swap it in: a crash at any point
     leaves one complete checkpoint behind."""
     tmp, final, old = out / (_CHECKPOINT + ".tmp"), out / _CHECKPOINT, out / (_CHECKPOINT + ".old")
@@ -769,8 +509,13 @@ def _save_checkpoint(out: Path, model, optimizer, scheduler, stream: TokenStream
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": rng}, tmp / "state.pt")  # fmt: skip
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng,
+    }
+    torch.save(state, tmp / "state.pt")
     (tmp / "progress.json").write_text(
         json.dumps(
             {"progress": dataclasses.asdict(progress), "stream": stream.state_dict()}, indent=1
@@ -783,8 +528,9 @@ def _save_checkpoint(out: Path, model, optimizer, scheduler, stream: TokenStream
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_checkpoint(path: Path, model, optimizer, scheduler, stream: TokenStream,
-                     device: torch.device) -> _Progress:  # fmt: skip
+def _load_checkpoint(
+    path: Path, model, optimizer, scheduler, stream: TokenStream, device: torch.device
+) -> _Progress:
     state = torch.load(path / "state.pt", map_location=device, weights_only=True)
     saved = json.loads((path / "progress.json").read_text())
     model.load_state_dict(state["model"])
@@ -936,7 +682,7 @@ def _resume_command(plan: _Plan) -> str:
     not take its default value (``--resume`` refuses options that differ from the run's)."""
     opts = plan.options
     flags = []
-    for key, value in opts.items():
+    for key, value in opts.record().items():
         if key in ("data_root", "init_from") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
@@ -949,9 +695,9 @@ def _resume_command(plan: _Plan) -> str:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
 
-    def resolved(chosen: list[list[str]]) -> dict:
+    def resolved(chosen: list[list[str]]) -> TrainOptions:
         argv = ["--out", str(plan.out), *(token for flag in chosen for token in flag)]
-        return _resolve(parser.parse_args(argv))[0]
+        return TrainOptions.resolve(parser.parse_args(argv))
 
     # Leave out, one at a time, every option that the remaining ones resolve to anyway (some
     # only once another is gone: --max-seq-len before --seq-len).
@@ -963,10 +709,10 @@ def _resume_command(plan: _Plan) -> str:
                 kept = fewer
         except ValueError:
             pass
-    if opts["data_root"] != [str(r) for r in default_roots()]:
-        kept += [["--data-root", root] for root in opts["data_root"]]
-    if opts["init_from"] is not None:
-        kept.append(["--init-from", opts["init_from"]])
+    if list(opts.data_root) != [str(r) for r in default_roots()]:
+        kept += [["--data-root", root] for root in opts.data_root]
+    if opts.init_from is not None:
+        kept.append(["--init-from", opts.init_from])
     command = ["python", "-m", "s2attn", "train", "--out", str(plan.out), "--resume"]
     return shlex.join(command + [token for flag in kept for token in flag])
 
@@ -1036,179 +782,272 @@ def run(args: argparse.Namespace) -> int:
             lock.close()
 
 
+@dataclass
+class _State:
+    """What training changes: the model, its optimizer and schedule, the data stream, the
+    counters, and the running loss of the current metrics row (on the device, so that a step
+    does not wait for the GPU)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: TokenStream
+    progress: _Progress
+    row_loss: torch.Tensor
+    # Wall time of the run before this process started, and when this process started.
+    elapsed_base: float
+    started: float
+
+    def elapsed(self) -> float:
+        return self.elapsed_base + time.perf_counter() - self.started
+
+
+@dataclass
+class _Stop:
+    """When the run stops: the last step this process trains, and why if before ``--steps``."""
+
+    last: int
+    reason: str | None = None
+
+    def at(self, step: int, reason: str) -> None:
+        self.last, self.reason = step, reason
+
+
 def _train(plan: _Plan, started: float, ctrl_c: _CtrlC) -> int:
     from tqdm.auto import tqdm
 
+    opts = plan.options
+    state = _set_up(plan, started)
+    progress = state.progress
+    stop = _Stop(min(opts.steps, plan.stop_at) if plan.stop_at else opts.steps)
+    _print_start(plan, progress.step)
+    if ctrl_c.requested:
+        stop.at(progress.step, "Ctrl-C")
+        if plan.resume_from is None:
+            # Stopped before its first step: a checkpoint of step 0 makes the run resumable.
+            _checkpoint(plan, state)
+    bar = tqdm(
+        total=opts.steps,
+        initial=progress.step,
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=1.0,
+        disable=not plan.progress,
+    )
+    with (plan.out / _METRICS_FILE).open("a") as log, bar:
+        while progress.step < stop.last:
+            t0 = time.perf_counter()
+            lr, grad_norm = _step(plan, state)
+            step = progress.step
+            validating = step == opts.steps or bool(opts.val_every and step % opts.val_every == 0)
+            if step % opts.log_every == 0 or validating:
+                row = _metrics_row(plan, state, lr, grad_norm, t0)
+                if validating:
+                    _validate(plan, state.model, row)
+                _log(plan, state, row, log, bar, validating)
+            else:
+                progress.row_train_s += time.perf_counter() - t0
+            bar.update()
+            _check_stop(plan, stop, step, ctrl_c, started)
+            if step == stop.last or (opts.checkpoint_every and step % opts.checkpoint_every == 0):
+                _checkpoint(plan, state)
+    return _finish(plan, state, stop)
+
+
+def _set_up(plan: _Plan, started: float) -> _State:
+    """Write the run's record (a fresh run), seed, build the model, optimizer, schedule and data
+    stream, and load the checkpoint when resuming."""
     opts, out, device = plan.options, plan.out, plan.device
     metrics_path = out / _METRICS_FILE
     if plan.fresh:
         _write_atomic(out / _RUN_FILE, json.dumps(_run_record(plan), indent=2) + "\n")
         metrics_path.write_text("")
         shutil.rmtree(out / _CHECKPOINT, ignore_errors=True)
-
-    torch.manual_seed(opts["seed"])
-    random.seed(opts["seed"])
+    torch.manual_seed(opts.seed)
+    random.seed(opts.seed)
     model = _initial_model(plan)
-    if opts["precision"] == "bf16":
+    if opts.precision == "bf16":
         model.to(torch.bfloat16)
     model.to(device)
-    if opts["gradient_checkpointing"]:
+    if opts.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    autocast = torch.bfloat16 if opts["precision"] == "bf16-autocast" else None
-    optimizer = _optimizer(model, opts["lr"], device)
+    optimizer = _optimizer(model, opts.lr, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, opts["steps"], opts["warmup_steps"])
+        optimizer, lambda s: lr_factor(s, opts.steps, opts.warmup_steps)
     )
     stream = _train_stream(opts, plan.train_corpus)
     progress = _Progress()
     if plan.resume_from is not None:
         progress = _load_checkpoint(plan.resume_from, model, optimizer, scheduler, stream, device)
     _truncate_metrics(metrics_path, progress.step)
+    row_loss = torch.tensor(progress.row_loss, dtype=torch.float32, device=device)
+    return _State(
+        model, optimizer, scheduler, stream, progress, row_loss, progress.elapsed_s, started
+    )
 
-    steps = opts["steps"]
-    last = min(steps, plan.stop_at) if plan.stop_at else steps
-    tokens_per_step = opts["batch_size"] * opts["grad_accum"] * opts["seq_len"]
-    elapsed_base = progress.elapsed_s
-    summary = hhst.model_summary(plan.config, opts["seq_len"])
+
+def _print_start(plan: _Plan, step: int) -> None:
+    opts = plan.options
+    summary = hhst.model_summary(plan.config, opts.seq_len)
     layers = "".join("D" if t == "dense" else "S" for t in summary["layer_types"])
     print(
-        f"s2attn train: {opts['variant']} ({opts['preset']}), {summary['parameters'] / 1e6:.2f}M "
+        f"s2attn train: {opts.variant} ({opts.preset}), {summary['parameters'] / 1e6:.2f}M "
         f"parameters, layers {layers} (D dense, S sparse), mean density "
-        f"{summary['mean_density']}; {steps} steps x {tokens_per_step} tokens on "
-        f"{device} ({opts['precision']}); "
-        + (f"resuming at step {progress.step}" if progress.step else "starting")
-        + f"; writing {out}",
+        f"{summary['mean_density']}; {opts.steps} steps x {opts.tokens_per_step} tokens on "
+        f"{plan.device} ({opts.precision}); "
+        + (f"resuming at step {step}" if step else "starting")
+        + f"; writing {plan.out}",
         flush=True,
     )
 
-    def validate(row: dict) -> None:
-        if plan.val_batches:
-            row["val_bpb"] = validation_bpb(model, plan.val_batches, device=device,
-                                             autocast_dtype=autocast)  # fmt: skip
-        if plan.val_needles:
-            row["val_needle_acc"] = needle_accuracy(model, plan.val_needles, device=device,
-                                                autocast_dtype=autocast,
-                                                batch_size=opts["batch_size"])  # fmt: skip
 
-    stopped = None
-    if ctrl_c.requested:
-        stopped, last = "Ctrl-C", progress.step
-        if plan.resume_from is None:
-            # Stopped before its first step: a checkpoint of step 0 makes the run resumable.
-            progress.elapsed_s = elapsed_base + time.perf_counter() - started
-            _save_checkpoint(out, model, optimizer, scheduler, stream, progress, device)
-    with metrics_path.open("a") as log, tqdm(
-        total=steps, initial=progress.step, unit="step", file=sys.stderr, dynamic_ncols=True,
-        mininterval=1.0, disable=not plan.progress,
-    ) as bar:  # fmt: skip
-        row_loss = torch.tensor(progress.row_loss, dtype=torch.float32, device=device)
-        while progress.step < last:
-            t0 = time.perf_counter()
-            for _ in range(opts["grad_accum"]):
-                batch, answers = stream.next_batch_with_answers()
-                batch = batch.to(device, non_blocking=True)
-                with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-                # Cross-entropy in float32 whatever the logits' dtype: bf16 would round it.
-                token_loss = F.cross_entropy(
-                    logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none"
-                )
-                loss = token_loss.mean()  # what is logged: the plain language-model loss
-                objective = loss
-                if opts["answer_weight"] != 1:
-                    # The answers are a few tokens in thousands: weighting them is what lets a
-                    # small model learn retrieval within a short run.
-                    extra = answers[:, 1:].flatten().to(device, non_blocking=True)
-                    objective = (
-                        loss
-                        + (opts["answer_weight"] - 1)
-                        * (token_loss * extra).sum()
-                        / token_loss.numel()
-                    )
-                (objective / opts["grad_accum"]).backward()
-                row_loss += loss.detach() / opts["grad_accum"]
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _CLIP_NORM)
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            progress.step += 1
-            progress.tokens += tokens_per_step
-            progress.row_steps += 1
-            progress.row_tokens += tokens_per_step
-            step = progress.step
-            is_val = step == steps or (opts["val_every"] and step % opts["val_every"] == 0)
-            if step % opts["log_every"] == 0 or is_val:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                progress.row_train_s += time.perf_counter() - t0
-                mean_loss = row_loss.item() / progress.row_steps
-                if not math.isfinite(mean_loss):
-                    raise FloatingPointError(
-                        f"the training loss became {mean_loss} by step {step}; lower --lr or "
-                        "raise --warmup-steps"
-                    )
-                row = {
-                    "step": step, "loss_nats": mean_loss, "train_bpb": mean_loss / math.log(2),
-                    "tokens": progress.tokens, "lr": lr, "grad_norm": float(grad_norm),
-                    "tokens_per_s": progress.row_tokens / max(progress.row_train_s, 1e-9),
-                    "step_s": progress.row_train_s / progress.row_steps,
-                }  # fmt: skip
-                if is_val:
-                    validate(row)
-                row["elapsed_s"] = elapsed_base + time.perf_counter() - started
-                if device.type == "cuda":
-                    row["max_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                bar.set_postfix(loss=f"{mean_loss:.3f}",
-                                tok_s=f"{row['tokens_per_s']:.3g}", refresh=False)  # fmt: skip
-                if is_val:
-                    bar.write(
-                        f"step {step}/{steps}: loss {mean_loss:.4f} nats, "
-                        + (f"val {row['val_bpb']:.4f} bits/byte, " if "val_bpb" in row else "")
-                        + (
-                            f"needle {row['val_needle_acc']:.2f}, "
-                            if "val_needle_acc" in row
-                            else ""
-                        )
-                        + f"{row['tokens_per_s']:.4g} tokens/s",
-                        file=sys.stdout,
-                    )
-                row_loss.zero_()
-                progress.row_loss = 0.0
-                progress.row_steps = progress.row_tokens = 0
-                progress.row_train_s = 0.0
-            else:
-                progress.row_train_s += time.perf_counter() - t0
-            bar.update()
-            over_time = plan.time_limit and time.perf_counter() - started > plan.time_limit
-            if over_time and step < steps:
-                stopped = f"--time-limit {plan.time_limit:g} s"
-                last = step
-            if ctrl_c.requested and step < last:
-                stopped, last = "Ctrl-C", step
-            if step == last or (opts["checkpoint_every"] and step % opts["checkpoint_every"] == 0):
-                # The GPU's queued work belongs to the row's training time, not to the save.
-                t1 = time.perf_counter()
-                progress.row_loss = row_loss.item()
-                progress.row_train_s += time.perf_counter() - t1
-                progress.elapsed_s = elapsed_base + time.perf_counter() - started
-                _save_checkpoint(out, model, optimizer, scheduler, stream, progress, device)
-                progress.row_loss = 0.0
+def _step(plan: _Plan, state: _State) -> tuple[float, torch.Tensor]:
+    """One optimizer step over ``--grad-accum`` micro-batches; returns the step's learning rate
+    and gradient norm (before clipping)."""
+    opts, device, model = plan.options, plan.device, state.model
+    autocast = opts.autocast_dtype
+    for _ in range(opts.grad_accum):
+        batch, answers = state.stream.next_batch_with_answers()
+        batch = batch.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+        # Cross-entropy in float32 whatever the logits' dtype: bf16 would round it.
+        token_loss = F.cross_entropy(
+            logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none"
+        )
+        loss = token_loss.mean()  # what is logged: the plain language-model loss
+        objective = loss
+        if opts.answer_weight != 1:
+            # The answers are a few tokens in thousands: weighting them is what lets a small
+            # model learn retrieval within a short run.
+            extra = answers[:, 1:].flatten().to(device, non_blocking=True)
+            weighted = (token_loss * extra).sum() / token_loss.numel()
+            objective = loss + (opts.answer_weight - 1) * weighted
+        (objective / opts.grad_accum).backward()
+        state.row_loss += loss.detach() / opts.grad_accum
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _CLIP_NORM)
+    lr = state.optimizer.param_groups[0]["lr"]
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    progress = state.progress
+    progress.step += 1
+    progress.tokens += opts.tokens_per_step
+    progress.row_steps += 1
+    progress.row_tokens += opts.tokens_per_step
+    return lr, grad_norm
 
-    print(_run_summary(metrics_path, progress, device), flush=True)
-    title = f"{opts['variant']} ({opts['preset']}, seq {opts['seq_len']}, seed {opts['seed']})"
-    _plot_curves(metrics_path, out / "curves.png", title, opts["needle_fraction"] > 0)
-    if progress.step < steps:
-        stopped = stopped or f"--stop-at {plan.stop_at}"
+
+def _metrics_row(plan: _Plan, state: _State, lr: float, grad_norm, t0: float) -> dict:
+    """The training part of a metrics row: the means since the previous row."""
+    progress = state.progress
+    if plan.device.type == "cuda":
+        torch.cuda.synchronize(plan.device)
+    progress.row_train_s += time.perf_counter() - t0
+    mean_loss = state.row_loss.item() / progress.row_steps
+    if not math.isfinite(mean_loss):
+        raise FloatingPointError(
+            f"the training loss became {mean_loss} by step {progress.step}; lower --lr or "
+            "raise --warmup-steps"
+        )
+    return {
+        "step": progress.step,
+        "loss_nats": mean_loss,
+        "train_bpb": mean_loss / math.log(2),
+        "tokens": progress.tokens,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": progress.row_tokens / max(progress.row_train_s, 1e-9),
+        "step_s": progress.row_train_s / progress.row_steps,
+    }
+
+
+def _validate(plan: _Plan, model, row: dict) -> None:
+    """Add the held-out bits per byte and the needle accuracy to ``row``."""
+    autocast = plan.options.autocast_dtype
+    if plan.val_batches:
+        row["val_bpb"] = validation_bpb(
+            model, plan.val_batches, device=plan.device, autocast_dtype=autocast
+        )
+    if plan.val_needles:
+        row["val_needle_acc"] = needle_accuracy(
+            model,
+            plan.val_needles,
+            device=plan.device,
+            autocast_dtype=autocast,
+            batch_size=plan.options.batch_size,
+        )
+
+
+def _log(plan: _Plan, state: _State, row: dict, log, bar, validating: bool) -> None:
+    """Write ``row`` to the metrics, show it, and start the next row's sums."""
+    row["elapsed_s"] = state.elapsed()
+    if plan.device.type == "cuda":
+        row["max_mem_gib"] = torch.cuda.max_memory_allocated(plan.device) / 2**30
+    log.write(json.dumps(row) + "\n")
+    log.flush()
+    loss = row["loss_nats"]
+    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.3g}", refresh=False)
+    if validating:
+        val = f"val {row['val_bpb']:.4f} bits/byte, " if "val_bpb" in row else ""
+        needle = f"needle {row['val_needle_acc']:.2f}, " if "val_needle_acc" in row else ""
+        bar.write(
+            f"step {row['step']}/{plan.options.steps}: loss {loss:.4f} nats, {val}{needle}"
+            f"{row['tokens_per_s']:.4g} tokens/s",
+            file=sys.stdout,
+        )
+    state.row_loss.zero_()
+    progress = state.progress
+    progress.row_loss = 0.0
+    progress.row_steps = progress.row_tokens = 0
+    progress.row_train_s = 0.0
+
+
+def _check_stop(plan: _Plan, stop: _Stop, step: int, ctrl_c: _CtrlC, started: float) -> None:
+    """Stop after ``step`` once ``--time-limit`` has passed or Ctrl-C asked to."""
+    over_time = plan.time_limit and time.perf_counter() - started > plan.time_limit
+    if over_time and step < plan.options.steps:
+        stop.at(step, f"--time-limit {plan.time_limit:g} s")
+    if ctrl_c.requested and step < stop.last:
+        stop.at(step, "Ctrl-C")
+
+
+def _checkpoint(plan: _Plan, state: _State) -> None:
+    progress = state.progress
+    # The GPU's queued work belongs to the row's training time, not to the save.
+    t1 = time.perf_counter()
+    progress.row_loss = state.row_loss.item()
+    progress.row_train_s += time.perf_counter() - t1
+    progress.elapsed_s = state.elapsed()
+    _save_checkpoint(
+        plan.out,
+        state.model,
+        state.optimizer,
+        state.scheduler,
+        state.stream,
+        progress,
+        plan.device,
+    )
+    progress.row_loss = 0.0
+
+
+def _finish(plan: _Plan, state: _State, stop: _Stop) -> int:
+    """The summary and curves; the model when the run is complete, else how to finish it."""
+    opts, out, progress = plan.options, plan.out, state.progress
+    metrics_path = out / _METRICS_FILE
+    print(_run_summary(metrics_path, progress, plan.device), flush=True)
+    title = f"{opts.variant} ({opts.preset}, seq {opts.seq_len}, seed {opts.seed})"
+    _plot_curves(metrics_path, out / "curves.png", title, opts.needle_fraction > 0)
+    if progress.step < opts.steps:
+        reason = stop.reason or f"--stop-at {plan.stop_at}"
         print(
-            f"stopped at step {progress.step} of {steps} ({stopped}); checkpoint in "
+            f"stopped at step {progress.step} of {opts.steps} ({reason}); checkpoint in "
             f"{out / _CHECKPOINT}; continue with:\n  {_resume_command(plan)}",
             flush=True,
         )
-        return _INTERRUPTED if stopped == "Ctrl-C" else 0
-    _save_model(model, out)
-    print(f"done: {steps} steps, {progress.tokens} tokens; model, metrics and curves in {out}")
+        return _INTERRUPTED if reason == "Ctrl-C" else 0
+    _save_model(state.model, out)
+    print(f"done: {opts.steps} steps, {progress.tokens} tokens; model, metrics and curves in {out}")
     return 0
