@@ -80,6 +80,7 @@ def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
     import transformers
 
     from s2attn.integrations import transformers as s2hf
+    from s2attn.stack import S2Settings
 
     variant, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
     transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
@@ -98,14 +99,13 @@ def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
         count, stride = variant[len("hhst") :].split("-V")
         dense_layers = int(count) if count else args.dense_layers
         block, local = (16, 2) if args.smoke else (64, 16)
-        s2hf.configure(
-            config,
+        settings = S2Settings(
             block_size=block,
             local_blocks=local,
             vert_stride=int(stride),
-            dense_layers=dense_layers,
-            max_seq_len=seq,
+            dense_layers=tuple(range(dense_layers)),
         )
+        s2hf.configure(config, settings, max_seq_len=seq)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(dtype)
@@ -239,9 +239,11 @@ def main() -> int:
         "--model", choices=["1b", "small"], default="1b", help="small: 8 layers, hidden 1024"
     )
     ap.add_argument(
-        "--no-checkpointing", dest="checkpointing", action="store_false",
+        "--no-checkpointing",
+        dest="checkpointing",
+        action="store_false",
         help="no gradient checkpointing (short sequences, small models)",
-    )  # fmt: skip
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script")

@@ -177,15 +177,23 @@ def plot_curves(names: list[str], runs: Path, path: Path, title: str) -> None:
             val = [m for m in read_metrics(run / "metrics.jsonl") if "val_bpb" in m]
             tokens = [(start + m["tokens"]) / 1e6 for m in val]
             (line,) = ax_loss.plot(
-                tokens, [m["val_bpb"] for m in val], style, marker=".", color=color,
+                tokens,
+                [m["val_bpb"] for m in val],
+                style,
+                marker=".",
+                color=color,
                 label=name if style == "-" else None,
-            )  # fmt: skip
+            )
             color = line.get_color()
             if any("val_needle_acc" in m for m in val):
                 ax_needle.plot(
-                    tokens, [m.get("val_needle_acc", float("nan")) for m in val], style, marker=".",
-                    color=color, label=name if style == "-" else None,
-                )  # fmt: skip
+                    tokens,
+                    [m.get("val_needle_acc", float("nan")) for m in val],
+                    style,
+                    marker=".",
+                    color=color,
+                    label=name if style == "-" else None,
+                )
     ax_loss.set(xlabel="training tokens (M)", ylabel="validation bits per byte", title=title)
     ax_needle.set(
         xlabel="training tokens (M)", ylabel="needle accuracy (validation set)", ylim=(-0.02, 1.02)
@@ -272,11 +280,26 @@ def main() -> int:
 
         def train(name: str, steps: int, seed: int, seq_len: int, out: Path, *extra: str):
             return [
-                *python, "train", "--preset", args.preset, "--no-progress", *device,
-                *VARIANTS[name], "--steps", str(steps), "--seed", str(seed), "--seq-len",
-                str(seq_len), "--out", str(out), "--val-seed", str(VAL_SEED), *extra,
+                *python,
+                "train",
+                "--preset",
+                args.preset,
+                "--no-progress",
+                *device,
+                *VARIANTS[name],
+                "--steps",
+                str(steps),
+                "--seed",
+                str(seed),
+                "--seq-len",
+                str(seq_len),
+                "--out",
+                str(out),
+                "--val-seed",
+                str(VAL_SEED),
+                *extra,
                 *args.train_args.split(),
-            ]  # fmt: skip
+            ]
 
         jobs = {}
         for name in args.only:
@@ -286,13 +309,29 @@ def main() -> int:
                 short = short_run(args.runs, name)
                 batch = preset.batch_size * args.train_len // args.short_len
                 jobs[name] = [
-                    train(name, args.short_steps, args.seed, args.short_len, short,
-                          "--max-seq-len", str(args.train_len), "--batch-size", str(batch)),
+                    train(
+                        name,
+                        args.short_steps,
+                        args.seed,
+                        args.short_len,
+                        short,
+                        "--max-seq-len",
+                        str(args.train_len),
+                        "--batch-size",
+                        str(batch),
+                    ),
                     # Another seed for the main phase: other documents, not the short phase's
                     # again.
-                    train(name, args.steps, args.seed + 1, args.train_len, main,
-                          "--init-from", str(short)),
-                ]  # fmt: skip
+                    train(
+                        name,
+                        args.steps,
+                        args.seed + 1,
+                        args.train_len,
+                        main,
+                        "--init-from",
+                        str(short),
+                    ),
+                ]
         codes = run_all(jobs, args.runs, args.parallel, env)
         if any(codes.values()):
             print("some runs failed; see their logs in", args.runs)
@@ -301,25 +340,27 @@ def main() -> int:
         trained = [n for n in args.only if (args.runs / n / "run.json").exists()]
     print(f"evaluating {0 if args.report_only else len(trained)} models", flush=True)
     jobs = {
-        f"{name}.eval": [[
-            *python,
-            "eval",
-            str(args.runs / name),
-            "--needle",
-            "--lengths",
-            args.lengths,
-            "--depths",
-            args.depths,
-            "--samples",
-            str(args.samples),
-            "--seed",
-            str(VAL_SEED),
-            "--out",
-            str(args.runs / name / "needle.json"),
-            *device,
-        ]]
+        f"{name}.eval": [
+            [
+                *python,
+                "eval",
+                str(args.runs / name),
+                "--needle",
+                "--lengths",
+                args.lengths,
+                "--depths",
+                args.depths,
+                "--samples",
+                str(args.samples),
+                "--seed",
+                str(VAL_SEED),
+                "--out",
+                str(args.runs / name / "needle.json"),
+                *device,
+            ]
+        ]
         for name in trained
-    }  # fmt: skip
+    }
     if not args.report_only:
         run_all(jobs, args.runs, args.parallel, env)
     done = [n for n in trained if (args.runs / n / "needle.json").exists()]
@@ -330,11 +371,20 @@ def main() -> int:
     stem = result_stem(result_env, args.name)
     # "environment", not run_info's "env": the committed reports and quality_seeds.py read it.
     payload = dict(
-        environment=result_env, preset=args.preset, steps=args.steps, short_len=args.short_len,
-        short_steps=args.short_steps, seed=args.seed, train_args=args.train_args,
-        train_len=args.train_len, lengths=args.lengths, depths=args.depths, samples=args.samples,
-        model=summary, rows=rows,
-    )  # fmt: skip
+        environment=result_env,
+        preset=args.preset,
+        steps=args.steps,
+        short_len=args.short_len,
+        short_steps=args.short_steps,
+        seed=args.seed,
+        train_args=args.train_args,
+        train_len=args.train_len,
+        lengths=args.lengths,
+        depths=args.depths,
+        samples=args.samples,
+        model=summary,
+        rows=rows,
+    )
     write_results(args.out_dir, stem, text, payload)
     plot_curves(
         done,

@@ -33,6 +33,7 @@ import triton
 from torch import nn
 
 import s2attn
+from s2attn.stack import S2Settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -259,13 +260,13 @@ def main() -> None:
     if args.seq % 2:
         ap.error(f"--seq must be even, got {args.seq}")
 
-    pattern = s2attn.local_stride_pattern(
-        args.heads,
-        max_seq_len=args.seq,
+    s2 = S2Settings(
         block_size=args.block_size,
         local_blocks=args.local_blocks,
         vert_stride=args.vert_stride,
+        dense_layers=(),
     )
+    pattern = s2.pattern(args.heads, max_seq_len=args.seq)
     window = args.local_blocks * args.block_size
     if window >= args.seq // 2:
         print(

@@ -325,8 +325,12 @@ def _compact_chunk(pattern: BlockPattern, reads: _ChunkReads, row_of: torch.Tens
     keys = blocks * b + reads.end - reads.first * b
     gather = torch.full((keys, kv_heads), zero, dtype=torch.int64)
     for g, far in enumerate(reads.far):
-        pos = torch.cat([(far[:, None] * b + torch.arange(b)).flatten(),
-                         torch.arange(reads.first * b, reads.end)])  # fmt: skip
+        pos = torch.cat(
+            [
+                (far[:, None] * b + torch.arange(b)).flatten(),
+                torch.arange(reads.first * b, reads.end),
+            ]
+        )
         slots = torch.cat([torch.arange(far.numel() * b), torch.arange(blocks * b, keys)])
         rows = row_of[g, pos.clamp(max=row_of.shape[1] - 1)]
         rows = torch.where((pos < row_of.shape[1]) & (rows >= 0), rows, zero)
@@ -352,9 +356,13 @@ def _compact_chunk(pattern: BlockPattern, reads: _ChunkReads, row_of: torch.Tens
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
     offsets[1:] = counts.cumsum(0)
     compact = BlockPattern.from_block_lists(
-        offsets, col, num_heads=heads, num_kv_blocks=q_blocks, block_size=b,
+        offsets,
+        col,
+        num_heads=heads,
+        num_kv_blocks=q_blocks,
+        block_size=b,
         causal=pattern.causal,
-    )  # fmt: skip
+    )
     return _Chunk(reads.start, reads.end, gather, compact)
 
 
@@ -414,9 +422,12 @@ def _all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], 
     recv = send.new_empty(sum(recv_rows), *send.shape[1:])
     # Flat buffers: gloo splits only one-dimensional tensors.
     dist.all_to_all_single(
-        recv.view(-1), send.view(-1), output_split_sizes=[n * per_row for n in recv_rows],
-        input_split_sizes=[n * per_row for n in send_rows], group=group,
-    )  # fmt: skip
+        recv.view(-1),
+        send.view(-1),
+        output_split_sizes=[n * per_row for n in recv_rows],
+        input_split_sizes=[n * per_row for n in send_rows],
+        group=group,
+    )
     return recv
 
 

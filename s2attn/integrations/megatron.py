@@ -144,11 +144,17 @@ def _full_pattern(
             causal=causal,
         )
     return local_stride_pattern(
-        num_heads, max_seq_len=settings.max_seq_len, block_size=settings.block_size,
-        local_blocks=settings.local_blocks, vert_stride=settings.vert_stride,
-        num_kv_heads=num_kv_heads, num_dense_heads=settings.num_dense_heads,
-        homo_head=settings.homo_head, head_offset=settings.head_offset, causal=causal,
-    )  # fmt: skip
+        num_heads,
+        max_seq_len=settings.max_seq_len,
+        block_size=settings.block_size,
+        local_blocks=settings.local_blocks,
+        vert_stride=settings.vert_stride,
+        num_kv_heads=num_kv_heads,
+        num_dense_heads=settings.num_dense_heads,
+        homo_head=settings.homo_head,
+        head_offset=settings.head_offset,
+        causal=causal,
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -299,9 +305,14 @@ class S2CoreAttention(MegatronModule):
         num_kv_heads = s2.num_query_groups or config.num_query_groups or num_heads
         self.is_dense = (self.layer_number - 1) in s2.dense_layers
         self.pattern = layer_pattern(
-            s2, self.layer_number, num_heads, num_kv_heads, causal=causal,
-            tp_rank=self.tp_rank, tp_size=self.tp_size,
-        )  # fmt: skip
+            s2,
+            self.layer_number,
+            num_heads,
+            num_kv_heads,
+            causal=causal,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
         # The last attention_mask tensor found to be exactly causal, and its version: Megatron
         # passes one mask to every layer, so it is compared with the causal mask once per step.
         self._checked_mask: weakref.ref | None = None
@@ -434,9 +445,12 @@ class S2CoreAttention(MegatronModule):
             self._check_mask(attention_mask, self.pattern.causal, seq_q, seq_k)
         # (seq, batch, heads, dim) -> (batch, seq, heads, dim): a view, read in place by the kernel.
         out = attend(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.pattern,
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            self.pattern,
             softmax_scale=self.softmax_scale,
-        )  # fmt: skip
+        )
         return out.transpose(0, 1).reshape(seq_q, query.shape[1], -1)
 
     def _forward_context_parallel(self, query, key, value, attention_mask):
@@ -448,9 +462,13 @@ class S2CoreAttention(MegatronModule):
             seq = local * self.cp_group.size()
             self._check_mask(attention_mask, self.pattern.causal, local, seq, sharded=True)
         out = context_parallel_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.pattern,
-            group=self.cp_group, softmax_scale=self.softmax_scale,
-        )  # fmt: skip
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            self.pattern,
+            group=self.cp_group,
+            softmax_scale=self.softmax_scale,
+        )
         return out.transpose(0, 1).reshape(local, batch, -1)
 
     def _forward_packed(self, attend, query, key, value, attn_mask_type, params):
@@ -483,9 +501,14 @@ class S2CoreAttention(MegatronModule):
         # Megatron may pad the pack past the last sequence (to a multiple of the TP size): those
         # tokens belong to no sequence and get output 0.
         out = attend(
-            query[:total_q], key[:total_k], value[:total_k], self.pattern,
-            softmax_scale=self.softmax_scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        )  # fmt: skip
+            query[:total_q],
+            key[:total_k],
+            value[:total_k],
+            self.pattern,
+            softmax_scale=self.softmax_scale,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+        )
         out = out.reshape(total_q, -1)
         if total_q < query.shape[0]:
             out = torch.cat([out, out.new_zeros(query.shape[0] - total_q, out.shape[1])])
@@ -553,11 +576,17 @@ def get_hhst_layer_spec(
         raise TypeError(f"config must be a megatron TransformerConfig, got {type(config).__name__}")
     num_kv_heads = config.num_query_groups or config.num_attention_heads
     settings = S2Settings(
-        max_seq_len=max_seq_len, block_size=block_size, local_blocks=local_blocks,
-        vert_stride=vert_stride, dense_layers=_dense_layer_indices(dense_layers, config.num_layers),
-        num_dense_heads=num_dense_heads, homo_head=homo_head, head_offset=head_offset,
-        num_query_groups=num_kv_heads, reference=reference,
-    )  # fmt: skip
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        dense_layers=_dense_layer_indices(dense_layers, config.num_layers),
+        num_dense_heads=num_dense_heads,
+        homo_head=homo_head,
+        head_offset=head_offset,
+        num_query_groups=num_kv_heads,
+        reference=reference,
+    )
     tp_size = config.tensor_model_parallel_size
     for dense in (False, True):  # build the patterns now: bad settings fail here, not in a layer
         for rank in range(tp_size):

@@ -1,4 +1,5 @@
-"""Training a language model of any variant: ``python -m s2attn train``.
+"""Training a language model of any variant: ``python -m s2attn train`` (its options:
+:mod:`s2attn.models.options`).
 
 One run trains one variant (:data:`~s2attn.models.hhst.VARIANTS`) of one preset
 (:data:`~s2attn.models.hhst.PRESETS`) on the offline byte-level data of
