@@ -72,7 +72,8 @@ def test_variants_derive_from_the_preset_settings():
 
 def test_configure_takes_the_settings_or_their_fields():
     """configure(config, settings) stores every field, the keywords replace single fields, and
-    an integer dense_layers counts layers from the first."""
+    an integer dense_layers counts layers spread through the stack (never first: see
+    test_dense_layers_spread_through_the_stack)."""
 
     def config():
         return LlamaConfig(
@@ -91,13 +92,13 @@ def test_configure_takes_the_settings_or_their_fields():
     assert settings.dense_layers == (1, 3)
     assert S2Settings.from_config(s2hf.configure(config(), settings)) == settings
     given = s2hf.configure(config(), settings, head_offset=1, dense_layers=1)
-    assert S2Settings.from_config(given) == settings.replace(head_offset=1, dense_layers=(0,))
+    assert S2Settings.from_config(given) == settings.replace(head_offset=1, dense_layers=(2,))
     fields = s2hf.configure(config(), block_size=16, local_blocks=2, vert_stride=4)
     assert S2Settings.from_config(fields) == S2Settings(
-        block_size=16, local_blocks=2, vert_stride=4, dense_layers=(0, 1)
+        block_size=16, local_blocks=2, vert_stride=4, dense_layers=(1, 3)
     )
     _same_pattern(
-        s2hf.layer_pattern(given, 2),
+        s2hf.layer_pattern(given, 1),
         local_stride_pattern(
             4,
             max_seq_len=256,
@@ -139,3 +140,22 @@ def test_layer_patterns_are_the_stack_of_the_config():
     )
     s2hf.configure(config, settings)
     _same_pattern(s2hf.layer_pattern(config, 1), layers[1])
+
+
+def test_dense_layers_spread_through_the_stack():
+    """A count of dense layers goes to the middle of equal slices of the stack: one of six is
+    layer 3 (the `small` preset's, which retrieves), two of sixteen are 4 and 12; the first layer
+    only when more than half are dense."""
+    from s2attn.stack import spread_dense_layers
+
+    assert spread_dense_layers(1, 6) == (3,)
+    assert spread_dense_layers(2, 16) == (4, 12)
+    assert spread_dense_layers(0, 5) == ()
+    assert spread_dense_layers(6, 6) == tuple(range(6))
+    for layers in range(1, 33):
+        for count in range(layers + 1):
+            spread = spread_dense_layers(count, layers)
+            assert len(set(spread)) == count and all(0 <= i < layers for i in spread)
+            assert 0 not in spread or 2 * count > layers
+    with pytest.raises(ValueError, match="dense_layers must be in"):
+        spread_dense_layers(7, 6)

@@ -56,7 +56,7 @@ from ..inference.decode_op import static_decode_step
 from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..reference import attention_reference
-from ..stack import S2Settings
+from ..stack import S2Settings, spread_dense_layers
 from ..validation import check_softmax_scale
 
 __all__ = [
@@ -95,13 +95,16 @@ def configure(
 
     Args:
         config: a decoder config (e.g. ``LlamaConfig``); changed in place and returned.
-        settings: the :class:`~s2attn.stack.S2Settings` (default ``S2Settings()``: block 64,
-            local 16 blocks, stride 16, the first two layers dense); each of the keywords below
+        settings: the :class:`~s2attn.stack.S2Settings` (default: block 64, local 16 blocks,
+            stride 16, two dense layers spread through the stack); each of the keywords below
             that is given replaces its field.
         block_size, local_blocks, vert_stride, num_dense_heads, homo_head, head_offset: the S2
             layers' :func:`s2attn.local_stride_pattern` (GQA groups share one pattern, so the KV
             cache can evict).
-        dense_layers: the dense layers' indices, or a count of dense layers from the first.
+        dense_layers: the dense layers' indices, or a count of dense layers, which go to the
+            middle of equal slices of the stack (:func:`~s2attn.stack.spread_dense_layers`:
+            2 of 16 are layers 4 and 12); a model with its dense layers first does not learn
+            to retrieve from far back.
         max_seq_len: the patterns' length; defaults to ``config.max_position_embeddings``.
         attn_implementation: ``"s2attn"`` (the kernels) or ``"s2attn_reference"`` (the dense-mask
             reference).
@@ -119,10 +122,10 @@ def configure(
     """
     text = config.get_text_config(decoder=True)
     num_layers = text.num_hidden_layers
+    if settings is None and dense_layers is None:
+        dense_layers = 2
     if isinstance(dense_layers, int):
-        if not 0 <= dense_layers <= num_layers:
-            raise ValueError(f"dense_layers must be in [0, {num_layers}], got {dense_layers}")
-        dense_layers = tuple(range(dense_layers))
+        dense_layers = spread_dense_layers(dense_layers, num_layers)
     if attn_implementation not in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
         raise ValueError(
             f"attn_implementation must be {ATTN_IMPLEMENTATION!r} or "
