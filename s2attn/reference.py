@@ -299,7 +299,7 @@ def paged_attention_reference(
     *,
     block_size: int,
     softmax_scale: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's new queries attend its keys in a paged cache, under a block mask.
 
     Args:
@@ -315,8 +315,9 @@ def paged_attention_reference(
         block_size: the pattern's block (a multiple or a divisor of ``page_size``).
         softmax_scale: the score scale.
 
-    Returns (tokens, heads, dim) in q's dtype, computed in float32 with the causal rule; a row
-    that may read no key gives zeros.
+    Returns ``out`` (tokens, heads, dim) in q's dtype, computed in float32 with the causal rule
+    (a row that may read no key gives zeros), and ``lse`` float32 (heads, tokens), the natural-log
+    LSE of each row's scores (-inf for such a row).
     """
     num_heads, dim = q.shape[1], q.shape[2]
     kv_heads, page = page_table.shape[1], k_pages.shape[1]
@@ -324,6 +325,7 @@ def paged_attention_reference(
     # Each query head's mask head; per KV head, its group's.
     head_of = torch.arange(num_heads) // (num_heads // block_mask.shape[0])
     out = torch.zeros(q.shape[0], num_heads, dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((num_heads, q.shape[0]), float("-inf"), device=q.device)
     table = page_table.long().to(k_pages.device)
     for b, length in enumerate(seq_lens):
         start, end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
@@ -339,9 +341,8 @@ def paged_attention_reference(
             k_pos = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
             k_pos = k_pos[k_pos < length]
             pages = table[b, h, (k_pos // page).to(table.device)]
-            rows = pages.clamp(min=0) * page + (k_pos % page).to(pages.device)
-            keys = k_pages.view(-1, dim)[rows].float()  # (kept keys, dim)
-            values = v_pages.view(-1, dim)[rows].float()
+            at = (pages.clamp(min=0), (k_pos % page).to(pages.device))
+            keys, values = k_pages[at].float(), v_pages[at].float()  # (kept keys, dim)
             # (group, queries, kept keys): the mask at block level, then the causal rule.
             allowed = block_mask[head_of[heads]][:, q_pos // block_size][:, :, k_pos // block_size]
             allowed &= k_pos[None, None, :] <= q_pos[None, :, None]
@@ -351,4 +352,5 @@ def paged_attention_reference(
             scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
             out[start:end, heads] = (probs @ values).transpose(0, 1).to(out.device)
-    return out.to(q.dtype)
+            lse[heads, start:end] = torch.logsumexp(scores, dim=-1).to(lse.device)
+    return out.to(q.dtype), lse

@@ -58,7 +58,7 @@ def decode_step(
     num_splits: int,
     layout: DecodeLayout | None = None,
     split_counters: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step, device work alone.
 
     Args:
@@ -72,8 +72,7 @@ def decode_step(
         softmax_scale, num_splits, split_counters: the decode kernel's (see ``dispatch.decode``).
         layout: the pattern's decode layout when the caller holds it (else looked up).
 
-    Returns ``(out, lse)``: out like q; lse float32 (batch, heads, num_new) from the kernels,
-    None from the reference.
+    Returns ``(out, lse)``: out like q, lse float32 (batch, heads, num_new).
     """
     kv_heads, max_blocks = page_table.shape[1:]
     block_size = k_pages.shape[1]
@@ -88,7 +87,7 @@ def decode_step(
             mask = _MASKS[pattern][:, :max_blocks, :max_blocks]
         batch, num_new = q.shape[:2]
         lengths = seq_lens.tolist()
-        out = paged_attention_reference(
+        out, lse = paged_attention_reference(
             q.reshape(batch * num_new, *q.shape[2:]),
             k_pages,
             v_pages,
@@ -99,7 +98,8 @@ def decode_step(
             block_size=block_size,
             softmax_scale=softmax_scale,
         )
-        return out.view(q.shape), None
+        lse = lse.view(q.shape[2], batch, num_new).transpose(0, 1)
+        return out.view(q.shape), lse
     if layout is None:
         layout = step_layout(pattern, kv_heads, block_size, max_blocks, q.device)
     dispatch.write_pages(k, v, k_pages, v_pages, page_table, seq_lens)  # at the old lengths

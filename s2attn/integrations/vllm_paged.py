@@ -100,7 +100,7 @@ def paged_attention_torch(
         if query_start_loc[r + 1] > query_start_loc[r]:
             _check_length(r, length, pattern)
     k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
-    return paged_attention_reference(
+    out, _ = paged_attention_reference(
         query,
         k_pages,
         v_pages,
@@ -111,6 +111,7 @@ def paged_attention_torch(
         block_size=pattern.block_size,
         softmax_scale=softmax_scale,
     )
+    return out
 
 
 def paged_prefill(
