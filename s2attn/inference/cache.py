@@ -545,11 +545,7 @@ class PagedKVCache:
     ) -> None:
         if sum(counts) == 0:
             return
-        if (
-            cu_seqlens is None
-            and counts[0] <= MAX_DECODE_TOKENS
-            and supports_triton(self.device)
-        ):
+        if cu_seqlens is None and counts[0] <= MAX_DECODE_TOKENS and supports_triton(self.device):
             # A decode step: one launch (self.seq_lens still holds the old lengths).
             dispatch.write_pages(k, v, self.k_pages, self.v_pages, self.page_table, self.seq_lens)
             return
