@@ -12,7 +12,7 @@ import torch
 
 from .pattern import BlockPattern
 
-__all__ = ["attention_reference"]
+__all__ = ["attention_reference", "paged_attention_reference", "write_pages_reference"]
 
 
 def _expand_pattern_heads(mask: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -258,3 +258,99 @@ def blockwise_backward(
                 d_scores.transpose(1, 2) @ qf[q_rows, group].transpose(0, 1)
             ).sum(0)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------- over pages
+# Decode and any step over a paged KV cache, read through a page table: the ground truth of the
+# decode kernel, the CPU path of the compiled decode operator (``s2attn.inference.decode_step``)
+# and of vLLM's layout (``s2attn.integrations.vllm_paged``, whose (block, KV head) pairs are pages).
+
+
+def write_pages_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """Store new tokens' K/V, (batch, num_new, kv_heads, dim), at positions ``seq_lens[b] + t``
+    through ``page_table`` (batch, kv_heads, blocks); blocks without a page (-1) write into the
+    last page of ``k_pages``/``v_pages`` (pages, page_size, dim), which nothing reads."""
+    batch, num_new, kv_heads, dim = k.shape
+    page = k_pages.shape[1]
+    spare = (k_pages.shape[0] - 1) * page
+    pos = seq_lens.long()[:, None] + torch.arange(num_new, device=k.device)  # (batch, new)
+    pages = page_table.long().gather(2, (pos // page)[:, None, :].expand(batch, kv_heads, num_new))
+    rows = torch.where(pages >= 0, pages * page + (pos % page)[:, None, :], spare)
+    rows = rows.transpose(1, 2).reshape(-1)  # (batch, new, kv_heads), as k is laid out
+    k_pages.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim))
+    v_pages.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim))
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: list[int],
+    seq_lens: list[int],
+    block_mask: torch.Tensor,
+    *,
+    block_size: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's new queries attend its keys in a paged cache, under a block mask.
+
+    Args:
+        q: (tokens, heads, dim), the sequences' new tokens packed in order; they are each
+            sequence's last positions.
+        k_pages, v_pages: (pages, page_size, dim).
+        page_table: int (batch, kv_heads, max_pages): the page of each (sequence, KV head, page
+            of positions); -1 for none (those keys are not read).
+        cu_seqlens_q: batch + 1 offsets into ``q``.
+        seq_lens: per sequence, its length with the new tokens.
+        block_mask: bool (mask_heads, q_blocks, kv_blocks) over pattern blocks of ``block_size``
+            tokens; query head ``h`` reads mask head ``h // (heads // mask_heads)``.
+        block_size: the pattern's block (a multiple or a divisor of ``page_size``).
+        softmax_scale: the score scale.
+
+    Returns ``out`` (tokens, heads, dim) in q's dtype, computed in float32 with the causal rule
+    (a row that may read no key gives zeros), and ``lse`` float32 (heads, tokens), the natural-log
+    LSE of each row's scores (-inf for such a row).
+    """
+    num_heads, dim = q.shape[1], q.shape[2]
+    kv_heads, page = page_table.shape[1], k_pages.shape[1]
+    group = num_heads // kv_heads
+    # Each query head's mask head; per KV head, its group's.
+    head_of = torch.arange(num_heads) // (num_heads // block_mask.shape[0])
+    out = torch.zeros(q.shape[0], num_heads, dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((num_heads, q.shape[0]), float("-inf"), device=q.device)
+    table = page_table.long().to(k_pages.device)
+    for b, length in enumerate(seq_lens):
+        start, end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
+        if end == start:
+            continue
+        q_pos = torch.arange(length - (end - start), length)
+        first, last = int(q_pos[0]) // block_size, int(q_pos[-1]) // block_size
+        for h in range(kv_heads):
+            heads = slice(h * group, (h + 1) * group)
+            # Only the blocks some query of the group keeps: memory of what the pattern reads.
+            masks = block_mask[head_of[heads], first : last + 1, : last + 1]
+            blocks = masks.any(dim=1).any(dim=0).nonzero().flatten()
+            k_pos = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+            k_pos = k_pos[k_pos < length]
+            pages = table[b, h, (k_pos // page).to(table.device)]
+            at = (pages.clamp(min=0), (k_pos % page).to(pages.device))
+            keys, values = k_pages[at].float(), v_pages[at].float()  # (kept keys, dim)
+            # (group, queries, kept keys): the mask at block level, then the causal rule.
+            allowed = block_mask[head_of[heads]][:, q_pos // block_size][:, :, k_pos // block_size]
+            allowed &= k_pos[None, None, :] <= q_pos[None, :, None]
+            allowed &= (pages >= 0).cpu()[None, None, :]
+            qf = q[start:end, heads].float().transpose(0, 1).to(keys.device)
+            scores = (qf @ keys.T) * softmax_scale
+            scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
+            out[start:end, heads] = (probs @ values).transpose(0, 1).to(out.device)
+            lse[heads, start:end] = torch.logsumexp(scores, dim=-1).to(lse.device)
+    return out.to(q.dtype), lse

@@ -52,7 +52,7 @@ def state(cache: PagedKVCache) -> dict:
         "seq_lens": cache.seq_lens.tolist(),
         "table": cache._table.clone(),
         "page_table": cache.page_table.cpu(),
-        "free": cache._free[: cache._num_free].tolist(),
+        "free": cache.pool.free_pages(),
         "keep": list(cache._keep_block),
     }
 
@@ -245,8 +245,8 @@ def test_reset_between_requests_and_two_caches_alternately():
 def assert_counts_match(cache: PagedKVCache) -> None:
     held = cache._table[cache._table >= 0].long()
     counts = torch.bincount(held, minlength=cache.num_pages).to(torch.int32)
-    assert torch.equal(counts, cache._refs), "page counts differ from the table"
-    free = cache._free[: cache._num_free].long()
+    assert torch.equal(counts, cache.pool.holders()), "page counts differ from the table"
+    free = torch.tensor(cache.pool.free_pages(), dtype=torch.int64)
     assert (counts[free] == 0).all() and free.unique().numel() == free.numel()
     assert cache.live_pages == int((counts > 0).sum())
 
@@ -263,7 +263,7 @@ def test_reordered_sequences_share_pages_and_copy_on_write():
     order = [0, 0, 1]
     cache.select_sequences(torch.tensor(order))
     req.qkv = [req.qkv[i] for i in order]
-    assert cache.live_pages == own[0] + own[1] and cache._refs.max() == 2
+    assert cache.live_pages == own[0] + own[1] and cache.pool.holders().max() == 2
     assert_counts_match(cache)
     # Both copies of sequence 0 write different tokens into their shared last block.
     req.step(1, "decode after reorder")
@@ -292,7 +292,7 @@ def test_reordered_sequences_share_pages_and_copy_on_write():
         cache.select_sequences(torch.zeros(2))
     assert_unchanged(cache, before)
     cache.reset()
-    assert cache.live_pages == 0 and not cache._refs.any()
+    assert cache.live_pages == 0 and not cache.pool.holders().any()
 
 
 # ------------------------------------------------------------------------- static caches

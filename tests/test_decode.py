@@ -263,10 +263,10 @@ def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypat
     a static cache (across block boundaries, the ring's pages reused), equals the reference; it
     advances only the device's lengths, and the host's catch up at the next eager call, which
     then works as usual (an eager step, a crop)."""
-    from s2attn.inference import decode_op
+    from s2attn.inference import decode_op, decode_step
 
     if path == "pytorch":
-        monkeypatch.setattr(decode_op, "supports_triton", lambda device: False)
+        monkeypatch.setattr(decode_step, "supports_triton", lambda device: False)
     torch.manual_seed(7)
     heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
     pattern = make_pattern(kind, heads, kv_heads)
@@ -293,10 +293,10 @@ def test_static_decode_opcheck(path, monkeypatch):
     """torch.library.opcheck on s2attn::static_decode: its schema (what it mutates), fake
     implementation and the compiled (AOT) dispatch agree with running it."""
     from s2attn.custom_ops import pattern_key
-    from s2attn.inference import decode_op
+    from s2attn.inference import decode_op, decode_step  # noqa: F401 (decode_op: the operator)
 
     if path == "pytorch":
-        monkeypatch.setattr(decode_op, "supports_triton", lambda device: False)
+        monkeypatch.setattr(decode_step, "supports_triton", lambda device: False)
     pattern = make_pattern("s2", 4, 2)
     cache, *_ = filled_cache(pattern, [44, 29], 2, 16, torch.float32, static=True)
     q, k, v = step(cache, 4, 2, torch.float32)

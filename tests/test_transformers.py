@@ -311,7 +311,7 @@ def test_beam_search_with_s2_cache_matches_reference(num_beams, padded):
         paged = layer.paged
         table = paged._table[paged._table >= 0].long()
         counts = torch.bincount(table, minlength=paged.num_pages)
-        assert torch.equal(counts.to(torch.int32), paged._refs)
+        assert torch.equal(counts.to(torch.int32), paged.pool.holders())
         assert paged.live_pages == int((counts > 0).sum())
 
 

@@ -1,26 +1,41 @@
-"""Inference over an evicting, paged KV cache. Decoding flows down the three modules:
+"""Inference over an evicting, paged KV cache. Decoding flows down the modules:
 
-    eviction.py   EvictionSchedule: from which query block on each KV block is never read again,
-                  derived from the layer's pattern
-    cache.py      PagedKVCache (pages, page table, free list; append, gather, crop, reset) and
-                  ModelKVCache (one per layer)
-    attention.py  sparse_attention_with_kvcache: prefill, chunked prefill and decode over a cache
-    decode_op.py  a static cache's decode step as one torch.library operator (s2attn::static_decode)
-                  of device work alone, for compiled graphs and CUDA-graph replays
+    eviction.py       EvictionSchedule: from which query block on each KV block is never read
+                      again, derived from the layer's pattern
+    page_pool.py      PagePool: the pages, their free list, holder counts and copy on write
+    cache.py          PagedKVCache, what both kinds share (page table, lengths; append, gather,
+                      crop, reset, reports; PagedKVCache(static=...) picks the kind), and
+                      ModelKVCache (one per layer)
+    dynamic_cache.py  DynamicKVCache: pages taken and freed as the pattern reads them, shared by
+                      beams
+    static_cache.py   StaticKVCache: every block's page fixed up front, for CUDA graphs and
+                      compiled steps
+    decode_step.py    the one decode step's device work (page write, lengths, attention) that
+                      every decode path runs
+    attention.py      sparse_attention_with_kvcache: prefill, chunked prefill and decode over a
+                      cache; capture_decode_step
+    decode_op.py      the decode step as one torch.library operator (s2attn::static_decode) over
+                      a static cache, for compiled graphs
 
-The kernels they launch are in ``s2attn.ops.triton`` (decode.py, page_write.py); the decode
-lists in ``s2attn.layout``.
+Kernels are chosen through ``s2attn.ops.dispatch``; the decode lists come from ``s2attn.layout``,
+the plain-PyTorch reference over pages from ``s2attn.reference``.
 """
 
 from .attention import MAX_DECODE_TOKENS, capture_decode_step, sparse_attention_with_kvcache
 from .cache import ModelKVCache, PagedKVCache
+from .dynamic_cache import DynamicKVCache
 from .eviction import EvictionSchedule, kv_last_use
+from .page_pool import PagePool
+from .static_cache import StaticKVCache
 
 __all__ = [
     "MAX_DECODE_TOKENS",
+    "DynamicKVCache",
     "EvictionSchedule",
     "ModelKVCache",
+    "PagePool",
     "PagedKVCache",
+    "StaticKVCache",
     "capture_decode_step",
     "kv_last_use",
     "sparse_attention_with_kvcache",

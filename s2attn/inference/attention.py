@@ -24,16 +24,14 @@ import torch
 from ..attention import sparse_attention
 from ..ops import dispatch
 from ..ops.dispatch import supports_triton
-from ..ops.triton import decode as triton_decode
 from ..pattern import BlockPattern, shared_dense_pattern
 from ..precision import autocast_dtype, cast_inputs
 from ..validation import check_cu_seqlens, check_softmax_scale, check_tensor
-from .cache import DECODE_STEP_TOKENS, PagedKVCache
+from .cache import PagedKVCache
+from .decode_step import MAX_DECODE_TOKENS, decode_step
+from .static_cache import StaticKVCache
 
 __all__ = ["MAX_DECODE_TOKENS", "capture_decode_step", "sparse_attention_with_kvcache"]
-
-# New tokens per sequence the decode kernel takes: they then span at most two query blocks.
-MAX_DECODE_TOKENS = DECODE_STEP_TOKENS  # the cache keeps such steps' blocks for their own queries
 
 
 def _layer_pattern(cache: PagedKVCache) -> BlockPattern:
@@ -114,7 +112,8 @@ def _new_counts(
     return [b - a for a, b in zip(cu, cu[1:])]
 
 
-def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):
+def _attend_cache(q, cache: PagedKVCache, scale: float, num_splits: int | None):
+    """Attention of q, the last tokens of each sequence, over the cache as it is."""
     if num_splits is None:
         num_splits = cache.decode_num_splits(q.shape[1])
     return dispatch.decode(
@@ -126,6 +125,28 @@ def _decode(q, cache: PagedKVCache, scale: float, num_splits: int | None):
         cache.decode_layout,
         softmax_scale=scale,
         num_splits=num_splits,
+        split_counters=cache.split_counters,
+    )
+
+
+def _decode_step(q, cache: PagedKVCache, k, v, scale: float, num_splits: int | None):
+    """A decode step: the cache plans its pages on the host, then the one decode step's device
+    work writes, advances and attends."""
+    cache.prepare_decode_step(k, v)
+    if num_splits is None:
+        num_splits = cache.decode_num_splits(q.shape[1])
+    return decode_step(
+        q,
+        k,
+        v,
+        cache.k_pages,
+        cache.v_pages,
+        cache.page_table,
+        cache.seq_lens,
+        cache.pattern,
+        softmax_scale=scale,
+        num_splits=num_splits,
+        layout=cache.decode_layout,
         split_counters=cache.split_counters,
     )
 
@@ -238,21 +259,20 @@ def sparse_attention_with_kvcache(
     if k is None:
         if not supports_triton(q.device):
             raise RuntimeError("reading new tokens back from the cache needs the Triton kernels")
-        out, lse = _decode(q, cache, scale, num_splits)
+        out, lse = _attend_cache(q, cache, scale, num_splits)
         return (out, lse) if return_lse else out
 
     packed = cu_seqlens_q is not None
     past = cache.lengths
     group = q.shape[-2] // cache.num_kv_heads
-    decode_step = (
+    is_decode_step = (
         not packed
         and q.shape[1] <= MAX_DECODE_TOKENS
-        and group * q.shape[1] <= triton_decode.MAX_DECODE_ROWS
+        and group * q.shape[1] <= dispatch.MAX_DECODE_ROWS
         and supports_triton(q.device)
     )
-    if decode_step:
-        cache.append(k, v)
-        out, lse = _decode(q, cache, scale, num_splits)
+    if is_decode_step:
+        out, lse = _decode_step(q, cache, k, v, scale, num_splits)
         return (out, lse) if return_lse else out
 
     out, lse = _attend_dense(q, cache, k, v, scale, cu_seqlens_q, counts, past)
@@ -294,7 +314,7 @@ def capture_decode_step(
         ...     q_buf.copy_(q_next); k_buf.copy_(k_next); v_buf.copy_(v_next)
         ...     out = step()
     """
-    if not isinstance(cache, PagedKVCache) or not cache.static:
+    if not isinstance(cache, StaticKVCache):
         raise ValueError("capture_decode_step needs a static PagedKVCache (static=True)")
     if q.device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, got {q.device}")
@@ -305,7 +325,7 @@ def capture_decode_step(
         )
     num_new = q.shape[1]
     if num_splits is None:
-        num_splits = triton_decode.run_num_splits(cache.decode_layout, q.shape[0], q.device)
+        num_splits = dispatch.run_num_splits(cache.decode_layout, q.shape[0], q.device)
 
     def call():
         return sparse_attention_with_kvcache(
@@ -321,11 +341,9 @@ def capture_decode_step(
     torch.cuda.current_stream(q.device).wait_stream(side)
     cache.crop(num_new)
     # Capturing runs the host code without the device work: keep the host bookkeeping as it was.
-    lengths, keep = cache.lengths, list(cache._keep_block)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cache.host_state_kept(), torch.cuda.graph(graph):
         out = call()
-    cache._lengths, cache._keep_block = lengths, keep
 
     def step() -> torch.Tensor:
         cache.advance(num_new)  # checks before the device runs: a full cache raises here

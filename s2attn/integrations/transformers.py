@@ -362,7 +362,7 @@ def attention_forward(
     if layer is None:
         pattern = _attention_pattern(module.config, module.layer_idx)
         return _attend_context(sparse_attention, q, k, v, pattern, attention_mask, scaling), None
-    layer._pending = False
+    layer.take_step()
     if layer.static and torch.compiler.is_compiling() and q.shape[1] <= MAX_DECODE_TOKENS:
         return _compiled_decode(layer, q, k, v, scaling), None
     paged = layer.paged
@@ -579,6 +579,11 @@ class S2CacheLayer(CacheLayerMixin):
         key_states._s2attn_cache_layer = self
         self._pending = True
         return key_states, value_states
+
+    def take_step(self) -> None:
+        """The ``"s2attn"`` attention takes the tokens :meth:`update` handed over and stores them
+        itself (it appends and attends in one call)."""
+        self._pending = False
 
     def get_seq_length(self) -> int | torch.Tensor:
         if not self.is_initialized:

@@ -10,9 +10,10 @@ tokens' ``block * page_size + row`` (-1 for padding).
 Three functions serve the plugin (``s2attn.integrations.vllm``) and are tested standalone:
 
 * :func:`write_kv`: store new keys and values at their slots.
-* :func:`paged_attention_torch`: any step (prefill, chunked prefill, decode) in plain PyTorch,
-  each KV head reading only the KV blocks its pattern keeps for the step's queries; the exact
-  dense-mask result. The CPU path.
+* :func:`paged_attention_torch`: any step (prefill, chunked prefill, decode) in plain PyTorch
+  (:func:`s2attn.reference.paged_attention_reference` over vLLM's pages), each KV head reading
+  only the KV blocks its pattern keeps for the step's queries; the exact dense-mask result. The
+  CPU path.
 * :func:`paged_decode_triton`: one new token per request through s2attn's Triton decode kernel,
   reading vLLM's pages in place (a (block, KV head) pair is one page of the kernel); needs the
   pattern's block to equal vLLM's page.
@@ -27,6 +28,7 @@ import torch
 from ..attention import sparse_attention
 from ..layout import decode_layout, group_block_mask
 from ..pattern import BlockPattern
+from ..reference import paged_attention_reference
 
 __all__ = [
     "paged_attention_torch",
@@ -93,26 +95,23 @@ def paged_attention_torch(
     the pages of the KV blocks its pattern keeps for some query of the request.
     """
     key_cache, value_cache = split_kv_cache(kv_cache)
-    num_heads, dim = query.shape[1], query.shape[2]
-    kv_heads, page = key_cache.shape[1], key_cache.shape[2]
-    group, masks = _kv_head_masks(num_heads, kv_heads, pattern)
-    rows, block = masks.shape[1], pattern.block_size
-    row_of = torch.arange(group) * rows // group  # each query head's row in its group
-    out = torch.zeros(query.shape[0], num_heads, dim, dtype=torch.float32, device=query.device)
-    for r, start, end, q_pos, kept in _requests(masks, query_start_loc, seq_lens, pattern):
-        for h, pos in enumerate(kept):
-            pages, in_page = _slots(pos, block_table[r], page)
-            k = key_cache[pages, h, in_page].float()  # (kept tokens, dim)
-            v = value_cache[pages, h, in_page].float()
-            # (group, queries, kept tokens): the pattern at block level, then the causal rule.
-            allowed = masks[h][row_of][:, q_pos // block][:, :, pos // block]
-            allowed &= pos[None, None, :] <= q_pos[None, :, None]
-            q = query[start:end, h * group : (h + 1) * group].float().transpose(0, 1)
-            scores = (q @ k.T) * softmax_scale
-            scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing nothing give 0
-            out[start:end, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1)
-    return out.to(query.dtype)
+    _, masks = _kv_head_masks(query.shape[1], key_cache.shape[1], pattern)
+    for r, length in enumerate(seq_lens):
+        if query_start_loc[r + 1] > query_start_loc[r]:
+            _check_length(r, length, pattern)
+    k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    out, _ = paged_attention_reference(
+        query,
+        k_pages,
+        v_pages,
+        _page_table(block_table, key_cache.shape[1]),
+        query_start_loc,
+        seq_lens,
+        masks.flatten(0, 1),
+        block_size=pattern.block_size,
+        softmax_scale=softmax_scale,
+    )
+    return out
 
 
 def paged_prefill(
@@ -162,11 +161,7 @@ def _requests(masks, query_start_loc, seq_lens, pattern):
         start, end = query_start_loc[r], query_start_loc[r + 1]
         if end == start:
             continue
-        if length > pattern.max_seq_len:
-            raise ValueError(
-                f"request {r} holds {length} tokens, past the pattern's max_seq_len "
-                f"{pattern.max_seq_len}"
-            )
+        _check_length(r, length, pattern)
         q_pos = torch.arange(length - (end - start), length)
         first_q_block, last_q_block = int(q_pos[0]) // block, int(q_pos[-1]) // block
         kept = []
@@ -175,6 +170,23 @@ def _requests(masks, query_start_loc, seq_lens, pattern):
             pos = (blocks[:, None] * block + torch.arange(block)).flatten()
             kept.append(pos[pos < length])
         yield r, start, end, q_pos, kept
+
+
+def _check_length(request: int, length: int, pattern: BlockPattern) -> None:
+    if length > pattern.max_seq_len:
+        raise ValueError(
+            f"request {request} holds {length} tokens, past the pattern's max_seq_len "
+            f"{pattern.max_seq_len}"
+        )
+
+
+def _page_table(block_table: torch.Tensor, kv_heads: int, num_blocks: int | None = None):
+    """vLLM's (requests, max_blocks) block table as s2attn's int32 (requests, kv_heads, blocks)
+    page table over ``key_cache.flatten(0, 1)``: a (vLLM block b, KV head h) pair is page
+    ``b * kv_heads + h`` (flattening is a view, since a block's heads are consecutive)."""
+    heads = torch.arange(kv_heads, device=block_table.device, dtype=torch.int64)
+    table = block_table[:, :num_blocks].to(torch.int64)[:, None, :] * kv_heads
+    return (table + heads[None, :, None]).to(torch.int32).contiguous()
 
 
 def _slots(pos: torch.Tensor, table: torch.Tensor, page: int):
@@ -214,14 +226,9 @@ def paged_decode_triton(
             f"the Triton decode path needs vLLM's page ({page} tokens) to equal the pattern's "
             f"block ({pattern.block_size})"
         )
-    # A (vLLM block b, KV head h) pair is the kernel's page b * kv_heads + h: flattening the first
-    # two axes is a view, since a block's heads are consecutive (page strides stay 2 * page * dim).
+    # Pages keep their strides (2 * page * dim) in the flattened view.
     k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
-    longest = int(seq_lens.max())
-    num_kv_blocks = -(-longest // page)
-    heads = torch.arange(kv_heads, device=block_table.device, dtype=torch.int64)
-    page_table = block_table[:, :num_kv_blocks].to(torch.int64)[:, None, :] * kv_heads
-    page_table = (page_table + heads[None, :, None]).to(torch.int32).contiguous()
+    page_table = _page_table(block_table, kv_heads, -(-int(seq_lens.max()) // page))
     layout = decode_layout(pattern, kv_heads, query.device)
     out, _ = dispatch.decode(
         query[:, None],

@@ -25,19 +25,23 @@ from .options import KernelOptions
 from .triton import backward as triton_backward
 from .triton import decode as triton_decode
 from .triton import forward as triton_forward
+from .triton import page_write as triton_page_write
 
 __all__ = [
     "DEFAULT_OPTIONS",
     "backward",
     "backward_tile_sizes",
     "decode",
+    "decode_num_splits",
     "forward",
     "forward_tile_sizes",
     "interpreter_upcasts",
+    "run_num_splits",
     "supports_gluon_dkdv",
     "supports_gluon_dq",
     "supports_gluon_forward",
     "supports_triton",
+    "write_pages",
 ]
 
 DEFAULT_OPTIONS = KernelOptions()
@@ -446,3 +450,34 @@ def decode(
         num_splits=num_splits,
         split_counters=split_counters,
     )
+
+
+# ------------------------------------------------------------------------- the paged cache
+# Query rows (new tokens times the GQA group) one decode program holds.
+MAX_DECODE_ROWS = triton_decode.MAX_DECODE_ROWS
+
+
+def write_pages(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """A decode step's page write: :func:`s2attn.ops.triton.page_write.write_pages`."""
+    triton_page_write.write_pages(k, v, k_pages, v_pages, page_table, seq_lens)
+
+
+def decode_num_splits(
+    batch: int, num_kv_heads: int, longest_list: int, device: torch.device
+) -> int:
+    """Programs per (sequence, KV head) of a decode step whose longest list is
+    ``longest_list`` pages (:func:`s2attn.ops.triton.decode.decode_num_splits`)."""
+    return triton_decode.decode_num_splits(batch, num_kv_heads, longest_list, device)
+
+
+def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> int:
+    """The split count of every step of a captured or compiled run: from the layout's longest
+    list (:func:`s2attn.ops.triton.decode.run_num_splits`)."""
+    return triton_decode.run_num_splits(layout, batch, device)
