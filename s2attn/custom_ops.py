@@ -19,8 +19,8 @@ compiled graph is reused for as long as the same pattern comes back and recompil
 another does. Patterns are held weakly (a 128k pattern and its layouts are large): a compiled
 graph runs only while its pattern is alive, which a module attribute or a global ensures.
 
-Each operator runs the call's plan (``s2attn.plan``), which fetches the layouts and launches
-the kernels; this module holds the registration alone.
+Each operator runs the call's plan (``s2attn.plan``), which chooses the kernels, fetches the
+layouts and launches; this module holds the registration and the keys its arguments carry.
 """
 
 from __future__ import annotations
