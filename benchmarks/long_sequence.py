@@ -191,11 +191,9 @@ def main() -> int:
         local_blocks=args.local_blocks, vert_stride=args.stride,
         num_kv_heads=args.kv_heads,
     )  # fmt: skip
-    from s2attn.custom_ops import _plan, pattern_key
+    from s2attn.plan import AttentionPlan
 
-    plan = _plan(q, k, pattern_key(pattern), 1.0, 1, None, None, None, None)
-    plan.forward_layout(q)
-    plan.backward_layouts(q, k)
+    AttentionPlan(pattern, 1.0, 1).build_layouts(q, k)
     sync()
     host_s, host_gib = time.perf_counter() - t0, peak_rss_gib() - rss0
     print(f"pattern and layouts: {host_s:.2f} s, peak host memory +{host_gib:.2f} GiB")

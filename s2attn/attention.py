@@ -1,5 +1,6 @@
-"""The functional entry point: validation, then the autograd Functions (eager) or the registered
-operator (under ``torch.compile``, ``s2attn.custom_ops``), and exact merging.
+"""The functional entry point: validation, then the autograd Functions over the call's plan
+(eager, ``s2attn.plan``) or the registered operator (under ``torch.compile``,
+``s2attn.custom_ops``), and exact merging.
 
 Everything a user calls goes through here; nothing above this module touches Triton.
 """
@@ -9,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .custom_ops import _AttentionPlan, attention_forward, pattern_key
+from .custom_ops import attention_forward, pattern_key
 from .pattern import BlockPattern
-from .precision import autocast_dtype, cast_inputs
+from .plan import AttentionPlan, Varlen
+from .precision import autocast_entry
 from .validation import check_cu_seqlens, check_heads, check_softmax_scale, check_tensor
 
 __all__ = ["merge_partials", "sparse_attention", "sparse_attention_qkvpacked"]
@@ -23,7 +25,7 @@ _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
 def _validate(
     q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 ):
-    """Check every user input; return (varlen, seq_q lengths, seq_k lengths, scale, query heads
+    """Check every user input; return (packed, seq_q lengths, seq_k lengths, scale, query heads
     per pattern head)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
@@ -115,13 +117,16 @@ def _validate(
 
 
 def _traced_call(
-    q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k
+    q, k, v, pattern, scale, q_heads_per_pattern_head, packed, cu_q, cu_k, max_q, max_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The call as ``torch.compile`` traces it: one registered operator (``s2attn.custom_ops``),
-    which picks the kernels or the reference when it runs, with the pattern as a constant key.
+    """The validated call as ``torch.compile`` traces it: one registered operator
+    (``s2attn.custom_ops``), which runs the call's plan (the kernels, or the block-by-block
+    reference where no Triton backend runs), with the pattern as a constant key and the packed
+    lengths as the operator's own arguments (a compiled varlen call may leave the longest
+    lengths to run time).
 
     Eager calls skip the operator's dispatch (some microseconds of host time per call) and apply
-    the autograd Functions below, which run the same plan."""
+    the autograd Functions below to the same plan."""
     return attention_forward(
         q,
         k,
@@ -131,28 +136,14 @@ def _traced_call(
         q_heads_per_pattern_head,
         cu_q,
         cu_k,
-        max_q if varlen else None,
-        max_k if varlen else None,
+        max_q if packed else None,
+        max_k if packed else None,
     )
-
-
-def _traced(
-    q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k, return_lse
-):
-    """Under torch.compile, the result of a validated call through the registered operator; None
-    in eager mode, where the autograd Functions below run the same plan (the kernels, or the
-    block-by-block reference where no Triton backend runs)."""
-    if not torch.compiler.is_compiling():
-        return None
-    out, lse = _traced_call(
-        q, k, v, pattern, scale, q_heads_per_pattern_head, varlen, cu_q, cu_k, max_q, max_k
-    )
-    return (out, lse) if return_lse else out
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: _AttentionPlan):
+    def forward(ctx, q, k, v, plan: AttentionPlan):
         out, lse = plan.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -172,7 +163,7 @@ class _PackedQKVFunction(torch.autograd.Function):
     of that shape, written slice by slice by the kernels (no concatenation copy)."""
 
     @staticmethod
-    def forward(ctx, qkv, plan: _AttentionPlan):
+    def forward(ctx, qkv, plan: AttentionPlan):
         q, k, v = qkv.unbind(-3)
         out, lse = plan.forward(q, k, v)
         ctx.save_for_backward(qkv, out, lse)
@@ -190,6 +181,7 @@ class _PackedQKVFunction(torch.autograd.Function):
         return dqkv, None
 
 
+@autocast_entry("q", "k", "v")
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -244,53 +236,33 @@ def sparse_attention(
         ...            for _ in range(3))
         >>> out = s2attn.sparse_attention(q, k, v, pattern)
     """
-    region = autocast_dtype(q)
-    if region is not None:
-        # Like SDPA under autocast: cast before validation (mixed dtypes are then fine), which the
-        # call below runs on the cast tensors; autocast off inside, so nothing is cast twice.
-        with torch.autocast(q.device.type, enabled=False):
-            return sparse_attention(
-                *cast_inputs(region, q.device.type, q, k, v),
-                pattern,
-                softmax_scale=softmax_scale,
-                cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k,
-                return_lse=return_lse,
-            )
-    varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
+    # Under autocast (the decorator) the inputs arrive cast, before validation: mixed dtypes
+    # are then fine, as for SDPA.
+    packed, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    result = _traced(
-        q,
-        k,
-        v,
-        pattern,
-        scale,
-        q_heads_per_pattern_head,
-        varlen,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        return_lse,
-    )
-    if result is not None:
-        return result
-    plan = _AttentionPlan(
-        pattern,
-        scale,
-        q_heads_per_pattern_head,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max(lens_q),
-        max(lens_k),
-    )
-    out, lse = _SparseAttentionFunction.apply(q, k, v, plan)
+    if torch.compiler.is_compiling():
+        out, lse = _traced_call(
+            q,
+            k,
+            v,
+            pattern,
+            scale,
+            q_heads_per_pattern_head,
+            packed,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        )
+    else:
+        lengths = Varlen(cu_seqlens_q, cu_seqlens_k, max(lens_q), max(lens_k)) if packed else None
+        plan = AttentionPlan(pattern, scale, q_heads_per_pattern_head, lengths)
+        out, lse = _SparseAttentionFunction.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
 
 
+@autocast_entry("qkv")
 def sparse_attention_qkvpacked(
     qkv: torch.Tensor,
     pattern: BlockPattern,
@@ -321,51 +293,38 @@ def sparse_attention_qkvpacked(
         >>> out = s2attn.sparse_attention_qkvpacked(qkv, pattern)
         >>> out.sum().backward()
     """
+    # Under autocast the cast made one new packed tensor, so the kernels still write its gradient
+    # slice by slice, and the cast's backward takes it to qkv's dtype.
     check_tensor("qkv", qkv)
-    region = autocast_dtype(qkv)
-    if region is not None:
-        # As in sparse_attention; the cast makes one new packed tensor, so the kernels still
-        # write its gradient slice by slice, and the cast's backward takes it to qkv's dtype.
-        with torch.autocast(qkv.device.type, enabled=False):
-            return sparse_attention_qkvpacked(
-                *cast_inputs(region, qkv.device.type, qkv),
-                pattern,
-                softmax_scale=softmax_scale,
-                cu_seqlens=cu_seqlens,
-                max_seqlen=max_seqlen,
-                return_lse=return_lse,
-            )
     if qkv.dim() not in (4, 5) or qkv.shape[-3] != 3:
         raise ValueError(
             "qkv must be (batch, seq, 3, heads, dim) or packed (total, 3, heads, dim), "
             f"got shape {tuple(qkv.shape)}"
         )
     q, k, v = qkv.unbind(-3)
-    varlen, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
+    packed, lens_q, lens_k, scale, q_heads_per_pattern_head = _validate(
         q, k, v, pattern, softmax_scale, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
     )
-    # Traced, the gradient comes back as three tensors that autograd stacks into qkv's (a copy
-    # the eager path's slice-by-slice writes avoid).
-    result = _traced(
-        q,
-        k,
-        v,
-        pattern,
-        scale,
-        q_heads_per_pattern_head,
-        varlen,
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        return_lse,
-    )
-    if result is not None:
-        return result
-    plan = _AttentionPlan(
-        pattern, scale, q_heads_per_pattern_head, cu_seqlens, cu_seqlens, max(lens_q), max(lens_k)
-    )
-    out, lse = _PackedQKVFunction.apply(qkv, plan)
+    if torch.compiler.is_compiling():
+        # The gradient comes back as three tensors that autograd stacks into qkv's (a copy the
+        # eager path's slice-by-slice writes avoid).
+        out, lse = _traced_call(
+            q,
+            k,
+            v,
+            pattern,
+            scale,
+            q_heads_per_pattern_head,
+            packed,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+        )
+    else:
+        lengths = Varlen(cu_seqlens, cu_seqlens, max(lens_q), max(lens_k)) if packed else None
+        plan = AttentionPlan(pattern, scale, q_heads_per_pattern_head, lengths)
+        out, lse = _PackedQKVFunction.apply(qkv, plan)
     return (out, lse) if return_lse else out
 
 

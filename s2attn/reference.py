@@ -1,7 +1,11 @@
-"""Plain PyTorch attention on the dense token mask: the ground truth of every test, and the CPU
-fallback when no Triton backend (GPU or interpreter) is available.
+"""The attention ops in plain PyTorch.
 
-It materialises a (heads, seq_q, seq_k) mask and score matrix, so it is for small shapes only.
+- :func:`attention_reference`: attention on the dense token mask, the ground truth of every
+  test. It materialises a (heads, seq_q, seq_k) mask and score matrix, so it is for small shapes
+  only.
+- :func:`blockwise_forward`, :func:`blockwise_backward`: the same forward and its gradients over
+  the kept blocks alone, in bounded memory; the call plan (``s2attn.plan``) runs them where no
+  Triton backend (GPU or interpreter) is available.
 """
 
 from __future__ import annotations

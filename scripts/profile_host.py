@@ -38,8 +38,7 @@ if args.stub_launches or device == "cpu":
     from s2attn.ops import dispatch
 
     dispatch.supports_triton = lambda _: True
-    for predicate in ("supports_gluon_forward", "supports_gluon_dq", "supports_gluon_dkdv"):
-        setattr(dispatch, predicate, lambda *_, **__: False)
+    dispatch.GLUON_ENABLED = False  # as S2ATTN_HOPPER_FORWARD=0
     for module, names in (
         (dispatch.triton_forward, ("forward",)),
         (dispatch.triton_backward, ("row_delta", "dkdv", "dq")),

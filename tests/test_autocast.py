@@ -27,6 +27,7 @@ from helpers import (
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, local_stride_pattern
+from s2attn.precision import autocast_entry
 
 # The autocast dtypes whose kernels give correct results on this device.
 REGIONS = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
@@ -282,6 +283,53 @@ def test_float64_is_not_cast():
         out = s2attn.sparse_attention(q, k, v, pattern)
     assert out.dtype == torch.float64
     assert torch.equal(out, s2attn.sparse_attention(q, k, v, pattern))
+
+
+# ------------------------------------------------------------------------------ the decorator
+class _Store:
+    """Stands in for a cache: keeps its own dtype (None: not a store the boundary knows)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+@autocast_entry(
+    "q",
+    "k",
+    "v",
+    compute_dtype=lambda q, store, *_, **__: store.dtype,
+    output_in_region=True,
+)
+def _attend_store(q, store, k=None, v=None, *, return_lse=False):
+    """What an entry point over a cache sees: its tensors' dtypes and whether autocast is on."""
+    seen = (q.dtype, k.dtype, None if v is None else v.dtype, torch.is_autocast_enabled(DEVICE))
+    out = q.clone()
+    lse = torch.zeros(3, device=q.device)
+    return (out, lse, seen) if return_lse else (out, seen)
+
+
+def test_autocast_entry_computes_in_the_dtype_it_is_given():
+    """The boundary a cache's entry points take (compute in the cache's dtype, hand the output
+    back in the region's): arguments cast wherever they are passed, autocast off inside, the
+    LSE and other results untouched; a None dtype or no region leaves the call as it came."""
+    region = REGIONS[-1]
+    q, k = (torch.randn(4, device=DEVICE) for _ in range(2))
+    with torch.autocast(DEVICE, dtype=region):
+        out, lse, seen = _attend_store(q, _Store(torch.bfloat16), k=k, return_lse=True)
+        assert seen == (torch.bfloat16, torch.bfloat16, None, False)
+        assert out.dtype == region and lse.dtype == torch.float32
+        assert torch.equal(out, q.to(torch.bfloat16).to(region))
+        out, seen = _attend_store(q, store=_Store(torch.float16), k=k, v=k.double())
+        assert seen == (torch.float16, torch.float16, torch.float64, False)  # float64 stays
+        out, seen = _attend_store(q, _Store(None), k)
+        assert seen == (torch.float32, torch.float32, None, True) and out.dtype == torch.float32
+    out, seen = _attend_store(q, _Store(torch.bfloat16), k)
+    assert seen == (torch.float32, torch.float32, None, False) and out.dtype == torch.float32
+
+
+def test_autocast_entry_names_only_its_parameters():
+    with pytest.raises(ValueError, match="has no parameter 'query'"):
+        autocast_entry("query")(lambda q, k: q)
 
 
 # ------------------------------------------------------------------------------- GPU only

@@ -270,7 +270,7 @@ def test_grads_gathered_kv_tiles(backward_spies, case, causal):
 def test_gathered_and_contiguous_backward_agree(backward_spies):
     """The same gradients with and without gathered KV tiles (``KernelOptions``' switches), up
     to summation order."""
-    from s2attn.attention import _AttentionPlan
+    from s2attn.plan import AttentionPlan
 
     dtype = DTYPES[0]
     q, k, v = (t.detach() for t in _qkv(1, 384, 384, 2, 2, 32, dtype, seed=8))
@@ -279,7 +279,7 @@ def test_gathered_and_contiguous_backward_agree(backward_spies):
     grads = []
     for gather in (True, False):
         options = KernelOptions(gather_dq=gather, gather_dkdv=gather)
-        plan = _AttentionPlan(pattern, 32**-0.5, 1, None, None, 384, 384, options)
+        plan = AttentionPlan(pattern, 32**-0.5, 1, options=options)
         out, lse = plan.forward(q, k, v)
         grads.append([g.float() for g in plan.backward(grad, None, q, k, v, out, lse)])
     assert len(backward_spies["_dkdv_gathered_kernel"].calls) == 1  # with gather only

@@ -83,15 +83,15 @@ def test_opcheck(request, path, varlen):
 
 def test_opcheck_catches_a_wrong_fake(reference_ops, monkeypatch):
     """The check above can fail: an operator whose LSE disagrees with its fake's dtype."""
-    from s2attn import custom_ops
+    from s2attn.plan import AttentionPlan
 
-    plan_forward = custom_ops._AttentionPlan.forward
+    plan_forward = AttentionPlan.forward
 
     def float64_lse(self, q, k, v):
         out, lse = plan_forward(self, q, k, v)
         return out, lse.double()
 
-    monkeypatch.setattr(custom_ops._AttentionPlan, "forward", float64_lse)
+    monkeypatch.setattr(AttentionPlan, "forward", float64_lse)
     pattern = s2attn.local_stride_pattern(
         1, max_seq_len=128, block_size=16, local_blocks=1, vert_stride=2
     )

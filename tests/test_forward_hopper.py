@@ -52,19 +52,19 @@ def _randn(gen, *shape, dtype):
 def _run(q, k, v, pattern, config=None):
     """The forward through ``ops.dispatch.forward`` with the Gluon kernel's settings ``config``
     (a GluonForwardConfig), after checking that the Gluon kernel takes it; returns (out, lse)."""
-    block_m, block_n = dispatch.forward_tile_sizes(q.shape[-1], q.dtype, q.device)
-    layout = forward_layout(pattern, block_m, block_n, q.device, gather=True)
     scale = q.shape[-1] ** -0.5
-    takes = dispatch.supports_gluon_forward(
+    kernel = dispatch.forward_kernel(
         q,
         k,
         v,
-        layout,
-        varlen=False,
-        check_k_bounds=check_k_bounds(layout, k.shape[1], False),
+        block_size=pattern.block_size,
+        causal=pattern.causal,
+        gather=True,
+        varlen=None,
         softmax_scale=scale,
     )
-    assert takes, "this case was meant for the Gluon kernel"
+    assert kernel.backend == "gluon", "this case was meant for the Gluon kernel"
+    layout = forward_layout(pattern, kernel.block_m, kernel.block_n, q.device, gather=True)
     options = KernelOptions(gluon_forward=config or GluonForwardConfig())
     return dispatch.forward(
         q,
@@ -73,6 +73,7 @@ def _run(q, k, v, pattern, config=None):
         layout,
         softmax_scale=scale,
         q_heads_per_pattern_head=q.shape[2] // pattern.num_heads,
+        kernel=kernel,
         options=options,
     )
 
@@ -301,11 +302,12 @@ def test_other_cases_fall_back():
         4, max_seq_len=1000, block_size=64, local_blocks=4, vert_stride=3, causal=False
     )
     layout = forward_layout(pattern, 128, 64, q.device, gather=True)
-    bounds = check_k_bounds(layout, 1000, False)
-    assert bounds  # bidirectional, seq_k inside a tile
-    assert not dispatch.supports_gluon_forward(
-        q, q, q, layout, varlen=False, check_k_bounds=bounds, softmax_scale=0.1
-    )
+    assert check_k_bounds(layout, 1000, False)  # bidirectional, seq_k inside a tile
+    choice = dict(gather=True, varlen=None, softmax_scale=0.1)
+    causal = dict(block_size=64, causal=True)
+    assert dispatch.forward_kernel(q, q, q, **causal, **choice).backend == "gluon"
+    bidirectional = dict(block_size=64, causal=False)
+    assert dispatch.forward_kernel(q, q, q, **bidirectional, **choice).backend == "triton"
     small = forward_layout(
         local_stride_pattern(4, max_seq_len=4096, block_size=16, local_blocks=4, vert_stride=16),
         128,
@@ -314,13 +316,10 @@ def test_other_cases_fall_back():
         gather=True,
     )
     assert small.gather_width  # lone 16-token blocks share gathered KV tiles
-    assert not dispatch.supports_gluon_forward(
-        q, q, q, small, varlen=False, check_k_bounds=False, softmax_scale=0.1
-    )
+    small_blocks = dict(block_size=16, causal=True)
+    assert dispatch.forward_kernel(q, q, q, **small_blocks, **choice).backend == "triton"
     f32 = q.float()
-    assert not dispatch.supports_gluon_forward(
-        f32, f32, f32, layout, varlen=False, check_k_bounds=False, softmax_scale=0.1
-    )
+    assert dispatch.forward_kernel(f32, f32, f32, **causal, **choice).backend == "triton"
 
 
 # ------------------------------------------------------------------------------------ dQ kernel

@@ -1,9 +1,11 @@
 """What every launcher, Triton or Gluon, derives the same way from the inputs and a layout: the
-sequence lengths a launch covers, the LSE's dtype, its query tiles, its heads' program groups,
-the layout's compile-time geometry and whether keys need bounds checks."""
+sequence lengths a launch covers (packed sequences' as one :class:`Varlen`), the LSE's dtype, its
+query tiles, its heads' program groups, the layout's compile-time geometry and whether keys need
+bounds checks."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,8 +15,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOG2E",
+    "Varlen",
     "check_k_bounds",
     "heads_per_program_group",
+    "keys_need_bounds",
     "layout_constexprs",
     "lse_dtype",
     "query_tiles",
@@ -24,18 +28,25 @@ __all__ = [
 LOG2E = 1.4426950408889634
 
 
+@dataclass(frozen=True, eq=False)
+class Varlen:
+    """The lengths of packed sequences, flash-attn's four varlen values: int32 (batch + 1,)
+    offsets of each sequence's queries and keys in packed (total, heads, dim) tensors, and the
+    longest query and key runs. A call on batched tensors passes None instead."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 def sequence_lengths(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
+    q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None
 ) -> tuple[bool, int, int, int]:
-    """(varlen, batch, seqlen_q, seqlen_k) of batched q (batch, seq_q, heads, dim), k (batch,
-    seq_k, kv_heads, dim), or of packed ones with cu_seqlens_q (batch + 1,) and the longest
-    lengths."""
-    if cu_seqlens_q is not None:
-        return True, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+    """(packed, batch, seqlen_q, seqlen_k) of batched q (batch, seq_q, heads, dim), k (batch,
+    seq_k, kv_heads, dim), or of packed ones with their ``varlen`` lengths."""
+    if varlen is not None:
+        return True, varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k
     return False, q.shape[0], q.shape[1], k.shape[1]
 
 
@@ -65,13 +76,22 @@ def heads_per_program_group(num_bh: int, wanted: int) -> int:
 
 
 def check_k_bounds(layout: TileLayout, seqlen_k: int, varlen: bool) -> bool:
-    """Whether the unmasked loop must still drop keys at or past seq_k.
+    """Whether the unmasked loop over ``layout`` must still drop keys at or past seq_k (see
+    :func:`keys_need_bounds`)."""
+    return keys_need_bounds(layout.causal, layout.block_size, layout.block_n, seqlen_k, varlen)
+
+
+def keys_need_bounds(
+    causal: bool, block_size: int, block_n: int, seqlen_k: int, varlen: bool
+) -> bool:
+    """Whether the unmasked loop over a layout of these pattern blocks and KV tiles must still
+    drop keys at or past seq_k.
 
     Causal full entries end before their tile's first query, so never. A bidirectional layout is
     cropped to whole pattern blocks: when seq_k ends inside a block or a KV tile, full entries
     can hold keys past it. Packed sequences end anywhere.
     """
-    return not layout.causal and (varlen or seqlen_k % max(layout.block_n, layout.block_size) != 0)
+    return not causal and (varlen or seqlen_k % max(block_n, block_size) != 0)
 
 
 def query_tiles(block_m: int, seqlen_q: int, seqlen_k: int, varlen: bool) -> int:

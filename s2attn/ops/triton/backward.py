@@ -33,6 +33,7 @@ from ...layout import TileLayout
 from ..env import tma_allowed
 from ..launch import (
     LOG2E,
+    Varlen,
     check_k_bounds,
     heads_per_program_group,
     layout_constexprs,
@@ -577,18 +578,18 @@ def row_delta(
     delta: torch.Tensor,
     stats: torch.Tensor | None,
     *,
-    varlen: bool,
+    packed: bool,
 ) -> None:
     """Fill ``delta`` (like ``lse``) with rowsum(dO * O) - dLSE; with ``stats`` also the Gluon
     dK/dV kernel's row statistics, (batch * heads, 2, padded seq) float32."""
-    (o4, o_st), (g4, g_st) = as_batched(out, varlen), as_batched(grad_out, varlen)
+    (o4, o_st), (g4, g_st) = as_batched(out, packed), as_batched(grad_out, packed)
     num_heads, head_dim = out.shape[-2], out.shape[-1]
-    rows_total = out.shape[0] if varlen else out.shape[1]
-    l_st = lse_strides(lse, varlen)
+    rows_total = out.shape[0] if packed else out.shape[1]
+    l_st = lse_strides(lse, packed)
     launcher_for(_row_delta_kernel)[(o4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
         o4, g4, lse, grad_lse if grad_lse is not None else lse, delta,
         delta if stats is None else stats,
-        *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, varlen)),
+        *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, packed)),
         rows_total, num_heads, 0 if stats is None else stats.shape[-1],
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=64,
         HAS_DLSE=grad_lse is not None, HAS_STATS=stats is not None,
@@ -608,10 +609,7 @@ def dkdv(
     *,
     softmax_scale: float,
     q_heads_per_pattern_head: int,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
+    varlen: Varlen | None,
     config: TritonBackwardConfig,
     contiguous: bool = True,
 ) -> None:
@@ -622,9 +620,7 @@ def dkdv(
     gathered = layout.gathered_kv
     if not contiguous and gathered is None:
         return
-    varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
-        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
-    )
+    packed, batch, seqlen_q, seqlen_k = sequence_lengths(q, k, varlen)
     num_heads, head_dim, num_kv_heads = q.shape[-2], q.shape[-1], k.shape[-2]
     if gathered is not None and layout.num_heads != num_kv_heads:
         raise ValueError(
@@ -636,16 +632,16 @@ def dkdv(
     # alignment); tensor descriptors take them only when none can.
     use_tma = (
         config.use_tma
-        and not varlen
+        and not packed
         and seqlen_q == seqlen_k
         and tma_allowed(q.device, q, grad_out)
     )
     q_desc, do_desc = _host_descriptors(use_tma, q, grad_out, layout.block_m)
-    (q4, q_st), (k4, k_st), (v4, v_st) = (as_batched(t, varlen) for t in (q, k, v))
-    (g4, g_st), (dk4, dk_st), (dv4, dv_st) = (as_batched(t, varlen) for t in (grad_out, dk, dv))
-    l_st = lse_strides(lse, varlen)
-    cu_q = cu_seqlens_q if varlen else lse  # not read when not varlen
-    cu_k = cu_seqlens_k if varlen else lse
+    (q4, q_st), (k4, k_st), (v4, v_st) = (as_batched(t, packed) for t in (q, k, v))
+    (g4, g_st), (dk4, dk_st), (dv4, dv_st) = (as_batched(t, packed) for t in (grad_out, dk, dv))
+    l_st = lse_strides(lse, packed)
+    cu_q = varlen.cu_seqlens_q if packed else lse  # not read when not packed
+    cu_k = varlen.cu_seqlens_k if packed else lse
     block_d = padded_head_dim(head_dim)
     dot = dot_precision(q.dtype)
     if contiguous:
@@ -660,7 +656,7 @@ def dkdv(
             softmax_scale,
             NUM_KV_HEADS=num_kv_heads, GQA_GROUP=num_heads // num_kv_heads,
             Q_HEADS_PER_PATTERN_HEAD=q_heads_per_pattern_head, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, VARLEN=varlen, DOT_PRECISION=dot, **layout_constexprs(layout),
+            BLOCK_D=block_d, VARLEN=packed, DOT_PRECISION=dot, **layout_constexprs(layout),
             USE_TMA=use_tma, A_IN_REGS=config.a_in_regs,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -674,7 +670,7 @@ def dkdv(
             seqlen_q, seqlen_k, batch, softmax_scale * LOG2E, softmax_scale,
             GQA_GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=layout.block_m, BLOCK_N=layout.block_n, ROW_GROUP=layout.row_group,
-            COL_GROUP=layout.col_group, BITS_PER_ROW=layout.bits_per_row, VARLEN=varlen,
+            COL_GROUP=layout.col_group, BITS_PER_ROW=layout.bits_per_row, VARLEN=packed,
             DOT_PRECISION=dot, USE_TMA=use_tma,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -692,42 +688,37 @@ def dq(
     *,
     softmax_scale: float,
     q_heads_per_pattern_head: int,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
+    varlen: Varlen | None,
     config: TritonBackwardConfig,
 ) -> None:
     """Fill ``dq`` (like q) on a forward layout, gathered entries included; shapes as
     :func:`s2attn.ops.dispatch.backward` takes them. ``config``'s fields left None take
     ``default_dq_config``."""
-    varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
-        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
-    )
+    packed, batch, seqlen_q, seqlen_k = sequence_lengths(q, k, varlen)
     num_heads, head_dim, num_kv_heads = q.shape[-2], q.shape[-1], k.shape[-2]
     config = config.over(default_dq_config(head_dim, q.dtype, layout.block_m))
     use_tma = config.use_tma and tma_allowed(q.device, k, v)
     # Descriptors made once here rather than per program; packed sequences need per-sequence
     # bounds, so the kernel makes its own there.
-    host_desc = use_tma and not varlen
+    host_desc = use_tma and not packed
     k_desc, v_desc = _host_descriptors(host_desc, k, v, layout.block_n)
-    (q4, q_st), (k4, k_st), (v4, v_st) = (as_batched(t, varlen) for t in (q, k, v))
-    (g4, g_st), (dq4, dq_st) = as_batched(grad_out, varlen), as_batched(dq, varlen)
-    cu_q = cu_seqlens_q if varlen else lse  # not read when not varlen
-    cu_k = cu_seqlens_k if varlen else lse
-    num_tiles = query_tiles(layout.block_m, seqlen_q, seqlen_k, varlen)
+    (q4, q_st), (k4, k_st), (v4, v_st) = (as_batched(t, packed) for t in (q, k, v))
+    (g4, g_st), (dq4, dq_st) = as_batched(grad_out, packed), as_batched(dq, packed)
+    cu_q = varlen.cu_seqlens_q if packed else lse  # not read when not packed
+    cu_k = varlen.cu_seqlens_k if packed else lse
+    num_tiles = query_tiles(layout.block_m, seqlen_q, seqlen_k, packed)
     group = heads_per_program_group(batch * num_heads, config.heads_per_group)
     launcher_for(_dq_kernel)[(batch * num_heads * num_tiles,)](
         q4, k4, v4, g4, lse, delta, dq4,
         layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_cols,
         layout.partial_bits, *gathered_lists(layout), cu_q, cu_k, k_desc, v_desc,
-        *q_st, *k_st, *v_st, *g_st, *dq_st, *lse_strides(lse, varlen),
+        *q_st, *k_st, *v_st, *g_st, *dq_st, *lse_strides(lse, packed),
         seqlen_q, seqlen_k, layout.num_groups, num_tiles, group, softmax_scale * LOG2E,
         softmax_scale,
         NUM_HEADS=num_heads, GQA_GROUP=num_heads // num_kv_heads,
         Q_HEADS_PER_PATTERN_HEAD=q_heads_per_pattern_head, HEAD_DIM=head_dim,
-        BLOCK_D=padded_head_dim(head_dim), VARLEN=varlen,
-        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, varlen),
+        BLOCK_D=padded_head_dim(head_dim), VARLEN=packed,
+        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, packed),
         GATHER=layout.gather_width > 0, DOT_PRECISION=dot_precision(q.dtype),
         **layout_constexprs(layout), USE_TMA=use_tma, A_IN_REGS=config.a_in_regs,
         HOST_DESC=host_desc, num_warps=config.num_warps, num_stages=config.num_stages,

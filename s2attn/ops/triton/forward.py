@@ -25,6 +25,7 @@ from ...layout import TileLayout
 from ..env import tma_allowed
 from ..launch import (
     LOG2E,
+    Varlen,
     check_k_bounds,
     heads_per_program_group,
     layout_constexprs,
@@ -421,33 +422,28 @@ def forward(
     *,
     softmax_scale: float,
     q_heads_per_pattern_head: int,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
+    varlen: Varlen | None,
     config: TritonForwardConfig,
 ) -> None:
     """Fill ``out`` (like q) and ``lse`` on a forward layout; shapes as
     :func:`s2attn.ops.dispatch.forward` takes them. ``config``'s fields left None take
     ``default_config``."""
-    varlen, batch, seqlen_q, seqlen_k = sequence_lengths(
-        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k
-    )
+    packed, batch, seqlen_q, seqlen_k = sequence_lengths(q, k, varlen)
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = config.over(default_config(head_dim, q.dtype))
     block_m, block_n = layout.block_m, layout.block_n
-    num_tiles = query_tiles(block_m, seqlen_q, seqlen_k, varlen)
-    if varlen:
-        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+    num_tiles = query_tiles(block_m, seqlen_q, seqlen_k, packed)
+    if packed:
+        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
     else:
-        cu_q = cu_k = lse  # not read when not varlen
-    (q4, q_strides), (k4, k_strides) = as_batched(q, varlen), as_batched(k, varlen)
-    (v4, v_strides), (o4, o_strides) = as_batched(v, varlen), as_batched(out, varlen)
+        cu_q = cu_k = lse  # not read when not packed
+    (q4, q_strides), (k4, k_strides) = as_batched(q, packed), as_batched(k, packed)
+    (v4, v_strides), (o4, o_strides) = as_batched(v, packed), as_batched(out, packed)
     heads_per_group = heads_per_program_group(batch * num_heads, config.heads_per_group)
     use_tma = config.use_tma and tma_allowed(q.device, k, v)
     # Host-made descriptors spare each program building its own; packed sequences need the
     # per-sequence bounds of in-kernel ones.
-    host_desc = config.host_desc and use_tma and not varlen
+    host_desc = config.host_desc and use_tma and not packed
     if host_desc:
         block = [1, block_n, 1, padded_head_dim(head_dim)]
         k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
@@ -459,7 +455,7 @@ def forward(
         layout.full_offsets, layout.full_cols,
         layout.partial_offsets, layout.partial_cols, layout.partial_bits,
         *gathered_lists(layout), cu_q, cu_k, k_desc, v_desc,
-        *q_strides, *k_strides, *v_strides, *o_strides, *lse_strides(lse, varlen),
+        *q_strides, *k_strides, *v_strides, *o_strides, *lse_strides(lse, packed),
         seqlen_q, seqlen_k, layout.num_groups, num_tiles, heads_per_group, softmax_scale * LOG2E,
         NUM_HEADS=num_heads,
         GQA_GROUP=num_heads // k.shape[-2],
@@ -467,8 +463,8 @@ def forward(
         HEAD_DIM=head_dim,
         BLOCK_D=padded_head_dim(head_dim),
         **layout_constexprs(layout),
-        VARLEN=varlen,
-        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, varlen),
+        VARLEN=packed,
+        CHECK_K_BOUNDS=check_k_bounds(layout, seqlen_k, packed),
         DOT_PRECISION=dot_precision(q.dtype),
         POS_SCALE=softmax_scale > 0,
         USE_TMA=use_tma,
