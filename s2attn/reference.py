@@ -16,7 +16,13 @@ import torch
 
 from .pattern import BlockPattern
 
-__all__ = ["attention_reference", "paged_attention_reference", "write_pages_reference"]
+__all__ = [
+    "attention_reference",
+    "blockwise_backward",
+    "blockwise_forward",
+    "paged_attention_reference",
+    "write_pages_reference",
+]
 
 
 def _expand_pattern_heads(mask: torch.Tensor, num_q_heads: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..attention import sparse_attention
 from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern, shared_dense_pattern
-from ..precision import autocast_dtype, cast_inputs
+from ..precision import autocast_entry
 from ..validation import check_cu_seqlens, check_softmax_scale, check_tensor
 from .cache import PagedKVCache
 from .decode_step import MAX_DECODE_TOKENS, decode_step
@@ -191,6 +191,13 @@ def _attend_dense(q, cache, k, v, scale, cu_q, counts, past):
     return out, lse
 
 
+def _cache_dtype(q, cache, *args, **kwargs) -> torch.dtype | None:
+    # The cache's dtype, not the region's, is what the kernels read: compute in it, and hand the
+    # output back at the region's dtype as SDPA would.
+    return cache.dtype if isinstance(cache, PagedKVCache) else None
+
+
+@autocast_entry("q", "k", "v", compute_dtype=_cache_dtype, output_in_region=True)
 def sparse_attention_with_kvcache(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -236,25 +243,6 @@ def sparse_attention_with_kvcache(
         >>> for _ in range(steps):  # q_step (2, 1, 32, 128), k/v_step (2, 1, 8, 128)
         ...     out = s2attn.sparse_attention_with_kvcache(q_step, cache, k_step, v_step)
     """
-    region = autocast_dtype(q)
-    if region is not None and isinstance(cache, PagedKVCache):
-        # The cache's dtype, not the region's, is what the kernels read: compute in it, then hand
-        # the output back at the region's dtype as SDPA would. Autocast off inside, so the
-        # prefill's sparse_attention does not cast to the region's dtype again.
-        device_type = q.device.type
-        with torch.autocast(device_type, enabled=False):
-            result = sparse_attention_with_kvcache(
-                *cast_inputs(cache.dtype, device_type, q),
-                cache,
-                *cast_inputs(cache.dtype, device_type, k, v),
-                softmax_scale=softmax_scale,
-                cu_seqlens_q=cu_seqlens_q,
-                return_lse=return_lse,
-                num_splits=num_splits,
-            )
-        if return_lse:
-            return result[0].to(region), result[1]
-        return result.to(region)
     scale, counts = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
     if k is None:
         if not supports_triton(q.device):

@@ -54,7 +54,7 @@ from ..attention import sparse_attention
 from ..inference import MAX_DECODE_TOKENS, PagedKVCache, sparse_attention_with_kvcache
 from ..inference.decode_op import static_decode_step
 from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
-from ..precision import autocast_dtype, cast_inputs
+from ..precision import autocast_dtype, autocast_entry, cast_inputs
 from ..reference import attention_reference
 from ..stack import S2Settings, spread_dense_layers
 from ..validation import check_softmax_scale
@@ -413,21 +413,14 @@ def reference_attention_forward(
     _check_module(module, dropout)
     if getattr(key, "_s2attn_cache_layer", None) is not None:
         raise ValueError(f"{REFERENCE_IMPLEMENTATION!r} needs a cache that returns every key")
-    region = autocast_dtype(query)
-    if region is not None:
-        device_type = query.device.type
-        with torch.autocast(device_type, enabled=False):
-            return reference_attention_forward(
-                module,
-                *cast_inputs(region, device_type, query, key, value),
-                attention_mask,
-                scaling,
-                dropout,
-                **kwargs,
-            )
+    return _reference_attention(module, query, key, value, attention_mask, scaling), None
+
+
+@autocast_entry("query", "key", "value")
+def _reference_attention(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     pattern = _attention_pattern(module.config, module.layer_idx)
-    return _attend_context(attention_reference, q, k, v, pattern, attention_mask, scaling), None
+    return _attend_context(attention_reference, q, k, v, pattern, attention_mask, scaling)
 
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
