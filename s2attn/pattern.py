@@ -66,12 +66,15 @@ class BlockPattern:
     heads (each query head uses its KV head's pattern).
 
     Storage is proportional to the kept blocks: per (head, query block) row, the sorted list of
-    its KV blocks (CSR: :attr:`row_offsets`, :attr:`cols`). The checks and the kernels' layouts
-    work from these lists; :attr:`mask` is a dense view built on each access, for small patterns
-    and tests. Patterns made by :func:`local_stride_pattern` and :func:`dense_pattern` keep only
-    each head's rule until the whole lists are asked for: head slices and crops stay rules, and
-    the kernels' layouts generate one head's blocks at a time on the layout's device, so host
-    memory does not grow with the length.
+    its KV blocks (CSR: :attr:`row_offsets`, :attr:`cols`). The checks walk these lists a bounded
+    chunk of rows at a time, and the kernels' layouts work from them; :attr:`mask` is a dense view
+    built on each access, for small patterns and tests. Patterns made by
+    :func:`local_stride_pattern` and :func:`dense_pattern` keep only each head's rule until the
+    whole lists are asked for: head slices and crops stay rules, the checks (:meth:`density`,
+    :meth:`kept_token_pairs`, :meth:`kept_blocks_per_head`, :meth:`is_kv_efficient`,
+    :meth:`is_union_complete`) are closed forms of the rules, and the kernels' layouts generate
+    one head's blocks at a time on the layout's device, so host memory does not grow with the
+    length.
 
     Example::
 
