@@ -10,7 +10,9 @@ Rows: ``local_stride_pattern(heads, block_size=64, local_blocks=16, vert_stride=
 of ``--tokens`` and ``--strides`` (rules: closed forms per distinct rule), its head slice and crop,
 and the same pattern given as block lists (``BlockPattern.from_block_lists``) at ``--list-tokens``
 with ``--list-heads`` heads, walked a bounded chunk of rows at a time; there the peak includes the
-lists themselves (``lists MiB``), built a chunk of rows at a time.
+lists themselves (``lists MiB``) and their building and checking (``from_block_lists``), so a
+second column, the check's own MiB, gives the peak past the resident set once the pattern is
+built (Linux's VmHWM, reset through ``/proc/self/clear_refs``; n/a elsewhere).
 
     python benchmarks/pattern_checks.py
     python benchmarks/pattern_checks.py --tokens 1048576 4194304 --strides 32 64 --heads 32
@@ -82,13 +84,34 @@ def _child(spec: dict | None) -> None:
         torch.set_num_threads(spec["threads"])
     p = _pattern(spec["kind"], spec["tokens"], spec["heads"], spec["stride"])
     lists_mib = 0.0 if p.rules is not None else (p.row_offsets.nbytes + p.cols.nbytes) / 2**20
+    resident = _reset_peak()
     t0 = time.perf_counter()
     answer = CHECKS[spec["check"]](p, spec["tokens"])
     seconds = time.perf_counter() - t0
+    own_kib = None if resident is None else _status_kib("VmHWM") - resident
     if isinstance(answer, list):  # per-head counts: their sum stands for them
         answer = sum(answer)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps(dict(seconds=seconds, maxrss_kib=maxrss, lists_mib=lists_mib, answer=answer)))
+    got = dict(seconds=seconds, maxrss_kib=maxrss, own_kib=own_kib, lists_mib=lists_mib)
+    print(json.dumps(dict(got, answer=answer)))
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _reset_peak() -> int | None:
+    """Linux's peak resident set (VmHWM) reset to the resident set now, which is returned: the
+    check's own peak is then VmHWM less it, apart from building the pattern (block lists cost
+    more to build than to check). None where the kernel offers no reset."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_kib("VmRSS")
+    except (OSError, KeyError):
+        return None
 
 
 def _run_child(spec: dict | None, timeout: float) -> dict:
@@ -167,31 +190,35 @@ def main() -> None:
             row.update(
                 seconds=got["seconds"],
                 peak_mib=(got["maxrss_kib"] - base) / 1024,
+                own_mib=None if got["own_kib"] is None else got["own_kib"] / 1024,
                 lists_mib=got["lists_mib"],
                 answer=got["answer"],
             )
         rows.append(row)
-        shown = row.get("error") or f"{row['seconds']:.4f} s, {row['peak_mib']:.1f} MiB"
+        shown = row.get("error") or f"{row['seconds']:.4f} s, peak {row['peak_mib']:.1f} MiB"
         where = f"{spec['kind']:>5} {spec['tokens']:>8} h{spec['heads']} s{spec['stride']}"
         print(f"{where} {spec['check']:<34} {shown}", flush=True)
 
     def cells(r: dict) -> list:
         if "error" in r:
-            measured = [r["error"], "", "", ""]
+            measured = [r["error"], "", "", "", ""]
         else:
             answer = f"{r['answer']:.6f}" if isinstance(r["answer"], float) else r["answer"]
-            measured = [f"{r['seconds']:.4f}", f"{r['peak_mib']:.1f}", f"{r['lists_mib']:.0f}"]
+            own = "n/a" if r["own_mib"] is None else f"{r['own_mib']:.1f}"
+            measured = [f"{r['seconds']:.4f}", f"{r['peak_mib']:.1f}", own, f"{r['lists_mib']:.0f}"]
             measured.append(answer)
         return [f"`{r['check']}`", r["kind"], r["tokens"], r["heads"], r["stride"], *measured]
 
     header = ["check", "pattern", "tokens", "heads", "stride", "seconds", "peak MiB"]
-    header += ["lists MiB", "answer"]
+    header += ["check's own MiB", "lists MiB", "answer"]
     description = (
         f"{env['cpu']}, torch threads: {env['threads']}. Each check alone in a fresh process: "
         "seconds of the one call; peak MiB the process's ru_maxrss less an import-only "
         f"process's ({base / 1024:.0f} MiB). "
         "Patterns: local_stride_pattern(heads, block_size=64, local_blocks=16, vert_stride="
-        "stride); `lists` is the same pattern given as block lists (its peak includes the lists)."
+        "stride); `lists` is the same pattern given as block lists (its peak includes the lists "
+        "and their building). Check's own MiB: the peak past the resident set once the pattern is "
+        "built (Linux's VmHWM, reset through /proc/self/clear_refs)."
         f"\n\nCommand: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`"
     )
     lines = heading("Pattern checks: host time and memory", env, description)

@@ -103,11 +103,16 @@ def test_density_counts_token_mask_pairs(causal, seq_len):
 
 
 def test_density_rejects_lengths_past_the_pattern():
-    p = dense_pattern(1, max_seq_len=64, block_size=16)
-    with pytest.raises(ValueError, match="seq_len"):
-        p.density(65)
-    with pytest.raises(ValueError, match="seq_len"):
-        p.density(0)
+    """Past the pattern there are no blocks to weigh: the token count refuses too."""
+    for p in (
+        dense_pattern(1, max_seq_len=64, block_size=16),
+        BlockPattern(torch.ones(1, 4, 4, dtype=torch.bool), block_size=16),
+    ):
+        for check in (p.density, p.kept_token_pairs):
+            with pytest.raises(ValueError, match="seq_len"):
+                check(65)
+            with pytest.raises(ValueError, match="seq_len"):
+                check(0)
 
 
 # --------------------------------------------------------------------------------- token mask
