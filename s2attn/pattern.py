@@ -32,9 +32,9 @@ __all__ = [
 _OP_KEYS = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
 
-# Kept blocks per step when a check walks a pattern's lists: the step's temporaries, a few int64
-# tensors of this length, stay near 100 MB at any pattern size.
-_WALK_BLOCKS = 1 << 22
+# Kept blocks per step when a check walks a pattern's lists: the step's temporaries, several int64
+# tensors of this length, stay under 100 MB at any pattern size.
+_WALK_BLOCKS = 1 << 20
 
 
 def _check_block_size(block_size: object) -> int:
