@@ -11,6 +11,7 @@ absolute position ``t + seq_k - seq_q``, so the last query sees the last key. A 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import warnings
@@ -30,6 +31,10 @@ __all__ = [
 
 _OP_KEYS = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
+
+# Kept blocks per step when a check walks a pattern's lists: the step's temporaries, several int64
+# tensors of this length, stay under 100 MB at any pattern size.
+_WALK_BLOCKS = 1 << 20
 
 
 def _check_block_size(block_size: object) -> int:
@@ -61,12 +66,15 @@ class BlockPattern:
     heads (each query head uses its KV head's pattern).
 
     Storage is proportional to the kept blocks: per (head, query block) row, the sorted list of
-    its KV blocks (CSR: :attr:`row_offsets`, :attr:`cols`). The checks and the kernels' layouts
-    work from these lists; :attr:`mask` is a dense view built on each access, for small patterns
-    and tests. Patterns made by :func:`local_stride_pattern` and :func:`dense_pattern` keep only
-    each head's rule until the whole lists are asked for: head slices and crops stay rules, and
-    the kernels' layouts generate one head's blocks at a time on the layout's device, so host
-    memory does not grow with the length.
+    its KV blocks (CSR: :attr:`row_offsets`, :attr:`cols`). The checks walk these lists a bounded
+    chunk of rows at a time, and the kernels' layouts work from them; :attr:`mask` is a dense view
+    built on each access, for small patterns and tests. Patterns made by
+    :func:`local_stride_pattern` and :func:`dense_pattern` keep only each head's rule until the
+    whole lists are asked for: head slices and crops stay rules, the checks (:meth:`density`,
+    :meth:`kept_token_pairs`, :meth:`kept_blocks_per_head`, :meth:`is_kv_efficient`,
+    :meth:`is_union_complete`) are closed forms of the rules, and the kernels' layouts generate
+    one head's blocks at a time on the layout's device, so host memory does not grow with the
+    length.
 
     Example::
 
@@ -274,11 +282,15 @@ class BlockPattern:
     @property
     def num_kept_blocks(self) -> int:
         """Kept (head, query block, KV block) triples, causally visible or not."""
-        rules = self._head_rules(slice(None))
-        if rules is not None:
-            nb = self.num_q_blocks
-            return sum(int(_row_geometry(nb, self.causal, *r)[-1].sum()) for r in rules)
-        return self.cols.numel()
+        return int(self.kept_blocks_per_head().sum())
+
+    def kept_blocks_per_head(self) -> torch.Tensor:
+        """int64 (heads,): each head's kept (query block, KV block) pairs, causally visible or
+        not. A builder's pattern counts them from its rules, in time independent of the length."""
+        if self._rules is not None:
+            counts = {r: _rule_counts(self.num_q_blocks, self.causal, *r)[0] for r in self._rules}
+            return torch.tensor([counts[r] for r in self._rules], dtype=torch.int64)
+        return self.row_offsets[:: self.num_q_blocks].diff()
 
     @property
     def max_seq_len(self) -> int:
@@ -461,37 +473,74 @@ class BlockPattern:
         return m
 
     # --------------------------------------------------------------- checks
-    def _visible(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        return j <= i if self.causal else torch.ones_like(i, dtype=torch.bool)
+    # A builder's pattern answers from its rules: closed forms over each distinct rule, in time
+    # and memory independent of the length. A pattern given as lists is walked a bounded chunk of
+    # rows at a time (:meth:`_walk`): its checks hold one chunk's blocks and a few tensors of one
+    # row's or one column's length, never (heads, q_blocks, kv_blocks).
+    def _walk(self, heads: range, stop: int):
+        """The lists of ``heads`` over query blocks ``[0, stop)``, in chunks of rows that hold at
+        most ``_WALK_BLOCKS`` blocks together (or one row): per chunk ``(first, end, blocks)``,
+        ``blocks`` holding per head its causally visible (query block, KV block) pairs as int64."""
+        qb, offsets, cols = self.num_q_blocks, self.row_offsets, self.cols
+        per_row = sum(offsets[h * qb : h * qb + stop + 1].diff() for h in heads)
+        ends = per_row.cumsum(0)
+        first = 0
+        while first < stop:
+            done = int(ends[first - 1]) if first else 0
+            end = max(int(torch.searchsorted(ends, done + _WALK_BLOCKS, right=True)), first + 1)
+            blocks = []
+            for h in heads:
+                rows = offsets[h * qb + first : h * qb + end + 1]
+                lo, hi = int(rows[0]), int(rows[-1])
+                i = first + torch.searchsorted(rows[1:], torch.arange(lo, hi), right=True)
+                j = cols[lo:hi].long()
+                if self.causal:
+                    keep = j <= i
+                    i, j = i[keep], j[keep]
+                blocks.append((i, j))
+            yield first, end, blocks
+            first = end
 
     def kept_token_pairs(self, seq_len: int) -> int:
         """Token pairs the pattern keeps for one sequence of ``seq_len``, summed over heads: each
         kept block pair weighs its visible token pairs (full blocks, the last one shorter, the
         diagonal a triangle when causal)."""
-        seq_len = check_int("seq_len", seq_len)
+        seq_len = self._check_seq_len(seq_len)
         bs = self.block_size
         nb = math.ceil(seq_len / bs)
-        _, i, j = self.block_coordinates(nb)
         last = seq_len - (nb - 1) * bs
-        len_i = torch.where(i == nb - 1, last, bs)
-        len_j = torch.where(j == nb - 1, last, bs)
-        pairs = len_i * len_j
-        if self.causal:
-            pairs = torch.where(j == i, len_i * (len_i + 1) // 2, pairs)
-            pairs = torch.where(j > i, 0, pairs)
-        return int(pairs.sum())
+        if self._rules is not None:
+            return sum(
+                uses * _rule_token_pairs(nb, last, bs, self.causal, *rule)
+                for rule, uses in collections.Counter(self._rules).items()
+            )
+        total = 0
+        for h in range(self.num_heads):
+            for _, _, [(i, j)] in self._walk(range(h, h + 1), nb):
+                keep = j < nb  # the crop's columns; its rows are the walk's
+                i, j = i[keep], j[keep]
+                len_i = torch.where(i == nb - 1, last, bs)
+                len_j = torch.where(j == nb - 1, last, bs)
+                pairs = len_i * len_j
+                if self.causal:
+                    pairs = torch.where(j == i, len_i * (len_i + 1) // 2, pairs)
+                total += int(pairs.sum())
+        return total
+
+    def _check_seq_len(self, seq_len: object) -> int:
+        seq_len = check_int("seq_len", seq_len)
+        if seq_len > self.max_seq_len:
+            raise ValueError(
+                f"seq_len {seq_len} exceeds the pattern's max_seq_len {self.max_seq_len}"
+            )
+        return seq_len
 
     def _visible_pairs(self, seq_len: int) -> int:
         return seq_len * (seq_len + 1) // 2 if self.causal else seq_len * seq_len
 
     def density(self, seq_len: int | None = None) -> float:
         """Fraction of the causally visible token pairs that the pattern keeps, over all heads."""
-        seq_len = self.max_seq_len if seq_len is None else seq_len
-        seq_len = check_int("seq_len", seq_len)
-        if seq_len > self.max_seq_len:
-            raise ValueError(
-                f"seq_len {seq_len} exceeds the pattern's max_seq_len {self.max_seq_len}"
-            )
+        seq_len = self._check_seq_len(self.max_seq_len if seq_len is None else seq_len)
         return self.kept_token_pairs(seq_len) / (self._visible_pairs(seq_len) * self.num_heads)
 
     def is_kv_efficient(self) -> bool:
@@ -499,14 +548,24 @@ class BlockPattern:
 
         Then a KV block, once left behind by the queries, is never read again and can be evicted.
         """
-        h, i, j = self.block_coordinates()
-        seen = self._visible(i, j)
-        h, i, j = h[seen], i[seen], j[seen]
-        # Readers of each (head, KV block) in order: each must follow the previous by one.
-        key = torch.sort((h * self.num_kv_blocks + j) * self.num_q_blocks + i).values
-        group, row = key // self.num_q_blocks, key % self.num_q_blocks
-        same = group[1:] == group[:-1]
-        return bool(((row[1:] == row[:-1] + 1) | ~same).all())
+        if self._rules is not None:
+            # A rule's KV block j is read by the rows of its window around j and, when j is a
+            # stripe, by every row that sees j: one run either way, at any length.
+            return True
+        qb, kb = self.num_q_blocks, self.num_kv_blocks
+        for h in range(self.num_heads):
+            # Per KV block: its first and last reader and how many read it; one run when the
+            # readers fill the span between the first and the last.
+            low = torch.full((kb,), qb, dtype=torch.int64)
+            high = torch.full((kb,), -1, dtype=torch.int64)
+            readers = torch.zeros(kb, dtype=torch.int64)
+            for _, _, [(i, j)] in self._walk(range(h, h + 1), qb):
+                low.scatter_reduce_(0, j, i, "amin")
+                high.scatter_reduce_(0, j, i, "amax")
+                readers += torch.bincount(j, minlength=kb)
+            if not ((readers == 0) | (high - low + 1 == readers)).all():
+                return False
+        return True
 
     def is_union_complete(self, num_kv_heads: int | None = None) -> bool:
         """True when every visible block pair is attended by at least one head.
@@ -520,17 +579,24 @@ class BlockPattern:
             raise ValueError(
                 f"num_kv_heads={groups} does not divide the pattern's {self.num_heads} heads"
             )
+        size = self.num_heads // groups
+        heads = [range(g * size, (g + 1) * size) for g in range(groups)]
+        if self._rules is not None:
+            nb = self.num_q_blocks
+            group_rules = {frozenset(self._rules[h.start : h.stop]) for h in heads}
+            return all(_rules_union_complete(nb, self.causal, rules) for rules in group_rules)
         qb, kb = self.num_q_blocks, self.num_kv_blocks
-        h, i, j = self.block_coordinates()
-        seen = self._visible(i, j)
-        g = h[seen] // (self.num_heads // groups)
-        covered = torch.unique((g * qb + i[seen]) * kb + j[seen])
-        per_group = torch.bincount(covered // (qb * kb), minlength=groups)
-        if self.causal:
-            visible = int(torch.clamp(torch.arange(1, qb + 1), max=kb).sum())
-        else:
-            visible = qb * kb
-        return bool((per_group == visible).all())
+        for group in heads:
+            for first, end, blocks in self._walk(group, qb):
+                keys = torch.cat([(i - first) * kb + j for i, j in blocks])
+                covered = torch.unique(keys).numel()
+                if self.causal:
+                    visible = int(torch.arange(first + 1, end + 1).clamp(max=kb).sum())
+                else:
+                    visible = (end - first) * kb
+                if covered != visible:
+                    return False
+        return True
 
 
 def _validate_heads(num_heads: object, num_kv_heads: object) -> tuple[int, int]:
@@ -681,6 +747,85 @@ def _dense_rule_reason(nb, causal, block_size, local_blocks, vert_stride, shift)
             f"head's stripes (vert_stride={vert_stride}) keep"
         )
     return None
+
+
+def _below_sum(a: int, first: int, stride: int, n: int) -> int:
+    """``sum(max(0, a - x))`` over the ``n`` terms ``x = first + stride * k``: how far the terms
+    below ``a`` lie below it, added up."""
+    m = min(n, max(0, -(-(a - first) // stride)))  # the terms below a
+    return m * (a - first) - stride * m * (m - 1) // 2
+
+
+def _rule_counts(nb, causal, local_blocks=None, vert_stride=1, shift=0) -> tuple[int, int, int]:
+    """One head's rule over ``nb`` blocks, in closed form: its kept blocks, those of its last
+    row, and those of its last column (:func:`_row_geometry`'s window and stripes)."""
+    if local_blocks is None:  # dense
+        return (nb * (nb + 1) // 2, nb, 1) if causal else (nb * nb, nb, nb)
+    window, stride = local_blocks, vert_stride
+    first = -shift % stride  # the first stripe
+    stripes = max(0, -(-(nb - first) // stride))
+    # Stripe j is kept outside the window by the rows from j + window on (and, bidirectional,
+    # by those up to j - window); the last row keeps the stripes below nb - window.
+    last_row = min(nb, window) + max(0, -(-(nb - window - first) // stride))
+    rows_after = _below_sum(nb - window, first, stride, stripes)
+    if causal:
+        if nb <= window:
+            local = nb * (nb + 1) // 2
+        else:
+            local = window * (window + 1) // 2 + (nb - window) * window
+        return local + rows_after, last_row, 1
+    # Row i's window [i - window + 1, i + window - 1] clipped to [0, nb): nb blocks each, less
+    # what each side clips, the same sum on both sides.
+    local = nb * nb - 2 * _below_sum(nb - window, 0, 1, nb)
+    # sum over stripes of max(0, j - window + 1) = sum (j - window + 1) + sum max(0, window - 1 - j)
+    rows_before = (
+        stripes * (first - window + 1)
+        + stride * stripes * (stripes - 1) // 2
+        + _below_sum(window - 1, first, stride, stripes)
+    )
+    last_col = nb if (nb - 1 - first) % stride == 0 else min(nb, window)
+    return local + rows_after + rows_before, last_row, last_col
+
+
+def _rule_token_pairs(nb, last, block_size, causal, *rule) -> int:
+    """The token pairs one head's rule keeps over ``nb`` blocks whose last holds ``last`` tokens:
+    its block pairs weighed as :meth:`BlockPattern.kept_token_pairs` weighs them. Every row keeps
+    its diagonal block, so only the last row's and last column's counts change a weight."""
+    kept, last_row, last_col = _rule_counts(nb, causal, *rule)
+    bs = block_size
+    if causal:  # diagonals are triangles; the last row's other blocks are last x bs
+        return (
+            bs * bs * (kept - nb)
+            + (nb - 1) * bs * (bs + 1) // 2
+            + last * (last + 1) // 2
+            - (bs - last) * bs * (last_row - 1)
+        )
+    full = kept - last_row - last_col + 1
+    return bs * bs * full + bs * last * (last_row + last_col - 2) + last * last
+
+
+def _rules_union_complete(nb, causal, rules: frozenset) -> bool:
+    """Whether the heads of ``rules`` together keep every visible pair of ``nb`` blocks.
+
+    A dense head keeps all of them. Otherwise the widest window keeps every pair nearer than
+    it, and a pair farther off is kept only by a head whose stripe is its KV block: every KV
+    block with such a pair must be some head's stripe. Stripes repeat with the strides' least
+    common multiple, so one period of those blocks decides."""
+    if () in rules:
+        return True
+    window = max(rule[0] for rule in rules)
+    period = math.lcm(*(rule[1] for rule in rules))
+    # KV blocks j with a visible pair farther than the window: from row nb - 1 (j < nb - window)
+    # and, bidirectional, from row 0 (j >= window).
+    spans = [(0, nb - window)] if causal else [(0, nb - window), (window, nb)]
+    for start, stop in spans:
+        j = torch.arange(start, start + max(0, min(stop - start, period)))
+        stripe = torch.zeros_like(j, dtype=torch.bool)
+        for _, stride, shift in rules:
+            stripe |= (j + shift) % stride == 0
+        if not stripe.all():
+            return False
+    return True
 
 
 def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None, rows=None):

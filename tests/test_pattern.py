@@ -3,7 +3,9 @@ KV-efficiency and union-completeness checks. Pure metadata on the CPU: no kernel
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import itertools
 import math
 import warnings
@@ -101,11 +103,16 @@ def test_density_counts_token_mask_pairs(causal, seq_len):
 
 
 def test_density_rejects_lengths_past_the_pattern():
-    p = dense_pattern(1, max_seq_len=64, block_size=16)
-    with pytest.raises(ValueError, match="seq_len"):
-        p.density(65)
-    with pytest.raises(ValueError, match="seq_len"):
-        p.density(0)
+    """Past the pattern there are no blocks to weigh: the token count refuses too."""
+    for p in (
+        dense_pattern(1, max_seq_len=64, block_size=16),
+        BlockPattern(torch.ones(1, 4, 4, dtype=torch.bool), block_size=16),
+    ):
+        for check in (p.density, p.kept_token_pairs):
+            with pytest.raises(ValueError, match="seq_len"):
+                check(65)
+            with pytest.raises(ValueError, match="seq_len"):
+                check(0)
 
 
 # --------------------------------------------------------------------------------- token mask
@@ -770,3 +777,225 @@ def test_dense_check_is_cheap_at_millions_of_tokens():
         32, max_seq_len=2**22, block_size=64, local_blocks=16, vert_stride=16
     )
     assert sparse.dense_reason is None and sparse._lists is None
+
+
+# ------------------------------------------------------------------ checks against the mask
+# The checks read a builder's rules or walk a pattern's lists; these oracles read the dense mask,
+# as the checks once did, and must agree with them everywhere.
+@functools.cache
+def _visible_token_pairs_per_block(block_size: int, causal: bool, seq: int) -> torch.Tensor:
+    """(blocks, blocks): the token pairs of one sequence that each block pair holds, causally
+    visible, counted token by token."""
+    pos = torch.arange(seq)
+    pairs = torch.ones(seq, seq, dtype=torch.int64)
+    if causal:
+        pairs = (pos[:, None] >= pos[None, :]).long()
+    nb = -(-seq // block_size)
+    per_block = torch.zeros(nb, nb, dtype=torch.int64)
+    per_block.index_put_((pos[:, None] // block_size, pos[None, :] // block_size), pairs, True)
+    return per_block
+
+
+def _oracle_token_pairs(mask: torch.Tensor, block_size: int, causal: bool, seq: int) -> int:
+    per_block = _visible_token_pairs_per_block(block_size, causal, seq)
+    nb = per_block.shape[0]
+    return int((mask[:, :nb, :nb] * per_block).sum())
+
+
+def _oracle_visible(mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    _, qb, kb = mask.shape
+    if not causal:
+        return mask
+    return mask & (torch.arange(kb)[None, :] <= torch.arange(qb)[:, None])
+
+
+def _oracle_kv_efficient(mask: torch.Tensor, causal: bool) -> bool:
+    m = _oracle_visible(mask, causal)
+    readers = m.sum(1)
+    rows = torch.arange(m.shape[1])[None, :, None]
+    first = torch.where(m, rows, m.shape[1]).amin(1)
+    last = torch.where(m, rows, -1).amax(1)
+    return bool(((readers == 0) | (last - first + 1 == readers)).all())
+
+
+def _oracle_union_complete(mask: torch.Tensor, causal: bool, groups: int) -> bool:
+    heads, qb, kb = mask.shape
+    covered = _oracle_visible(mask, causal).view(groups, heads // groups, qb, kb).any(1)
+    return bool((covered | ~_oracle_visible(torch.ones(1, qb, kb, dtype=torch.bool), causal)).all())
+
+
+def _assert_checks_equal_the_mask(p: BlockPattern, mask: torch.Tensor, case) -> None:
+    heads, qb, kb = mask.shape
+    bs, causal = p.block_size, p.causal
+    assert torch.equal(p.kept_blocks_per_head(), mask.sum((1, 2))), case
+    assert p.num_kept_blocks == int(mask.sum()), case
+    longest = min(qb, kb) * bs
+    for seq in {1, bs - 1, bs, bs + 1, longest // 2 + 3, longest - 1, longest} - {0}:
+        if not 0 < seq <= longest:
+            continue
+        kept = _oracle_token_pairs(mask, bs, causal, seq)
+        assert p.kept_token_pairs(seq) == kept, (case, seq)
+        visible = seq * (seq + 1) // 2 if causal else seq * seq
+        assert p.density(seq) == kept / (visible * heads), (case, seq)
+    assert p.is_kv_efficient() == _oracle_kv_efficient(mask, causal), case
+    for groups in (g for g in range(1, heads + 1) if heads % g == 0):
+        want = _oracle_union_complete(mask, causal, groups)
+        assert p.is_union_complete(groups) == want, (case, groups)
+    assert p.is_union_complete() == _oracle_union_complete(mask, causal, 1), case
+
+
+def _definition_mask(num_heads, nb, **definition) -> torch.Tensor:
+    """:func:`_local_stride_by_definition` over every entry at once."""
+    h = torch.arange(num_heads)[:, None, None]
+    i = torch.arange(nb)[None, :, None]
+    j = torch.arange(nb)[None, None, :]
+    g = h // definition["group_size"]
+    causal = definition["causal"]
+    visible = (j <= i) | (not causal)
+    window = definition["local_blocks"]
+    local = ((i - j >= 0) & (i - j < window)) if causal else ((i - j).abs() < window)
+    shift = definition["head_offset"] + (0 if definition["homo_head"] else g)
+    stripe = ((j + shift) % definition["vert_stride"] == 0) & visible
+    dense = g >= definition["num_sparse_groups"]
+    return torch.where(dense, visible, local | stripe)
+
+
+def test_checks_from_the_rules_equal_the_mask_on_fuzzed_builders():
+    """Random builder arguments, crops and head slices: every check read from the rules equals
+    the dense-mask answer, and none builds the lists."""
+    rng = np.random.default_rng(43)
+    outcomes = collections.Counter()
+    for case in range(300):
+        num_kv_heads = int(rng.choice([1, 2, 3, 4]))
+        group_size = int(rng.choice([1, 2]))
+        num_heads = num_kv_heads * group_size
+        gqa = bool(rng.integers(2)) or group_size == 1
+        block_size = int(rng.choice([16, 32]))
+        nb_full = int(rng.integers(1, 24))
+        max_seq_len = int(rng.integers((nb_full - 1) * block_size + 1, nb_full * block_size + 1))
+        dense_groups = int(rng.integers(0, num_kv_heads + 1)) if rng.random() < 0.3 else 0
+        kwargs = dict(
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+            local_blocks=int(rng.integers(1, 8)),
+            vert_stride=int(rng.integers(1, 9)),
+            num_kv_heads=num_kv_heads if gqa else None,
+            num_dense_heads=dense_groups * (group_size if gqa else 1),
+            homo_head=bool(rng.random() < 0.2),
+            head_offset=int(rng.integers(-9, 10)),
+            causal=bool(rng.integers(2)),
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # patterns that are dense after all are fuzzed too
+            p = local_stride_pattern(num_heads, **kwargs)
+        groups = num_kv_heads if gqa else num_heads
+        mask = _definition_mask(
+            num_heads,
+            p.num_q_blocks,
+            group_size=num_heads // groups,
+            num_sparse_groups=groups - kwargs["num_dense_heads"] // (num_heads // groups),
+            local_blocks=kwargs["local_blocks"],
+            vert_stride=kwargs["vert_stride"],
+            homo_head=kwargs["homo_head"],
+            head_offset=kwargs["head_offset"],
+            causal=kwargs["causal"],
+        )
+        views = [(p, mask)]
+        crop = int(rng.integers(1, p.num_q_blocks + 1))
+        views.append((p.crop(crop), mask[:, :crop, :crop]))
+        first = int(rng.integers(0, num_heads))
+        stop = int(rng.integers(first + 1, num_heads + 1))
+        views.append((p[first:stop], mask[first:stop]))
+        views.append((p[first:stop].crop(crop), mask[first:stop, :crop, :crop]))
+        for view, want in views:
+            _assert_checks_equal_the_mask(view, want, (case, kwargs, crop, first, stop))
+            assert view._lists is None
+            outcomes[view.is_union_complete(), view.density() == 1.0] += 1
+    assert len(outcomes) == 3  # complete and not, dense and not (dense is complete)
+
+
+def test_checks_of_dense_patterns_equal_the_mask():
+    for causal, max_seq_len, heads in itertools.product((True, False), (1, 16, 17, 100), (1, 3)):
+        p = dense_pattern(heads, max_seq_len=max_seq_len, block_size=16, causal=causal)
+        nb = p.num_q_blocks
+        mask = torch.ones(heads, nb, nb, dtype=torch.bool)
+        if causal:
+            mask = mask.tril()
+        _assert_checks_equal_the_mask(p, mask, (causal, max_seq_len, heads))
+
+
+def _random_kv_efficient_mask(rng, heads, qb, kb) -> torch.Tensor:
+    """Per head and KV block one run of query blocks, sometimes broken by a gap."""
+    mask = torch.zeros(heads, qb, kb, dtype=torch.bool)
+    for h, j in itertools.product(range(heads), range(kb)):
+        a, b = sorted(rng.integers(0, qb + 1, size=2))
+        mask[h, a:b, j] = True
+        if rng.random() < 0.02 and b - a > 2:
+            mask[h, int(rng.integers(a + 1, b - 1)), j] = False
+    return mask
+
+
+@pytest.mark.parametrize("walk_blocks", [3, 1 << 20])
+def test_checks_of_block_lists_equal_the_mask(monkeypatch, walk_blocks):
+    """Random user block lists, square or not, walked in small chunks of rows (a few blocks per
+    step, rows split between steps) or whole: every check equals the dense-mask answer."""
+    import s2attn.pattern as pattern_module
+
+    monkeypatch.setattr(pattern_module, "_WALK_BLOCKS", walk_blocks)
+    rng = np.random.default_rng(7)
+    outcomes = collections.Counter()
+    for case in range(120):
+        heads = int(rng.choice([1, 2, 4, 6]))
+        qb, kb = (int(n) for n in rng.integers(1, 12, size=2))
+        causal = bool(rng.integers(2))
+        if case % 3 == 0:
+            mask = _random_kv_efficient_mask(rng, heads, qb, kb)
+        else:
+            mask = torch.from_numpy(rng.random((heads, qb, kb)) < rng.choice([0.3, 0.8, 0.97]))
+        if not mask.any(dim=(1, 2)).all() and rng.random() < 0.5:
+            mask[:, 0, 0] = True
+        block_size = int(rng.choice([16, 32]))
+        offsets = torch.zeros(heads * qb + 1, dtype=torch.int64)
+        offsets[1:] = mask.reshape(-1, kb).sum(1).cumsum(0)
+        cols = mask.reshape(-1, kb).nonzero()[:, 1]
+        p = BlockPattern.from_block_lists(
+            offsets, cols, num_heads=heads, num_kv_blocks=kb, block_size=block_size, causal=causal
+        )
+        _assert_checks_equal_the_mask(p, mask, case)
+        _assert_checks_equal_the_mask(BlockPattern(mask, block_size, causal=causal), mask, case)
+        outcomes[p.is_kv_efficient(), p.is_union_complete()] += 1
+    assert len(outcomes) == 4
+
+
+def test_checks_at_millions_of_tokens_run_in_bounded_memory():
+    """Every check of two 32-head patterns at 4M tokens, in a fresh process: well under 1 GB of
+    host memory past the imports and 10 s (the dense mask would be 16 TB; lists, gigabytes)."""
+    code = """
+import resource, time
+import s2attn
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+for stride in (32, 64):
+    p = s2attn.local_stride_pattern(
+        32, max_seq_len=4194304, block_size=64, local_blocks=16, vert_stride=stride
+    )
+    assert 0 < p.density() < 0.1 and p.kept_token_pairs(4194304 - 5) > 0
+    assert p.is_kv_efficient() and p.is_union_complete() == (stride == 32)
+    assert not p.is_union_complete(8)
+    assert p.num_kept_blocks == int(p.kept_blocks_per_head().sum()) > 0
+    assert p[8:16].density() > 0 and p.crop(1000).is_union_complete() == (stride == 32)
+    assert p._lists is None
+seconds = time.perf_counter() - t0
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024, seconds)
+"""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    mib, seconds = (float(x) for x in out.stdout.split())
+    assert mib < 1024 and seconds < 10, (mib, seconds)
