@@ -178,3 +178,46 @@ def test_context_parallelism_in_bfloat16():
     grad = torch.randn(1, 128, 4, 16).to(BF16)
     ref, ref_grads = _reference_grads(q, k, v, pattern, grad)
     spawn(2, _context_parallel_body, pattern, (q, k, v, grad), (ref, ref_grads[0]), kernels=True)
+
+
+def test_s2attn_train_in_bfloat16_learns(tmp_path):
+    """`s2attn train --precision bf16` through the interpreted kernels: the loss falls (with the
+    interpreter's garbage bf16 products it stayed flat: 5.54 -> 5.58 in 10 steps)."""
+    import argparse
+    import json
+
+    from s2attn.models import train
+
+    root = tmp_path / "corpus" / "pkg"
+    root.mkdir(parents=True)
+    for i in range(8):
+        text = "".join(
+            f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n" for j in range(30)
+        )
+        (root / f"mod_{i}.py").write_text(text)
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    out = tmp_path / "run"
+    options = {
+        "--preset": "tiny",
+        "--precision": "bf16",
+        "--device": "cpu",
+        "--seq-len": "64",
+        "--batch-size": "4",
+        "--steps": "10",
+        "--log-every": "1",
+        "--val-every": "0",
+        "--val-batches": "0",
+        "--val-needles": "0",
+        "--needle-fraction": "0",
+        "--lr": "1e-2",
+        "--warmup-steps": "2",
+        "--data-root": str(tmp_path / "corpus"),
+        "--val-fraction": "0.3",
+        "--out": str(out),
+    }
+    args = parser.parse_args([*(x for pair in options.items() for x in pair), "--no-progress"])
+    assert train.run(args) == 0
+    losses = [json.loads(line)["loss_nats"] for line in (out / "metrics.jsonl").open()]
+    print(losses)
+    assert losses[-1] < losses[0] - 0.5
