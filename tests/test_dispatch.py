@@ -15,13 +15,13 @@ import s2attn
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
 from s2attn.ops.env import INTERPRETED
-from s2attn.ops.launch import Varlen
 from s2attn.ops.options import (
     GluonDqConfig,
     KernelOptions,
     TritonBackwardConfig,
     TritonForwardConfig,
 )
+from s2attn.ops.shapes import Varlen
 from s2attn.ops.triton import backward as triton_backward
 from s2attn.ops.triton import forward as triton_forward
 

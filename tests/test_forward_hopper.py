@@ -21,13 +21,13 @@ import s2attn
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
-from s2attn.ops.launch import check_k_bounds
 from s2attn.ops.options import (
     GluonDkdvConfig,
     GluonDqConfig,
     GluonForwardConfig,
     KernelOptions,
 )
+from s2attn.ops.shapes import check_k_bounds
 
 pytestmark = [
     pytest.mark.gpu,
