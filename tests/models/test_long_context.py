@@ -27,7 +27,7 @@ import s2attn  # noqa: E402
 from s2attn.integrations import transformers as s2hf  # noqa: E402
 from s2attn.models import data, evaluate, presets, train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SMALL = [
     "--preset",

@@ -2,7 +2,7 @@
 backend predicates, and ``KernelOptions`` reaching the kernels it names.
 
 On the CPU the Triton kernels run under the interpreter and no Gluon kernel can run; the Gluon
-cases of the dispatch are tested on an sm_90 GPU (test_forward_hopper.py).
+cases of the dispatch are tested on an sm_90 GPU (test_gluon_sm90.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_backend_predicates():
     assert dispatch.supports_triton(torch.device("cuda"))
     assert not dispatch.supports_triton(torch.device("meta"))
     if ON_GPU:
-        return  # the Gluon cases on a GPU: test_forward_hopper.py
+        return  # the Gluon cases on a GPU: test_gluon_sm90.py
     q = torch.randn(1, 256, 2, 64, dtype=torch.float16)
     choice = dict(block_size=64, causal=True, varlen=None, softmax_scale=0.1)
     forward = dispatch.forward_kernel(q, q, q, gather=True, **choice)
