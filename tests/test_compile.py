@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, assert_close, skip_without_gpu
+from helpers import DEVICE, DTYPES, assert_close, random_qkv, skip_without_gpu
 from torch import nn
 
 import s2attn
@@ -36,9 +36,8 @@ def reference_ops(monkeypatch):
 
 def _inputs(seed, batch, seq, heads, kv_heads, dim, dtype, grad=True):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, heads, dim, generator=gen).to(DEVICE, dtype)
-    k, v = (torch.randn(batch, seq, kv_heads, dim, generator=gen).to(DEVICE, dtype) for _ in "kv")
-    return [t.requires_grad_(grad) for t in (q, k, v)]
+    qkv = random_qkv(gen, batch, seq, seq, heads, kv_heads, dim, dtype)
+    return [t.requires_grad_(grad) for t in qkv]
 
 
 def _reference_grads(q, k, v, pattern, upstream, **kwargs):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, ON_GPU, assert_close
+from helpers import DEVICE, DTYPES, ON_GPU, LaunchSpy, assert_close
 
 import s2attn
 from s2attn.layout import backward_layout, forward_layout
@@ -184,22 +184,6 @@ def test_a_kernel_runs_only_on_its_own_tiles():
     assert_close(out, ref, DTYPES[0], "out")
 
 
-class _Spy:
-    """Stands in for a Triton kernel and records each launch's keywords."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.calls.append(kwargs)
-            return launch(*args, **kwargs)
-
-        return run
-
-
 @pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs the Triton kernels")
 def test_options_reach_the_triton_kernels(monkeypatch):
     """Settings given for the Triton kernels are the ones they launch with, and the results stay
@@ -210,7 +194,7 @@ def test_options_reach_the_triton_kernels(monkeypatch):
         (triton_backward, "_dkdv_kernel"),
         (triton_backward, "_dq_kernel"),
     ):
-        spies[name] = _Spy(getattr(module, name))
+        spies[name] = LaunchSpy(getattr(module, name))
         monkeypatch.setattr(module, name, spies[name])
     dtype = DTYPES[0]
     gen = torch.Generator().manual_seed(3)
