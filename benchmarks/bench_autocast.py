@@ -41,6 +41,7 @@ from run_info import (
     table,
     write_results,
 )
+from shapes import SMOKE_MODEL
 
 import s2attn
 
@@ -52,15 +53,6 @@ MODEL = dict(
     num_attention_heads=8,
     num_key_value_heads=4,
     head_dim=64,
-    vocab_size=256,
-)
-SMOKE_MODEL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
     vocab_size=256,
 )
 PRECISIONS = {

@@ -49,13 +49,13 @@ from run_info import (
     table,
     write_results,
 )
+from shapes import BLOCK, DIM, HEADS, KV_HEADS, LOCAL_BLOCKS
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
 from s2attn.ops.options import TritonDecodeConfig
 from s2attn.ops.triton import decode as dec
 
-HEADS, KV_HEADS, DIM, BLOCK, LOCAL = 32, 8, 128, 64, 16
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 STEPS = 32
@@ -181,7 +181,11 @@ def run_stride(
     # Room for the new token and STEPS more: the pattern covers two blocks past ctx.
     max_len = ctx + 2 * BLOCK
     pattern = s2attn.local_stride_pattern(
-        KV_HEADS, max_seq_len=max_len, block_size=BLOCK, local_blocks=LOCAL, vert_stride=stride
+        KV_HEADS,
+        max_seq_len=max_len,
+        block_size=BLOCK,
+        local_blocks=LOCAL_BLOCKS,
+        vert_stride=stride,
     )
     cache = fill_cache(pattern, k_full[:, :, :ctx], v_full[:, :, :ctx], max_len)
     cache.append(k1, v1)
@@ -343,8 +347,8 @@ def markdown(rows: list[dict], env: dict, limits: dict) -> str:
         "Decode benchmark",
         env,
         f"One new token per sequence, {HEADS} query / {KV_HEADS} KV heads, dim {DIM}, bf16; S2 "
-        f"block {BLOCK}, local_blocks {LOCAL}. Medians of `triton.testing.do_bench` (step: mean "
-        f"of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
+        f"block {BLOCK}, local_blocks {LOCAL_BLOCKS}. Medians of `triton.testing.do_bench` (step: "
+        f"mean of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
         "second by the kernel. KV MiB: live pages of the S2 cache, what the pattern needs, the "
         "dense cache. `call x SDPA`, `call x Flex`: their ms / s2 call ms (the public call against "
         "each, launched eagerly). `graph` columns: the same call replayed from a CUDA graph "

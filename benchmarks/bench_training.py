@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import shapes
 import torch
 from run_info import environment, result_stem, versions_line
 
@@ -54,16 +55,7 @@ SMALL_MODEL = dict(
     vocab_size=32000,
     rope_theta=500000.0,
 )
-SMOKE_MODEL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    rope_theta=10000.0,
-)
+SMOKE_MODEL = dict(shapes.SMOKE_MODEL, rope_theta=10000.0)
 FLOOR_IMPLEMENTATION = "bench_attention_floor"
 
 

@@ -258,7 +258,7 @@ def main() -> int:
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from s2attn.models.hhst import PRESETS, model_config, model_summary
+    from s2attn.models.presets import PRESETS, model_config, model_summary
 
     preset = PRESETS[args.preset]
     args.train_len = args.train_len or preset.seq_len

@@ -1,6 +1,6 @@
 """The functional entry point: validation, then the autograd Functions over the call's plan
 (eager, ``s2attn.plan``) or the registered operator (under ``torch.compile``,
-``s2attn.custom_ops``), and exact merging.
+``s2attn.compile``), and exact merging.
 
 Everything a user calls goes through here; nothing above this module touches Triton.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .custom_ops import attention_forward, pattern_key
+from .compile import attention_forward, pattern_key
+from .input_checks import check_cu_seqlens, check_heads, check_softmax_scale, check_tensor
 from .pattern import BlockPattern
 from .plan import AttentionPlan, Varlen
 from .precision import autocast_entry
-from .validation import check_cu_seqlens, check_heads, check_softmax_scale, check_tensor
 
 __all__ = ["merge_partials", "sparse_attention", "sparse_attention_qkvpacked"]
 
@@ -120,7 +120,7 @@ def _traced_call(
     q, k, v, pattern, scale, q_heads_per_pattern_head, packed, cu_q, cu_k, max_q, max_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The validated call as ``torch.compile`` traces it: one registered operator
-    (``s2attn.custom_ops``), which runs the call's plan (the kernels, or the block-by-block
+    (``s2attn.compile``), which runs the call's plan (the kernels, or the block-by-block
     reference where no Triton backend runs), with the pattern as a constant key and the packed
     lengths as the operator's own arguments (a compiled varlen call may leave the longest
     lengths to run time).

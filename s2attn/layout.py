@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops.env import build_outside_graph_pool
+from .memory import build_outside_graph_pool
 from .pattern import BlockPattern
 
 __all__ = [

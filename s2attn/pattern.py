@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from .validation import as_int, check_int
+from .input_checks import as_int, check_int
 
 __all__ = [
     "BlockPattern",
@@ -243,7 +243,7 @@ class BlockPattern:
 
     # ------------------------------------------------------------------ identity
     # Every live pattern has a process-unique integer key, by which the torch.library operators
-    # (s2attn.custom_ops) name it: a pattern is not a tensor. The key is set here, eagerly, so
+    # (s2attn.compile) name it: a pattern is not a tensor. The key is set here, eagerly, so
     # that torch.compile reads it as a plain int attribute (guarded on its value) and never runs
     # registration code while tracing, which torch 2.11 cannot do for an object argument.
     def _register(self) -> None:

@@ -8,7 +8,7 @@ layouts at those tiles (built once, then cached per pattern, tiles and device by
 the interpreter), the block-by-block reference (``s2attn.reference``) runs instead.
 
 The eager calls (``s2attn.attention``'s autograd Functions) build a plan from validated inputs;
-the registered operators (``s2attn.custom_ops``) build one from their arguments
+the registered operators (``s2attn.compile``) build one from their arguments
 (:func:`operator_plan`), and their fake implementations build its layouts while
 ``torch.compile`` traces (:func:`build_layouts_while_tracing`).
 """
@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .layout import TileLayout, backward_layout, forward_layout
 from .ops import dispatch
-from .ops.launch import Varlen, lse_dtype
 from .ops.options import KernelOptions
+from .ops.shapes import Varlen, lse_dtype
 from .pattern import BlockPattern
 from .reference import blockwise_backward, blockwise_forward
 

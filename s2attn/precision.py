@@ -9,7 +9,7 @@ and float32 keeps its exact float32 path.
 The public entry points take this boundary as a decorator, :func:`autocast_entry`: inside a
 region it casts their tensor arguments (:func:`cast_inputs`' rule) and runs them with autocast off
 (so that nothing below, the dense-mask reference's matmuls included, is cast a second time). The
-boundary stays here, not on the custom operators' Autocast kernels (``s2attn.custom_ops``):
+boundary stays here, not on the custom operators' Autocast kernels (``s2attn.compile``):
 ``torch.compile`` traces it (the region's dtype is a constant of the trace and the casts land in
 the graph), eager calls do not go through the operators at all (their dispatch costs host time),
 and ``torch.library.register_autocast`` casts to one dtype fixed at registration, where SDPA's

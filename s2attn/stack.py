@@ -1,6 +1,6 @@
 """The S2 settings of an HHST layer stack: which layers are dense, and the S2 layers' pattern.
 
-One frozen :class:`S2Settings` goes from a preset (:mod:`s2attn.models.hhst`) through a
+One frozen :class:`S2Settings` goes from a preset (:mod:`s2attn.models.presets`) through a
 transformers config (:func:`s2attn.integrations.transformers.configure` stores it,
 :meth:`S2Settings.from_config` reads it back) to the patterns, and serves the CLI's demo stack
 and the benchmarks the same way. It holds no model shape: heads, KV heads and the length come in

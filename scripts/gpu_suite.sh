@@ -35,7 +35,8 @@ if [ -n "${SUITE_RESUME:-}" ]; then
     export SUITE_PASSED=$passed
 fi
 # Largest files first, each to the GPU with the fewest bytes so far: a rough balance.
-mapfile -t files < <(ls -S tests/test_*.py | grep -Ev "${SUITE_SKIP:-^$}")
+mapfile -t files < <(find tests -name "test_*.py" -printf "%s %p\n" | sort -rn | cut -d" " -f2- |
+    grep -Ev "${SUITE_SKIP:-^$}")
 declare -a load sel
 for ((g = 0; g < gpus; g++)); do load[g]=0; sel[g]=""; done
 for f in "${files[@]}"; do

@@ -2,7 +2,9 @@
 kernel output before launch so an unwritten element fails the comparison."""
 
 import os
+import zlib
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -23,3 +25,9 @@ def pytest_collection_modifyitems(config, items):
     if done:
         config.hook.pytest_deselected(items=done)
         items[:] = [item for item in items if item.nodeid not in passed]
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A generator seeded from the test id, so every test and parametrization draws fresh inputs."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,4 +1,5 @@
-"""What every test module shares: the device, the dtypes to test on it, and one comparison."""
+"""What every test module shares: the device, the dtypes to test on it, random inputs of the
+attention layout, one comparison, a spy on kernel launches and a tiny Llama config."""
 
 from __future__ import annotations
 
@@ -12,11 +13,36 @@ ON_GPU = DEVICE == "cuda"
 # (test_interpreter_bf16.py checks that), so a bf16 case there would test the float32 kernels.
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
+
+def dtype_ids(dtypes) -> list[str]:
+    """Test ids of dtypes: "float16", not "dtype0"."""
+    return [str(d).removeprefix("torch.") for d in dtypes]
+
+
+DTYPE_IDS = dtype_ids(DTYPES)
+
 # Relative error (norm of the difference over the norm of the float32 reference) allowed per dtype.
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 gpu_only = pytest.mark.gpu
 skip_without_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device=DEVICE) -> torch.Tensor:
+    """Standard normal values drawn from ``gen`` on the CPU, so every device sees the same, then
+    moved to ``device`` in ``dtype``."""
+    return torch.randn(*shape, generator=gen).to(device, dtype)
+
+
+def random_qkv(
+    gen: torch.Generator, batch, seq_q, seq_k, heads, kv_heads, dim, dtype, device=DEVICE
+) -> list[torch.Tensor]:
+    """q (batch, seq_q, heads, dim) and k, v (batch, seq_k, kv_heads, dim), drawn in that order
+    by :func:`randn`."""
+    return [
+        randn(gen, batch, seq, h, dim, dtype=dtype, device=device)
+        for seq, h in ((seq_q, heads), (seq_k, kv_heads), (seq_k, kv_heads))
+    ]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -59,6 +85,23 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     tol = REL_TOL[dtype]
     print(f"{what}: relative error {err:.2e} (tolerance {tol:.0e}, {dtype})")
     assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e} for {dtype}"
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel (``monkeypatch.setattr(module, name, LaunchSpy(kernel))``)
+    and records each launch's keywords in ``calls``."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.calls.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return run
 
 
 def tiny_llama_config(num_layers: int = 3, **overrides):

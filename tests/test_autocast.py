@@ -20,7 +20,10 @@ from helpers import (
     ON_GPU,
     REL_TOL,
     assert_close,
+    dtype_ids,
     gpu_only,
+    randn,
+    random_qkv,
     relative_error,
     skip_without_gpu,
 )
@@ -31,21 +34,20 @@ from s2attn.precision import autocast_entry
 
 # The autocast dtypes whose kernels give correct results on this device.
 REGIONS = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
-REGION_IDS = [str(d).removeprefix("torch.") for d in REGIONS]
+REGION_IDS = dtype_ids(REGIONS)
 BS = 16
 
 
 def _leaves(shapes, seed: int, dtype=torch.float32) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen).to(DEVICE, dtype).requires_grad_() for s in shapes]
+    return [randn(gen, *s, dtype=dtype).requires_grad_() for s in shapes]
 
 
 def _qkv(batch, seq, heads, kv_heads, dim, seed, dtype=torch.float32):
-    return _leaves(
-        [(batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim)],
-        seed,
-        dtype,
-    )
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        t.requires_grad_() for t in random_qkv(gen, batch, seq, seq, heads, kv_heads, dim, dtype)
+    ]
 
 
 def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, assert_close, skip_without_gpu
+from helpers import DEVICE, DTYPES, assert_close, random_qkv, skip_without_gpu
 from torch import nn
 
 import s2attn
-from s2attn.custom_ops import attention_backward, attention_forward, pattern_key
+from s2attn.compile import attention_backward, attention_forward, pattern_key
 from s2attn.ops import dispatch
 
 BACKEND = "aot_eager"
@@ -36,9 +36,8 @@ def reference_ops(monkeypatch):
 
 def _inputs(seed, batch, seq, heads, kv_heads, dim, dtype, grad=True):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, heads, dim, generator=gen).to(DEVICE, dtype)
-    k, v = (torch.randn(batch, seq, kv_heads, dim, generator=gen).to(DEVICE, dtype) for _ in "kv")
-    return [t.requires_grad_(grad) for t in (q, k, v)]
+    qkv = random_qkv(gen, batch, seq, seq, heads, kv_heads, dim, dtype)
+    return [t.requires_grad_(grad) for t in qkv]
 
 
 def _reference_grads(q, k, v, pattern, upstream, **kwargs):
@@ -284,7 +283,7 @@ def test_recompiles_only_for_a_new_pattern(reference_ops):
 
 
 def test_a_collected_pattern_is_reported():
-    from s2attn.custom_ops import pattern_for_key
+    from s2attn.compile import pattern_for_key
 
     key = pattern_key(
         s2attn.local_stride_pattern(1, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2)
@@ -299,7 +298,7 @@ def test_copies_get_their_own_key():
     import copy
     import pickle
 
-    from s2attn.custom_ops import pattern_for_key
+    from s2attn.compile import pattern_for_key
 
     pattern = s2attn.local_stride_pattern(
         2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2
@@ -350,7 +349,7 @@ def test_cached_state_is_built_outside_a_graph_pool():
     CUDA graph's private pool even while the calling thread allocates into one, as it does in
     CUDA-graph trees' warm-up; the thread's other allocations still go to the pool."""
     from s2attn.layout import forward_layout
-    from s2attn.ops.env import build_outside_graph_pool
+    from s2attn.memory import build_outside_graph_pool
 
     pattern = s2attn.local_stride_pattern(
         4, max_seq_len=2048, block_size=64, local_blocks=4, vert_stride=4
@@ -380,9 +379,9 @@ def test_transformers_model_compiles_whole(loaded, reference_ops, tmp_path):
     from transformers import LlamaForCausalLM
 
     from s2attn.integrations import transformers as s2hf
-    from s2attn.models import hhst
+    from s2attn.models import presets
 
-    model = hhst.build_model(hhst.model_config("tiny", "hhst", seq_len=128))
+    model = presets.build_model(presets.model_config("tiny", "hhst", seq_len=128))
     if loaded:
         s2attn.pattern._SHARED.clear()  # as in a new process: nothing built before the load
         model.save_pretrained(tmp_path)
@@ -411,9 +410,9 @@ def test_transformers_padded_batch_compiles_whole(reference_ops):
     """A left-padded batch (training, prefill without a cache): the padding mask goes to the
     attention as data, so the model still traces as one graph, and compiled logits and gradients
     equal eager ones."""
-    from s2attn.models import hhst
+    from s2attn.models import presets
 
-    model = hhst.build_model(hhst.model_config("tiny", "hhst", seq_len=128))
+    model = presets.build_model(presets.model_config("tiny", "hhst", seq_len=128))
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 256, (3, 128), generator=gen)
     mask = torch.ones_like(ids)

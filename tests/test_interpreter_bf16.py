@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from gloo import spawn
-from helpers import assert_close, tiny_llama_config
+from helpers import assert_close, random_qkv, tiny_llama_config
 
 import s2attn
 from s2attn.distributed import context_parallel_attention, shard, unshard
@@ -32,9 +32,7 @@ def _pattern(heads=4, kv_heads=None, causal=True):
 
 def _inputs(batch, seq, heads, kv_heads, dim=32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(batch, seq, h, dim, generator=g).to(BF16) for h in (heads, kv_heads, kv_heads)
-    ]
+    return random_qkv(g, batch, seq, seq, heads, kv_heads, dim, BF16, device="cpu")
 
 
 def _reference_grads(q, k, v, pattern, grad):

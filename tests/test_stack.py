@@ -10,7 +10,7 @@ from transformers import LlamaConfig  # noqa: E402
 
 from s2attn import dense_pattern, local_stride_pattern  # noqa: E402
 from s2attn.integrations import transformers as s2hf  # noqa: E402
-from s2attn.models import hhst  # noqa: E402
+from s2attn.models import presets  # noqa: E402
 from s2attn.stack import S2Settings  # noqa: E402
 
 
@@ -27,10 +27,10 @@ def _same_pattern(got, want) -> None:
 def test_preset_settings_round_trip_through_a_saved_config(tmp_path, variant):
     """The settings a variant takes from its preset are those its saved-and-loaded config holds,
     and every layer's pattern there is the one the settings build (dense layers: none)."""
-    preset = hhst.PRESETS["tiny"]
+    preset = presets.PRESETS["tiny"]
     seq_len, max_seq_len = 128, 256
-    settings = hhst.variant_settings(preset, variant, seq_len=seq_len, max_seq_len=max_seq_len)
-    config = hhst.model_config(preset, variant, seq_len=seq_len, max_seq_len=max_seq_len)
+    settings = presets.variant_settings(preset, variant, seq_len=seq_len, max_seq_len=max_seq_len)
+    config = presets.model_config(preset, variant, seq_len=seq_len, max_seq_len=max_seq_len)
     config.save_pretrained(tmp_path)
     loaded = LlamaConfig.from_pretrained(tmp_path)
     assert S2Settings.from_config(loaded) == settings
@@ -49,14 +49,14 @@ def test_preset_settings_round_trip_through_a_saved_config(tmp_path, variant):
 
 
 def test_variants_derive_from_the_preset_settings():
-    preset = hhst.PRESETS["small"]
+    preset = presets.PRESETS["small"]
     s2 = preset.s2
     at = dict(seq_len=4096, max_seq_len=4096)
-    assert hhst.variant_settings(preset, "dense", **at) is None
-    assert hhst.variant_settings(preset, "hhst", **at) == s2
-    assert hhst.variant_settings(preset, "s2", **at) == s2.replace(dense_layers=())
-    assert hhst.variant_settings(preset, "homo", **at) == s2.replace(homo_head=True)
-    local = hhst.variant_settings(preset, "local", **at)
+    assert presets.variant_settings(preset, "dense", **at) is None
+    assert presets.variant_settings(preset, "hhst", **at) == s2
+    assert presets.variant_settings(preset, "s2", **at) == s2.replace(dense_layers=())
+    assert presets.variant_settings(preset, "homo", **at) == s2.replace(homo_head=True)
+    local = presets.variant_settings(preset, "local", **at)
     # The window alone, as dense as the S2 pattern at 4k: 8 blocks of 64 (see PRESETS["small"]).
     assert (local.local_blocks, local.vert_stride, local.homo_head, local.head_offset) == (
         8,
@@ -66,7 +66,7 @@ def test_variants_derive_from_the_preset_settings():
     )
     assert local.dense_layers == s2.dense_layers
     overridden = s2.replace(vert_stride=4, dense_layers=(0, 5))
-    config = hhst.model_config(preset, "hhst", s2=overridden)
+    config = presets.model_config(preset, "hhst", s2=overridden)
     assert S2Settings.from_config(config) == overridden
 
 

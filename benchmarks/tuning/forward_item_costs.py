@@ -25,8 +25,9 @@ from s2attn.layout import forward_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
 from run_info import median_ms  # noqa: E402
+from shapes import BLOCK, DIM, HEADS, LOCAL_BLOCKS  # noqa: E402
 
-HEADS, DIM, BLOCK, TILE_M, TILE_N = 32, 128, 64, 128, 64
+TILE_M, TILE_N = 128, 64
 
 
 def built_pattern(seq: int, far: int, causal: bool) -> s2attn.BlockPattern:
@@ -103,7 +104,11 @@ def main() -> int:
         for stride in (16, 64):
             c = counts(
                 s2attn.local_stride_pattern(
-                    HEADS, max_seq_len=seq, block_size=BLOCK, local_blocks=16, vert_stride=stride
+                    HEADS,
+                    max_seq_len=seq,
+                    block_size=BLOCK,
+                    local_blocks=LOCAL_BLOCKS,
+                    vert_stride=stride,
                 )
             )
             ms = c[0] * fit[0] + c[1] * fit[1] + c[2] * fit[2]

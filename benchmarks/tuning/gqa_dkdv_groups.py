@@ -11,6 +11,8 @@ Drives ``s2attn.ops.dispatch.backward`` directly, with a ``GluonDkdvConfig`` in 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -21,15 +23,16 @@ from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
 from s2attn.ops.options import GluonDkdvConfig, KernelOptions
 
-HEADS, KV_HEADS, DIM = 32, 8, 128
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for shapes
+from shapes import BLOCK, DIM, HEADS, KV_HEADS, LOCAL_BLOCKS  # noqa: E402
 
 
 def time_groupings(seq: int, group_pattern: bool, groupings: list[int | None]) -> None:
     p = local_stride_pattern(
         HEADS,
         max_seq_len=seq,
-        block_size=64,
-        local_blocks=16,
+        block_size=BLOCK,
+        local_blocks=LOCAL_BLOCKS,
         vert_stride=16,
         num_kv_heads=KV_HEADS if group_pattern else None,
     )

@@ -14,7 +14,9 @@ the groups through ``GluonForwardConfig``, ``GluonDqConfig`` and ``GluonDkdvConf
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,6 +25,9 @@ from s2attn import local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
 from s2attn.ops.options import GluonDkdvConfig, GluonDqConfig, GluonForwardConfig, KernelOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for shapes
+from shapes import BLOCK, HEADS, LOCAL_BLOCKS  # noqa: E402
 
 KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel")
 
@@ -79,10 +84,14 @@ def main() -> None:
     for rnd in range(args.rounds):
         for seq, stride in cases:
             p = local_stride_pattern(
-                32, max_seq_len=seq, block_size=64, local_blocks=16, vert_stride=stride
+                HEADS,
+                max_seq_len=seq,
+                block_size=BLOCK,
+                local_blocks=LOCAL_BLOCKS,
+                vert_stride=stride,
             )
             q, k, v, g = (
-                torch.randn(1, seq, 32, args.dim, device="cuda", dtype=torch.bfloat16)
+                torch.randn(1, seq, HEADS, args.dim, device="cuda", dtype=torch.bfloat16)
                 for _ in range(4)
             )
             for swept in groups if rnd % 2 == 0 else groups[::-1]:

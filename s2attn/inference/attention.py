@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 
 from ..attention import sparse_attention
+from ..input_checks import check_cu_seqlens, check_softmax_scale, check_tensor
 from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern, shared_dense_pattern
 from ..precision import autocast_entry
-from ..validation import check_cu_seqlens, check_softmax_scale, check_tensor
 from .cache import PagedKVCache
 from .decode_step import MAX_DECODE_TOKENS, decode_step
 from .static_cache import StaticKVCache

@@ -35,11 +35,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ..input_checks import check_cu_seqlens, check_int, check_tensor
 from ..layout import DecodeLayout
 from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern
-from ..validation import check_cu_seqlens, check_int, check_tensor
 from .decode_step import MAX_DECODE_TOKENS, step_layout
 from .eviction import EvictionSchedule
 from .page_pool import PagePool, upload

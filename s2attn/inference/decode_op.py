@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ..custom_ops import pattern_for_key, pattern_key
+from ..compile import pattern_for_key, pattern_key
+from ..input_checks import check_tensor
 from ..ops import dispatch
-from ..validation import check_tensor
 from .cache import PagedKVCache
 from .decode_step import MAX_DECODE_TOKENS, decode_step, step_layout
 from .static_cache import StaticKVCache

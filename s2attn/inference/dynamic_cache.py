@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..validation import check_int
+from ..input_checks import check_int
 from .cache import PagedKVCache
 from .page_pool import PagePool
 

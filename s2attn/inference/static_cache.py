@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..validation import check_int
+from ..input_checks import check_int
 from .cache import PagedKVCache, _host_synced
 from .decode_step import MAX_DECODE_TOKENS
 from .page_pool import PagePool

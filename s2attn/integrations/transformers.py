@@ -53,11 +53,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ..attention import sparse_attention
 from ..inference import MAX_DECODE_TOKENS, PagedKVCache, sparse_attention_with_kvcache
 from ..inference.decode_op import static_decode_step
+from ..input_checks import check_softmax_scale
 from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
 from ..precision import autocast_dtype, autocast_entry, cast_inputs
 from ..reference import attention_reference
 from ..stack import S2Settings, spread_dense_layers
-from ..validation import check_softmax_scale
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .data import NeedleSample, SourceCorpus, TokenStream, make_needle_sample, needle_filler
-from .hhst import parameter_count
+from .presets import parameter_count
 
 __all__ = [
     "add_arguments",
@@ -585,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
 
     import s2attn
 
-    from . import hhst  # noqa: F401  (registers the s2attn attention, so S2 layers load as S2)
+    from . import presets  # noqa: F401  (registers the s2attn attention, so S2 layers load as S2)
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():

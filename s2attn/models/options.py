@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..stack import S2Settings
-from . import hhst
+from . import presets
 
 __all__ = ["PRECISIONS", "TrainOptions", "add_arguments", "source_config"]
 
@@ -55,12 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--preset",
         default="tiny",
-        help=f"model shape and recipe: one of {', '.join(hhst.PRESETS)} (default tiny)",
+        help=f"model shape and recipe: one of {', '.join(presets.PRESETS)} (default tiny)",
     )
     add(
         "--variant",
         default="hhst",
-        help=f"attention per layer: one of {', '.join(hhst.VARIANTS)} (default hhst)",
+        help=f"attention per layer: one of {', '.join(presets.VARIANTS)} (default hhst)",
     )
     add(
         "--out",
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--rope-scaling",
-        choices=hhst.ROPE_SCALINGS,
+        choices=presets.ROPE_SCALINGS,
         help="RoPE position scheme: none, or linear (positions divided by --rope-factor: "
         "position interpolation); default: the --init-from model's, else none",
     )
@@ -245,15 +245,16 @@ class TrainOptions:
     @classmethod
     def resolve(cls, args: argparse.Namespace) -> TrainOptions:
         """The options of ``args``, checked; raises ``ValueError`` naming the option at fault."""
-        if args.preset not in hhst.PRESETS:
+        if args.preset not in presets.PRESETS:
             raise ValueError(
-                f"--preset: unknown preset {args.preset!r}; choose one of {sorted(hhst.PRESETS)}"
+                f"--preset: unknown preset {args.preset!r}; choose one of {sorted(presets.PRESETS)}"
             )
-        if args.variant not in hhst.VARIANTS:
+        if args.variant not in presets.VARIANTS:
             raise ValueError(
-                f"--variant: unknown variant {args.variant!r}; choose one of {list(hhst.VARIANTS)}"
+                f"--variant: unknown variant {args.variant!r}; "
+                f"choose one of {list(presets.VARIANTS)}"
             )
-        preset = hhst.PRESETS[args.preset]
+        preset = presets.PRESETS[args.preset]
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
@@ -326,9 +327,9 @@ class TrainOptions:
         return dataclasses.replace(self, **changes)
 
     @property
-    def preset_shape(self) -> hhst.Preset:
-        """The :class:`~s2attn.models.hhst.Preset` named by ``preset``."""
-        return hhst.PRESETS[self.preset]
+    def preset_shape(self) -> presets.Preset:
+        """The :class:`~s2attn.models.presets.Preset` named by ``preset``."""
+        return presets.PRESETS[self.preset]
 
     @property
     def tokens_per_step(self) -> int:
@@ -348,7 +349,7 @@ class TrainOptions:
 
     def model_config(self):
         """The transformers config of the run's model."""
-        return hhst.model_config(
+        return presets.model_config(
             self.preset_shape,
             self.variant,
             seq_len=self.seq_len,
@@ -395,13 +396,13 @@ def _check_stops(args: argparse.Namespace, steps: int) -> None:
         )
 
 
-def _rope_options(args: argparse.Namespace, preset: hhst.Preset) -> dict:
+def _rope_options(args: argparse.Namespace, preset: presets.Preset) -> dict:
     """The run's RoPE settings: those given, the rest the --init-from model's (so that a phase
     extended from it keeps its positions unless told otherwise), else the preset's."""
     inherited = {"rope_theta": preset.rope_theta, "rope_scaling": "none", "rope_factor": 1.0}
     if args.init_from is not None:
         try:
-            inherited = hhst.rope_settings(source_config(args.init_from))
+            inherited = presets.rope_settings(source_config(args.init_from))
         except ValueError as exc:
             raise ValueError(f"--init-from {str(args.init_from)!r}: {exc}") from None
     theta = inherited["rope_theta"] if args.rope_theta is None else args.rope_theta

@@ -1,8 +1,8 @@
 """Training a language model of any variant: ``python -m s2attn train`` (its options:
 :mod:`s2attn.models.options`).
 
-One run trains one variant (:data:`~s2attn.models.hhst.VARIANTS`) of one preset
-(:data:`~s2attn.models.hhst.PRESETS`) on the offline byte-level data of
+One run trains one variant (:data:`~s2attn.models.presets.VARIANTS`) of one preset
+(:data:`~s2attn.models.presets.PRESETS`) on the offline byte-level data of
 :mod:`s2attn.models.data`, and writes into its output directory:
 
 - ``run.json``: the resolved options, the preset, the model summary (parameters, layer kinds and
@@ -72,7 +72,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import hhst
+from . import presets
 from .data import NeedleSample, SourceCorpus, TokenStream, default_roots
 from .evaluate import needle_accuracy, needle_samples, validation_batches, validation_bpb
 from .options import TrainOptions, add_arguments, comparable, source_config
@@ -345,7 +345,7 @@ def _initial_weights(path: str, config) -> dict:
         )
     state = load_file(str(weights))
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in hhst.build_model(config).state_dict().items()}
+        expected = {k: v.shape for k, v in presets.build_model(config).state_dict().items()}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(state) - optional)
     extra = sorted(set(state) - set(expected))
@@ -362,7 +362,7 @@ def _initial_model(plan: _Plan):
     """The model a run starts from: fresh weights of its seed, or (not resuming) the --init-from
     model's. Every S2 and RoPE setting lives in the config, so the weights carry over between
     lengths and between variants of one preset; the tied head is the embedding, loaded with it."""
-    model = hhst.build_model(plan.config, seed=plan.options.seed)
+    model = presets.build_model(plan.config, seed=plan.options.seed)
     if plan.initial_weights is not None and plan.resume_from is None:
         result = model.load_state_dict(plan.initial_weights, strict=False)
         tied = {"lm_head.weight"} if plan.config.tie_word_embeddings else set()
@@ -426,7 +426,7 @@ def _run_record(plan: _Plan) -> dict:
     return {
         "options": plan.options.record(),
         "preset": dataclasses.asdict(plan.options.preset_shape),
-        "model": hhst.model_summary(plan.config, plan.options.seq_len),
+        "model": presets.model_summary(plan.config, plan.options.seq_len),
         "data": {"train": plan.train_corpus.describe(), "val": plan.val_corpus.describe()},
         "device": device_name,
         "versions": {
@@ -891,7 +891,7 @@ def _set_up(plan: _Plan, started: float) -> _State:
 
 def _print_start(plan: _Plan, step: int) -> None:
     opts = plan.options
-    summary = hhst.model_summary(plan.config, opts.seq_len)
+    summary = presets.model_summary(plan.config, opts.seq_len)
     layers = "".join("D" if t == "dense" else "S" for t in summary["layer_types"])
     print(
         f"s2attn train: {opts.variant} ({opts.preset}), {summary['parameters'] / 1e6:.2f}M "

@@ -4,7 +4,8 @@ patterns.
     dispatch.py   the entry points (forward, backward): which backend runs each pass
     options.py    KernelOptions: backends and launch settings callers may pin (tests, sweeps)
     env.py        facts of the machine and process (interpreter, GPU capability, TMA, switches)
-    launch.py     what every launcher derives from the inputs and a layout
+    shapes.py     what every launcher derives from the inputs and a layout: sequence lengths
+                  (Varlen), the LSE dtype, query tiles, head groups, key-bound checks
     launcher.py   repeat launches without Triton's per-call binding (every kernel)
     triton/       Triton kernels and their launchers: forward, backward (dK/dV, dQ); decode
                   and page_write over a paged KV cache (s2attn.inference calls them directly)

@@ -10,7 +10,7 @@ to :func:`forward` and :func:`backward`, which allocate the outputs and launch i
 
 Inputs are validated by the caller (``s2attn.attention``). Batched: q (batch, seq_q, heads, dim),
 k and v (batch, seq_k, kv_heads, dim). Packed: q (total_q, heads, dim), k and v (total_k,
-kv_heads, dim), with their lengths as one :class:`~s2attn.ops.launch.Varlen`.
+kv_heads, dim), with their lengths as one :class:`~s2attn.ops.shapes.Varlen`.
 ``q_heads_per_pattern_head`` maps a query head to its layout head: 1 for layouts per query head,
 the GQA group size for layouts per KV head.
 """
@@ -24,8 +24,8 @@ import torch
 
 from ..layout import DecodeLayout, TileLayout
 from .env import GLUON_ENABLED, INTERPRETED, POISON_OUTPUTS, device_capability, tma_allowed
-from .launch import Varlen, keys_need_bounds, lse_dtype, sequence_lengths
 from .options import KernelOptions
+from .shapes import Varlen, keys_need_bounds, lse_dtype, sequence_lengths
 from .triton import backward as triton_backward
 from .triton import decode as triton_decode
 from .triton import forward as triton_forward

@@ -38,10 +38,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...layout import TileLayout
-from ..env import build_outside_graph_pool
-from ..launch import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
+from ...memory import build_outside_graph_pool
 from ..launcher import Launcher
 from ..options import GluonDkdvConfig, GluonDqConfig
+from ..shapes import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from .common_sm90 import (
     MAX_REGS,
     alloc_item_slots,

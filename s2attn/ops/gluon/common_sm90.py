@@ -20,7 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..env import build_outside_graph_pool
+from ...memory import build_outside_graph_pool
 
 # Each kernel runs two consumer warpgroups, the default partition and a worker, and one or two
 # one-warp producers; the producers get few registers, the consumers the rest.

@@ -29,9 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...layout import TileLayout
-from ..launch import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from ..launcher import Launcher
 from ..options import GluonForwardConfig
+from ..shapes import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from .common_sm90 import (
     MAX_REGS,
     alloc_item_slots,

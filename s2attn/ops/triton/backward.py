@@ -31,7 +31,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...layout import TileLayout
 from ..env import tma_allowed
-from ..launch import (
+from ..launcher import launcher_for
+from ..options import TritonBackwardConfig
+from ..shapes import (
     LOG2E,
     Varlen,
     check_k_bounds,
@@ -40,8 +42,6 @@ from ..launch import (
     query_tiles,
     sequence_lengths,
 )
-from ..launcher import launcher_for
-from ..options import TritonBackwardConfig
 from .common import (
     as_batched,
     dot_precision,

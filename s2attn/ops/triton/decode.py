@@ -27,9 +27,9 @@ import triton.language as tl
 
 from ...layout import DecodeLayout
 from ..env import POISON_OUTPUTS
-from ..launch import LOG2E, lse_dtype
 from ..launcher import Launcher
 from ..options import TritonDecodeConfig
+from ..shapes import LOG2E, lse_dtype
 from .common import dot_precision, padded_head_dim
 
 __all__ = ["MAX_DECODE_ROWS", "decode", "decode_num_splits", "default_config"]

@@ -23,7 +23,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...layout import TileLayout
 from ..env import tma_allowed
-from ..launch import (
+from ..launcher import launcher_for
+from ..options import TritonForwardConfig
+from ..shapes import (
     LOG2E,
     Varlen,
     check_k_bounds,
@@ -32,8 +34,6 @@ from ..launch import (
     query_tiles,
     sequence_lengths,
 )
-from ..launcher import launcher_for
-from ..options import TritonForwardConfig
 from .common import (
     as_batched,
     dot_precision,

@@ -27,7 +27,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 import s2attn  # noqa: E402
 from s2attn.integrations import transformers as s2hf  # noqa: E402
-from s2attn.models import data, hhst, train  # noqa: E402
+from s2attn.models import data, presets, train  # noqa: E402
 
 # Shorter than the tiny preset's 256 tokens (the tests train on the CPU), long enough for the
 # validation needles; the training rows carry no needles (4 of them need 96 tokens).
@@ -194,18 +194,18 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
 
 def test_saved_model_loads_as_s2_with_the_trained_weights(trained):
     loaded = LlamaForCausalLM.from_pretrained(trained)
-    expected = hhst.model_config("tiny", "hhst", seq_len=64)
+    expected = presets.model_config("tiny", "hhst", seq_len=64)
     assert loaded.config._attn_implementation == "s2attn"
     assert loaded.config.s2attn == expected.s2attn
     assert loaded.config.s2attn["layer_types"] == ["dense", "s2"]
     # The final checkpoint holds the trained weights, reached by a different route than
     # save_pretrained: both must give the same model.
-    reference = hhst.build_model(expected, seed=123)
+    reference = presets.build_model(expected, seed=123)
     state = torch.load(trained / "checkpoint" / "state.pt", weights_only=True)["model"]
     reference.load_state_dict(state)
     assert not torch.equal(
         reference.model.embed_tokens.weight,
-        hhst.build_model(expected, seed=0).model.embed_tokens.weight,
+        presets.build_model(expected, seed=0).model.embed_tokens.weight,
     )
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -531,10 +531,10 @@ def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
     assert [r["step"] for r in rows] == [1, 2] and "val_bpb" in rows[-1]
     assert rows[-1]["tokens"] == 2 * 4 * 64 * (2 if "--grad-accum" in extra else 1)
     config = json.loads((out / "config.json").read_text())
-    s2 = hhst.PRESETS["tiny"].s2
+    s2 = presets.PRESETS["tiny"].s2
     if "--dense-layers" in extra:
         s2 = s2.replace(dense_layers=(1,))
-    want = hhst.model_config("tiny", variant, seq_len=64, s2=s2)
+    want = presets.model_config("tiny", variant, seq_len=64, s2=s2)
     assert config.get("s2attn") == getattr(want, "s2attn", None)
 
 

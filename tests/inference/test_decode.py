@@ -292,7 +292,7 @@ def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypat
 def test_static_decode_opcheck(path, monkeypatch):
     """torch.library.opcheck on s2attn::static_decode: its schema (what it mutates), fake
     implementation and the compiled (AOT) dispatch agree with running it."""
-    from s2attn.custom_ops import pattern_key
+    from s2attn.compile import pattern_key
     from s2attn.inference import decode_op, decode_step  # noqa: F401 (decode_op: the operator)
 
     if path == "pytorch":

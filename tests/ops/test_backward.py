@@ -14,10 +14,14 @@ import pytest
 import torch
 from helpers import (
     DEVICE,
+    DTYPE_IDS,
     DTYPES,
     ON_GPU,
+    LaunchSpy,
     assert_close,
     gpu_only,
+    randn,
+    random_qkv,
     skip_without_gpu,
     views_rows_apart,
 )
@@ -26,26 +30,17 @@ import s2attn
 from s2attn import BlockPattern, local_stride_pattern
 from s2attn.ops.options import KernelOptions
 
-DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
-
 
 # ----------------------------------------------------------------------------------- helpers
-def _randn(shape, dtype, gen: torch.Generator) -> torch.Tensor:
-    """A seeded standard-normal tensor on DEVICE; drawn on the CPU so every device sees the same."""
-    return torch.randn(shape, generator=gen, dtype=torch.float32).to(DEVICE, dtype)
-
-
 def _leaves(shapes, dtype, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [_randn(s, dtype, gen).requires_grad_() for s in shapes]
+    return [randn(gen, *s, dtype=dtype).requires_grad_() for s in shapes]
 
 
 def _qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype, seed=0) -> list[torch.Tensor]:
-    return _leaves(
-        [(batch, seq_q, heads, dim), (batch, seq_k, kv_heads, dim), (batch, seq_k, kv_heads, dim)],
-        dtype,
-        seed,
-    )
+    gen = torch.Generator().manual_seed(seed)
+    qkv = random_qkv(gen, batch, seq_q, seq_k, heads, kv_heads, dim, dtype)
+    return [t.requires_grad_() for t in qkv]
 
 
 def _varlen_qkv(lens_q, lens_k, heads, kv_heads, dim, dtype, seed=0):
@@ -72,7 +67,7 @@ def _pattern(heads, seq, block_size=16, *, causal=True, local_blocks=2, vert_str
 def _upstream(outputs, seed: int) -> list[torch.Tensor]:
     """Random upstream gradients, one per output, never zeros or ones."""
     gen = torch.Generator().manual_seed(seed + 1000)
-    return [_randn(o.shape, o.dtype, gen) for o in outputs]
+    return [randn(gen, *o.shape, dtype=o.dtype) for o in outputs]
 
 
 def _reference_grads(inputs, pattern, upstream, *, return_lse=False, **kwargs):
@@ -182,7 +177,7 @@ def test_grads_with_element_offsets_past_2_31():
     q, k, v, upstream = views_rows_apart(4, seq, dim, 2**26, dtype)
     gen = torch.Generator().manual_seed(0)
     for t in (q, k, v, upstream):
-        t.copy_(_randn(t.shape, dtype, gen))
+        t.copy_(randn(gen, *t.shape, dtype=dtype))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     pattern = _pattern(1, seq, block_size=16, local_blocks=1)  # 2 would keep all 3 blocks
     out = s2attn.sparse_attention(q, k, v, pattern)
@@ -205,29 +200,12 @@ def test_grads_block_sizes(block_size, causal):
 
 
 # ----------------------------------------------------------------------- gathered KV tiles
-class _LaunchSpy:
-    """Stands in for a Triton kernel of ops/triton/backward.py and records each launch's
-    keywords."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.calls.append(kwargs)
-            return launch(*args, **kwargs)
-
-        return run
-
-
 @pytest.fixture
-def backward_spies(monkeypatch) -> dict[str, _LaunchSpy]:
+def backward_spies(monkeypatch) -> dict[str, LaunchSpy]:
     from s2attn.ops.triton import backward as bwd
 
     names = ("_dkdv_gathered_kernel", "_dq_kernel")
-    spies = {name: _LaunchSpy(getattr(bwd, name)) for name in names}
+    spies = {name: LaunchSpy(getattr(bwd, name)) for name in names}
     for name, spy in spies.items():
         monkeypatch.setattr(bwd, name, spy)
     return spies

@@ -25,9 +25,9 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import s2attn  # noqa: E402
 from s2attn.integrations import transformers as s2hf  # noqa: E402
-from s2attn.models import data, evaluate, hhst, train  # noqa: E402
+from s2attn.models import data, evaluate, presets, train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SMALL = [
     "--preset",
@@ -89,11 +89,11 @@ def base(tmp_path_factory, corpus_root) -> Path:
 
 # ------------------------------------------------------------------------------ presets, RoPE
 def test_medium_preset_has_100_to_150m_parameters():
-    config = hhst.model_config("medium", "hhst")
+    config = presets.model_config("medium", "hhst")
     with torch.device("meta"):
-        counted = sum(p.numel() for p in hhst.build_model(config).parameters())
+        counted = sum(p.numel() for p in presets.build_model(config).parameters())
     print(f"medium: {counted / 1e6:.1f}M parameters")
-    assert hhst.parameter_count(config) == counted
+    assert presets.parameter_count(config) == counted
     assert 100e6 <= counted <= 150e6
     types = config.s2attn["layer_types"]
     assert [i for i, t in enumerate(types) if t == "dense"] == [4, 8]
@@ -105,24 +105,24 @@ def test_medium_preset_has_100_to_150m_parameters():
 def test_rope_settings_reach_the_rotary_embedding(legacy, monkeypatch, tmp_path):
     """Both forms of transformers' RoPE arguments give the same rotation, survive
     save_pretrained, and linear scaling divides the positions by the factor."""
-    monkeypatch.setattr(hhst, "_ROPE_PARAMETERS", not legacy)
-    scaled = hhst.model_config(
+    monkeypatch.setattr(presets, "_ROPE_PARAMETERS", not legacy)
+    scaled = presets.model_config(
         "tiny", "hhst", seq_len=256, rope_theta=20000.0, rope_scaling="linear", rope_factor=4.0
     )
-    plain = hhst.model_config("tiny", "hhst", seq_len=256, rope_theta=20000.0)
+    plain = presets.model_config("tiny", "hhst", seq_len=256, rope_theta=20000.0)
     want = {"rope_theta": 20000.0, "rope_scaling": "linear", "rope_factor": 4.0}
-    assert hhst.rope_settings(scaled) == want
-    hhst.build_model(scaled).save_pretrained(tmp_path)
+    assert presets.rope_settings(scaled) == want
+    presets.build_model(scaled).save_pretrained(tmp_path)
     loaded = LlamaConfig.from_pretrained(tmp_path)
-    assert hhst.rope_settings(loaded) == want
-    assert hhst.rope_settings(plain)["rope_scaling"] == "none"
+    assert presets.rope_settings(loaded) == want
+    assert presets.rope_settings(plain)["rope_scaling"] == "none"
 
     x = torch.zeros(1, 1, 64)
     positions = torch.arange(0, 256, 4)[None]
     cos_scaled, _ = LlamaForCausalLM(loaded).model.rotary_emb(x, positions)
     cos_plain, _ = LlamaForCausalLM(plain).model.rotary_emb(x, positions // 4)
     torch.testing.assert_close(cos_scaled, cos_plain, rtol=1e-5, atol=1e-5)
-    theta_10k, _ = LlamaForCausalLM(hhst.model_config("tiny", "hhst")).model.rotary_emb(
+    theta_10k, _ = LlamaForCausalLM(presets.model_config("tiny", "hhst")).model.rotary_emb(
         x, positions // 4
     )
     assert not torch.allclose(theta_10k, cos_plain)  # the base reached the rotation too
@@ -158,7 +158,7 @@ def test_init_from_extends_across_variants_and_eval_loads_it(tmp_path, corpus_ro
     assert train.run(_args(out, corpus_root, *extend, "--steps", "1", "--val-every", "0")) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["max_position_embeddings"] == 128
-    assert hhst.rope_settings(LlamaConfig.from_pretrained(out)) == {
+    assert presets.rope_settings(LlamaConfig.from_pretrained(out)) == {
         "rope_theta": 20000.0,
         "rope_scaling": "linear",
         "rope_factor": 2.0,
@@ -216,7 +216,7 @@ def test_bad_extension_is_refused_before_writing(extra, message, tmp_path, corpu
 def test_init_from_another_architecture_lists_the_fields(tmp_path, corpus_root):
     """A model with other KV heads and vocabulary (but the tiny preset's other sizes) is refused
     with exactly the fields that differ, before anything is written."""
-    config = hhst.model_config("tiny", "dense", seq_len=64)
+    config = presets.model_config("tiny", "dense", seq_len=64)
     config.num_key_value_heads, config.vocab_size = 4, 300
     source = tmp_path / "other"
     LlamaForCausalLM(config).save_pretrained(source)
@@ -256,8 +256,8 @@ def test_eval_refuses_a_pass_that_cannot_fit(tmp_path, corpus_root, base, monkey
 
 
 def test_forward_memory_grows_with_tokens_and_bounds_the_weights():
-    config = hhst.model_config("small", "hhst", seq_len=131072)
-    weights = hhst.parameter_count(config) * 4
+    config = presets.model_config("small", "hhst", seq_len=131072)
+    weights = presets.parameter_count(config) * 4
     at_32k, at_128k = (evaluate.forward_memory(config, n) for n in (32768, 131072))
     assert weights < at_32k < at_128k
     # The small model's 128k evaluation is a few GiB, far from an H100's 80.

@@ -6,7 +6,7 @@ bfloat16, float16 and float32.
 
 The other test files pin single kernels and small shapes; this one runs the public call on
 sequences of 600-2048 tokens, as a user would, so it is the check to run next to timings after a
-kernel change: ``python -m pytest -q tests/test_verify_kernels.py`` (GPU only).
+kernel change: ``python -m pytest -q tests/ops/test_verify_kernels.py`` (GPU only).
 """
 
 from __future__ import annotations

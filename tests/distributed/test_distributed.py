@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo import spawn
-from helpers import assert_close, views_rows_apart
+from helpers import assert_close, randn, random_qkv, views_rows_apart
 
 import s2attn
 from s2attn.distributed import (
@@ -22,10 +22,8 @@ DTYPE = torch.float32
 
 def _inputs(batch, seq, heads, kv_heads, dim, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, heads, dim, generator=g, dtype=DTYPE)
-    k = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=DTYPE)
-    v = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=DTYPE)
-    grad = torch.randn(batch, seq, heads, dim, generator=g, dtype=DTYPE)
+    q, k, v = random_qkv(g, batch, seq, seq, heads, kv_heads, dim, DTYPE, device="cpu")
+    grad = randn(g, batch, seq, heads, dim, dtype=DTYPE, device="cpu")
     return q, k, v, grad
 
 

@@ -2,9 +2,9 @@
 (used by test_hopper_build.py, in a process of its own: the build needs the compiler, which
 ``TRITON_INTERPRET=1`` replaces at import).
 
-    python tests/hopper_build.py forward-128
-    python tests/hopper_build.py decode-128      # the Triton decode kernel, 5 splits, 1 token
-    python tests/hopper_build.py --sass dq-128   # its machine code (nvdisasm) instead
+    python tests/ops/hopper_build.py forward-128
+    python tests/ops/hopper_build.py decode-128      # the Triton decode kernel, 5 splits, 1 token
+    python tests/ops/hopper_build.py --sass dq-128   # its machine code (nvdisasm) instead
 
 Each launcher runs on CPU tensors with its kernel swapped for a recorder, so the build takes
 exactly the arguments and options a real launch passes.

@@ -2,26 +2,26 @@
 backend predicates, and ``KernelOptions`` reaching the kernels it names.
 
 On the CPU the Triton kernels run under the interpreter and no Gluon kernel can run; the Gluon
-cases of the dispatch are tested on an sm_90 GPU (test_forward_hopper.py).
+cases of the dispatch are tested on an sm_90 GPU (test_gluon_sm90.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, ON_GPU, assert_close
+from helpers import DEVICE, DTYPES, ON_GPU, LaunchSpy, assert_close
 
 import s2attn
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
 from s2attn.ops.env import INTERPRETED
-from s2attn.ops.launch import Varlen
 from s2attn.ops.options import (
     GluonDqConfig,
     KernelOptions,
     TritonBackwardConfig,
     TritonForwardConfig,
 )
+from s2attn.ops.shapes import Varlen
 from s2attn.ops.triton import backward as triton_backward
 from s2attn.ops.triton import forward as triton_forward
 
@@ -52,7 +52,7 @@ def test_backend_predicates():
     assert dispatch.supports_triton(torch.device("cuda"))
     assert not dispatch.supports_triton(torch.device("meta"))
     if ON_GPU:
-        return  # the Gluon cases on a GPU: test_forward_hopper.py
+        return  # the Gluon cases on a GPU: test_gluon_sm90.py
     q = torch.randn(1, 256, 2, 64, dtype=torch.float16)
     choice = dict(block_size=64, causal=True, varlen=None, softmax_scale=0.1)
     forward = dispatch.forward_kernel(q, q, q, gather=True, **choice)
@@ -184,22 +184,6 @@ def test_a_kernel_runs_only_on_its_own_tiles():
     assert_close(out, ref, DTYPES[0], "out")
 
 
-class _Spy:
-    """Stands in for a Triton kernel and records each launch's keywords."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.calls.append(kwargs)
-            return launch(*args, **kwargs)
-
-        return run
-
-
 @pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs the Triton kernels")
 def test_options_reach_the_triton_kernels(monkeypatch):
     """Settings given for the Triton kernels are the ones they launch with, and the results stay
@@ -210,7 +194,7 @@ def test_options_reach_the_triton_kernels(monkeypatch):
         (triton_backward, "_dkdv_kernel"),
         (triton_backward, "_dq_kernel"),
     ):
-        spies[name] = _Spy(getattr(module, name))
+        spies[name] = LaunchSpy(getattr(module, name))
         monkeypatch.setattr(module, name, spies[name])
     dtype = DTYPES[0]
     gen = torch.Generator().manual_seed(3)

@@ -10,7 +10,7 @@ from helpers import DEVICE, DTYPES
 
 import s2attn
 from s2attn import BlockPattern, local_stride_pattern
-from s2attn.validation import check_heads, check_int
+from s2attn.input_checks import check_heads, check_int
 
 DTYPE = DTYPES[0]
 PATTERN = local_stride_pattern(4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3)

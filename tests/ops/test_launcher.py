@@ -1,6 +1,6 @@
 """The launcher that skips Triton's per-call binding (``s2attn/ops/launcher.py``): two calls share
 a compiled kernel only when Triton would have specialized their arguments alike. Its launches on
-the GPU are tested where it is used: decode (test_decode.py) and the Gluon kernels."""
+the GPU are tested where it is used: decode (inference/test_decode.py) and the Gluon kernels."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ pytest.importorskip("tqdm")
 
 from helpers import DEVICE, assert_close  # noqa: E402
 
-from s2attn.models import evaluate, hhst  # noqa: E402
+from s2attn.models import evaluate, presets  # noqa: E402
 from s2attn.models.data import VOCAB_SIZE, SourceCorpus  # noqa: E402
 
 # Small enough that the grid cells of the CLI test cost little, long enough for a needle.
@@ -30,7 +30,7 @@ LENGTH = 48
 
 
 def _tiny_config(variant: str = "hhst", max_seq_len: int = 64):
-    config = hhst.model_config("tiny", variant, seq_len=max_seq_len)
+    config = presets.model_config("tiny", variant, seq_len=max_seq_len)
     if variant != "dense":
         # The exact dense-mask reference of the same patterns: the Triton interpreter would take
         # seconds per forward pass, and the kernels have their own tests.
@@ -89,7 +89,7 @@ class _Oracle(torch.nn.Module):
 
 def test_validation_bpb_is_cross_entropy_in_bits():
     torch.manual_seed(0)
-    model = hhst.build_model(_tiny_config(), seed=0).to(DEVICE)
+    model = presets.build_model(_tiny_config(), seed=0).to(DEVICE)
     # Unequal batches: a mean of batch means would differ from the mean over all tokens.
     batches = [torch.randint(0, 256, (3, 33)), torch.randint(0, 256, (1, 21))]
     model.train()
@@ -155,7 +155,7 @@ def _eval_args(argv):
 
 def test_eval_command_writes_grid_and_heatmap(tmp_path, corpus_root):
     model_dir = tmp_path / "model"
-    hhst.build_model(_tiny_config(), seed=0).save_pretrained(model_dir)
+    presets.build_model(_tiny_config(), seed=0).save_pretrained(model_dir)
     (model_dir / "run.json").write_text(
         json.dumps(
             {
@@ -216,7 +216,7 @@ def test_eval_shows_progress_bars_only_on_a_terminal(tmp_path, corpus_root, monk
     """In a log (stderr a pipe) no bars, neither the needle grid's nor transformers' (loading
     the weights); on a terminal the grid's bar shows."""
     model_dir = tmp_path / "model"
-    hhst.build_model(_tiny_config("dense"), seed=0).save_pretrained(model_dir)
+    presets.build_model(_tiny_config("dense"), seed=0).save_pretrained(model_dir)
     argv = [str(model_dir), "--needle", "--lengths", str(LENGTH), "--depths", "0", "--samples"]
     argv += ["1", "--val-batches", "0", "--data-root", str(corpus_root), "--val-fraction", "0.5"]
     argv += ["--device", "cpu"]
@@ -242,7 +242,7 @@ def test_eval_shows_progress_bars_only_on_a_terminal(tmp_path, corpus_root, monk
 @pytest.mark.parametrize("variant, limit", [("hhst", 64), ("dense", 64)])
 def test_eval_rejects_lengths_beyond_the_model(tmp_path, corpus_root, variant, limit):
     model_dir = tmp_path / "model"
-    hhst.build_model(_tiny_config(variant, max_seq_len=limit), seed=0).save_pretrained(model_dir)
+    presets.build_model(_tiny_config(variant, max_seq_len=limit), seed=0).save_pretrained(model_dir)
     out = tmp_path / "needle.json"
     args = _eval_args(
         [

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops.launch import lse_dtype
+from .ops.shapes import lse_dtype
 from .pattern import BlockPattern
 from .plan import build_layouts_while_tracing, operator_plan
 

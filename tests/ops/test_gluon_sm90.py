@@ -11,23 +11,22 @@ shapes with more work items than SMs, so programs walk several tiles.
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
-from helpers import ON_GPU, assert_close
+from helpers import ON_GPU, assert_close, dtype_ids, randn
 
 import s2attn
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
-from s2attn.ops.launch import check_k_bounds
 from s2attn.ops.options import (
     GluonDkdvConfig,
     GluonDqConfig,
     GluonForwardConfig,
     KernelOptions,
 )
+from s2attn.ops.shapes import check_k_bounds
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,16 +36,7 @@ pytestmark = [
 ]
 
 DTYPES = [torch.bfloat16, torch.float16]
-DTYPE_IDS = ["bfloat16", "float16"]
-
-
-@pytest.fixture
-def gen(request) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def _randn(gen, *shape, dtype):
-    return torch.randn(*shape, generator=gen).to("cuda", dtype)
+DTYPE_IDS = dtype_ids(DTYPES)
 
 
 def _run(q, k, v, pattern, config=None):
@@ -96,7 +86,7 @@ def _check(q, k, v, pattern, config=None):
 def test_local_stride(gen, dtype, dim, causal, stride, entries):
     # 2 x 8 heads x 24 tiles = 384 work items: every persistent program walks several.
     seq, heads = 3072, 8
-    q, k, v = (_randn(gen, 2, seq, heads, dim, dtype=dtype) for _ in range(3))
+    q, k, v = (randn(gen, 2, seq, heads, dim, dtype=dtype) for _ in range(3))
     config = GluonForwardConfig(entries_per_step=entries, num_buffers=2, q_in_regs=dim == 64)
     pattern = local_stride_pattern(
         heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=stride, causal=causal
@@ -122,7 +112,7 @@ _KERNEL_SETTINGS = [
 )
 def test_kernel_options(gen, settings):
     seq, heads = 3072, 8
-    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
     pattern = local_stride_pattern(
         heads, max_seq_len=seq, block_size=64, local_blocks=3, vert_stride=4
     )
@@ -139,7 +129,7 @@ def test_random_pattern(gen, dtype, causal, block_size):
     mask = torch.rand(heads, nb, nb, generator=gen) < 0.25
     mask[:, 3] = False  # a block of rows that attends nothing
     pattern = BlockPattern(mask, block_size, causal)
-    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=dtype) for _ in range(3))
+    q, k, v = (randn(gen, 1, seq, heads, 128, dtype=dtype) for _ in range(3))
     for config in (None, GluonForwardConfig(entries_per_step=2, num_buffers=2, q_in_regs=False)):
         _, lse = _check(q, k, v, pattern, config)
         assert torch.isinf(lse[:, :, 3 * block_size : 4 * block_size]).all()
@@ -168,7 +158,7 @@ def test_entries_one_half_of_the_tile_skips(gen, dtype, dim, causal, buffers):
     # it; the skips must free their ring slots without deadlocking on the slot it still holds.
     seq, heads = 2048, 4
     pattern = _half_tile_pattern(heads, seq, causal)
-    q, k, v = (_randn(gen, 1, seq, heads, dim, dtype=dtype) for _ in range(3))
+    q, k, v = (randn(gen, 1, seq, heads, dim, dtype=dtype) for _ in range(3))
     config = GluonForwardConfig(num_buffers=buffers, entries_per_step=2 if dim == 64 else None)
     _, lse = _check(q, k, v, pattern, config)
     assert torch.isinf(lse[:, 0, 6 * 64 : 7 * 64]).all()
@@ -177,15 +167,15 @@ def test_entries_one_half_of_the_tile_skips(gen, dtype, dim, causal, buffers):
 @pytest.mark.parametrize("causal", [True, False])
 def test_dense_pattern(gen, causal):
     seq, heads = 2048, 4
-    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (randn(gen, 1, seq, heads, 128, dtype=torch.bfloat16) for _ in range(3))
     _check(q, k, v, dense_pattern(heads, max_seq_len=seq, block_size=64, causal=causal))
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])
 def test_gqa(gen, per_kv_head):
     seq, heads, kv_heads = 2048, 8, 2
-    q = _randn(gen, 2, seq, heads, 128, dtype=torch.bfloat16)
-    k, v = (_randn(gen, 2, seq, kv_heads, 128, dtype=torch.bfloat16) for _ in range(2))
+    q = randn(gen, 2, seq, heads, 128, dtype=torch.bfloat16)
+    k, v = (randn(gen, 2, seq, kv_heads, 128, dtype=torch.bfloat16) for _ in range(2))
     pattern = local_stride_pattern(
         kv_heads if per_kv_head else heads,
         max_seq_len=seq,
@@ -203,8 +193,8 @@ def test_fewer_queries_than_keys(gen, causal, seq_q):
     # Bottom-right aligned queries: the first tile starts mid-way and q rows before 0 are read
     # as zeros by the bulk copy; seq_k stays a multiple of 64 so bidirectional calls qualify.
     seq_k, heads = 2048, 4
-    q = _randn(gen, 1, seq_q, heads, 64, dtype=torch.bfloat16)
-    k, v = (_randn(gen, 1, seq_k, heads, 64, dtype=torch.bfloat16) for _ in range(2))
+    q = randn(gen, 1, seq_q, heads, 64, dtype=torch.bfloat16)
+    k, v = (randn(gen, 1, seq_k, heads, 64, dtype=torch.bfloat16) for _ in range(2))
     _check(
         q,
         k,
@@ -218,7 +208,7 @@ def test_fewer_queries_than_keys(gen, causal, seq_q):
 def test_strided_inputs(gen):
     # q, k, v as views into one packed (batch, seq, 3, heads, dim) tensor.
     seq, heads = 2048, 4
-    qkv = _randn(gen, 1, seq, 3, heads, 128, dtype=torch.bfloat16)
+    qkv = randn(gen, 1, seq, 3, heads, 128, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
     _check(
         q,
@@ -257,7 +247,7 @@ def test_running_max_moves_mid_list(gen):
     # list. Plain random inputs, as in the other tests, move the max by a few units at most past
     # the first steps: a kernel that skipped or botched those rescales passed all of them.
     seq, heads, dim = 2048, 4, 128
-    q, v = (_randn(gen, 1, seq, heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    q, v = (randn(gen, 1, seq, heads, dim, dtype=torch.bfloat16) for _ in range(2))
     tile_scale = 2.0 ** (torch.rand(seq // 64, generator=gen) * 5 - 2)
     k = (
         torch.randn(1, seq, heads, dim, generator=gen)
@@ -275,7 +265,7 @@ def test_running_max_moves_mid_list(gen):
 
 def test_matches_the_triton_kernel(gen):
     seq, heads = 4096, 8
-    q, k, v = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(3))
+    q, k, v = (randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(3))
     pattern = local_stride_pattern(
         heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=4
     )
@@ -328,7 +318,7 @@ def _check_gradients(gen, q, k, v, pattern, dtype, *, return_lse=False):
     gradient reaches the LSE output too."""
     outs = s2attn.sparse_attention(q, k, v, pattern, return_lse=return_lse)
     outs = outs if return_lse else (outs,)
-    grads = [_randn(gen, *t.shape, dtype=t.dtype) for t in outs]
+    grads = [randn(gen, *t.shape, dtype=t.dtype) for t in outs]
     torch.autograd.backward(outs, grads)
     ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
     refs = s2attn.attention_reference(ref_q, ref_k, ref_v, pattern, return_lse=return_lse)
@@ -395,8 +385,8 @@ def test_gradients_through_the_dq_kernel(gen, dq_calls, dtype, causal, case):
         pattern = local_stride_pattern(
             heads, max_seq_len=seq_k, block_size=64, local_blocks=4, vert_stride=3, causal=causal
         )
-    q = _randn(gen, 2, seq_q, heads, dim, dtype=dtype).requires_grad_()
-    k, v = (_randn(gen, 2, seq_k, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
+    q = randn(gen, 2, seq_q, heads, dim, dtype=dtype).requires_grad_()
+    k, v = (randn(gen, 2, seq_k, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
     _check_gradients(gen, q, k, v, pattern, dtype, return_lse=case == "lse")
     assert len(dq_calls) == 1, "this case was meant for the Gluon dQ kernel"
 
@@ -406,7 +396,7 @@ def _backward_with(gen):
     function of (dQ layout tiles, KernelOptions) giving (dq, dk, dv), for setting the Gluon
     backward kernels beside the Triton ones."""
     seq, heads = 2048, 4
-    q, k, v, g = (_randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
+    q, k, v, g = (randn(gen, 1, seq, heads, 128, dtype=torch.float16) for _ in range(4))
     pattern = local_stride_pattern(
         heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
     )
@@ -472,8 +462,8 @@ def test_gradients_through_the_dkdv_kernel(gen, dkdv_calls, dtype, dim, causal, 
         pattern = local_stride_pattern(
             heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3, causal=causal
         )
-    q = _randn(gen, 2, seq, heads, dim, dtype=dtype).requires_grad_()
-    k, v = (_randn(gen, 2, seq, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
+    q = randn(gen, 2, seq, heads, dim, dtype=dtype).requires_grad_()
+    k, v = (randn(gen, 2, seq, kv_heads, dim, dtype=dtype).requires_grad_() for _ in range(2))
     _check_gradients(gen, q, k, v, pattern, dtype)
     assert len(dkdv_calls) == 1, "this case was meant for the Gluon dK/dV kernel"
 
@@ -489,7 +479,7 @@ def test_gradients_through_the_dkdv_kernel(gen, dkdv_calls, dtype, dim, causal, 
 )
 def test_dkdv_kernel_options(gen, dkdv_calls, config):
     seq, heads, dim = 2048, 4, 128 if config.num_buffers == 2 else 64
-    q, k, v, g = (_randn(gen, 2, seq, heads, dim, dtype=torch.float16) for _ in range(4))
+    q, k, v, g = (randn(gen, 2, seq, heads, dim, dtype=torch.float16) for _ in range(4))
     pattern = local_stride_pattern(
         heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
     )
@@ -521,12 +511,12 @@ def test_dkdv_kernel_options(gen, dkdv_calls, config):
 def test_dkdv_strided_outputs(gen, dkdv_calls):
     # q, k, v and their gradients as views into one packed (seq, 3, heads, dim) tensor.
     seq, heads, dim = 1536, 4, 128
-    qkv = _randn(gen, 1, seq, 3, heads, dim, dtype=torch.bfloat16).requires_grad_()
+    qkv = randn(gen, 1, seq, 3, heads, dim, dtype=torch.bfloat16).requires_grad_()
     pattern = local_stride_pattern(
         heads, max_seq_len=seq, block_size=64, local_blocks=4, vert_stride=3
     )
     out = s2attn.sparse_attention_qkvpacked(qkv, pattern)
-    grad = _randn(gen, *out.shape, dtype=torch.bfloat16)
+    grad = randn(gen, *out.shape, dtype=torch.bfloat16)
     out.backward(grad)
     ref = qkv.detach().float().requires_grad_()
     s2attn.attention_reference(*ref.unbind(2), pattern).backward(grad.float())
@@ -557,7 +547,7 @@ def test_work_counter_left_at_zero(gen, dq_calls, dkdv_calls, persistent):
     for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
         with torch.cuda.stream(stream):
             q, k, v = (
-                _randn(gen, 1, seq, heads, 128, dtype=torch.float16).requires_grad_()
+                randn(gen, 1, seq, heads, 128, dtype=torch.float16).requires_grad_()
                 for _ in range(3)
             )
             _check(

@@ -8,36 +8,27 @@ trivial: several tiles per sequence, ragged ends, rows that attend nothing. Outp
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DEVICE, DTYPES, REL_TOL, assert_close, relative_error, skip_without_gpu
+from helpers import (
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    REL_TOL,
+    assert_close,
+    randn,
+    random_qkv,
+    relative_error,
+    skip_without_gpu,
+)
 
 import s2attn
 from s2attn import BlockPattern, local_stride_pattern
 from s2attn.ops import dispatch
 
 SEEDS = [0, 1]
-DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
-
-
-@pytest.fixture
-def gen(request) -> torch.Generator:
-    """A generator seeded from the test id, so every test and parametrization draws fresh inputs."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def _randn(gen, *shape, dtype) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-
-
-def _qkv(gen, batch, seq_q, seq_k, heads, kv_heads, dim, dtype):
-    q = _randn(gen, batch, seq_q, heads, dim, dtype=dtype)
-    k = _randn(gen, batch, seq_k, kv_heads, dim, dtype=dtype)
-    v = _randn(gen, batch, seq_k, kv_heads, dim, dtype=dtype)
-    return q, k, v
 
 
 def _random_pattern(gen, heads, max_seq_len, block_size, causal, density=0.3) -> BlockPattern:
@@ -82,7 +73,7 @@ def test_local_stride_pattern(
         vert_stride=vert_stride,
         causal=causal,
     )
-    _check(*_qkv(gen, batch, seq, seq, heads, heads, dim, dtype), p)
+    _check(*random_qkv(gen, batch, seq, seq, heads, heads, dim, dtype), p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -100,7 +91,7 @@ def test_local_stride_pattern(
 def test_random_pattern(gen, dtype, seq, block_size, causal):
     # Sparse enough that some rows attend nothing, in both causal and bidirectional patterns.
     p = _random_pattern(gen, 2, seq, block_size, causal)
-    _check(*_qkv(gen, 2, seq, seq, 2, 2, 64, dtype), p)
+    _check(*random_qkv(gen, 2, seq, seq, 2, 2, 64, dtype), p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -108,14 +99,14 @@ def test_random_pattern(gen, dtype, seq, block_size, causal):
 def test_head_dims(gen, dtype, dim):
     seq = 64 if dim > 128 else 100  # 256-wide heads are slow under the interpreter
     p = local_stride_pattern(2, max_seq_len=seq, block_size=16, local_blocks=1, vert_stride=3)
-    _check(*_qkv(gen, 1, seq, seq, 2, 2, dim, dtype), p)
+    _check(*random_qkv(gen, 1, seq, seq, 2, 2, dim, dtype), p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_dense_pattern_matches_torch_sdpa(gen, dtype, causal):
     """An independent ground truth for the dense case, for the reference and the kernel alike."""
-    q, k, v = _qkv(gen, 1, 150, 150, 2, 2, 64, dtype)
+    q, k, v = random_qkv(gen, 1, 150, 150, 2, 2, 64, dtype)
     p = s2attn.dense_pattern(2, max_seq_len=150, block_size=32, causal=causal)
     out, _ = _check(q, k, v, p)
     sdpa = F.scaled_dot_product_attention(
@@ -127,7 +118,7 @@ def test_dense_pattern_matches_torch_sdpa(gen, dtype, causal):
 def test_softmax_scale(gen):
     dtype = DTYPES[0]
     p = local_stride_pattern(2, max_seq_len=120, block_size=16, local_blocks=2, vert_stride=2)
-    _check(*_qkv(gen, 1, 120, 120, 2, 2, 64, dtype), p, softmax_scale=0.37)
+    _check(*random_qkv(gen, 1, 120, 120, 2, 2, 64, dtype), p, softmax_scale=0.37)
 
 
 # ------------------------------------------------------------------------------- GQA and MQA
@@ -138,7 +129,7 @@ def test_softmax_scale(gen):
 def test_gqa_and_mqa(gen, dtype, heads, kv_heads, pattern_heads):
     # Random per-head patterns, so a query head that reads its neighbour's pattern fails.
     p = _random_pattern(gen, pattern_heads, 130, 16, causal=True, density=0.5)
-    _check(*_qkv(gen, 1, 130, 130, heads, kv_heads, 64, dtype), p)
+    _check(*random_qkv(gen, 1, 130, 130, heads, kv_heads, 64, dtype), p)
 
 
 # ----------------------------------------------------------------------------------- lengths
@@ -149,7 +140,7 @@ def test_fewer_queries_than_keys(gen, dtype, causal, seq_q, seq_k):
     p = local_stride_pattern(
         2, max_seq_len=256 + 16, block_size=16, local_blocks=2, vert_stride=3, causal=causal
     )
-    _check(*_qkv(gen, 2, seq_q, seq_k, 2, 2, 32, dtype), p)
+    _check(*random_qkv(gen, 2, seq_q, seq_k, 2, 2, 32, dtype), p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -158,7 +149,7 @@ def test_bidirectional_sequence_ending_inside_a_block(gen, dtype, block_size, se
     """seq_k a multiple of the KV tile but not of the block: the last block's KV tiles past seq_k
     are full entries of the cropped layout and must still be bounded."""
     p = BlockPattern(torch.ones(2, 2, 2, dtype=torch.bool), block_size, causal=False)
-    _check(*_qkv(gen, 2, seq_q, seq_k, 2, 2, 64, dtype), p)
+    _check(*random_qkv(gen, 2, seq_q, seq_k, 2, 2, 64, dtype), p)
 
 
 def _cu(lengths) -> torch.Tensor:
@@ -171,9 +162,9 @@ def test_varlen(gen, dtype, causal):
     # Different lengths, fewer queries than keys in some, an empty query run, a one-token one.
     lens_q, lens_k = [17, 0, 100, 64, 1, 130], [40, 5, 100, 130, 1, 130]
     heads = 2
-    q = _randn(gen, sum(lens_q), heads, 64, dtype=dtype)
-    k = _randn(gen, sum(lens_k), heads, 64, dtype=dtype)
-    v = _randn(gen, sum(lens_k), heads, 64, dtype=dtype)
+    q = randn(gen, sum(lens_q), heads, 64, dtype=dtype)
+    k = randn(gen, sum(lens_k), heads, 64, dtype=dtype)
+    v = randn(gen, sum(lens_k), heads, 64, dtype=dtype)
     p = local_stride_pattern(
         heads, max_seq_len=130, block_size=16, local_blocks=2, vert_stride=3, causal=causal
     )
@@ -193,15 +184,15 @@ def test_varlen(gen, dtype, causal):
 def test_varlen_gqa_per_kv_head_pattern(gen):
     dtype = DTYPES[0]
     lens_q, lens_k = [33, 120], [70, 120]
-    q = _randn(gen, sum(lens_q), 4, 64, dtype=dtype)
-    k = _randn(gen, sum(lens_k), 2, 64, dtype=dtype)
-    v = _randn(gen, sum(lens_k), 2, 64, dtype=dtype)
+    q = randn(gen, sum(lens_q), 4, 64, dtype=dtype)
+    k = randn(gen, sum(lens_k), 2, 64, dtype=dtype)
+    v = randn(gen, sum(lens_k), 2, 64, dtype=dtype)
     p = _random_pattern(gen, 2, 128, 32, causal=True, density=0.6)
     _check(q, k, v, p, cu_seqlens_q=_cu(lens_q), cu_seqlens_k=_cu(lens_k))
 
 
 def test_empty_query_sequence(gen):
-    q, k, v = _qkv(gen, 1, 0, 40, 2, 2, 64, DTYPES[0])
+    q, k, v = random_qkv(gen, 1, 0, 40, 2, 2, 64, DTYPES[0])
     p = local_stride_pattern(2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2)
     out, lse = s2attn.sparse_attention(q, k, v, p, return_lse=True)
     assert out.shape == q.shape and lse.shape == (1, 2, 0)
@@ -213,13 +204,13 @@ def test_empty_query_sequence(gen):
 def test_strided_inputs(gen, dtype, storage):
     b, s, h, d = 2, 150, 2, 64
     if storage == "qkv_slices":
-        q, k, v = _randn(gen, b, s, 3, h, d, dtype=dtype).unbind(2)
+        q, k, v = randn(gen, b, s, 3, h, d, dtype=dtype).unbind(2)
     elif storage == "transposed":  # (batch, heads, seq, dim) storage, and (seq, batch, ...)
-        q = _randn(gen, b, h, s, d, dtype=dtype).transpose(1, 2)
-        k = _randn(gen, b, h, s, d, dtype=dtype).transpose(1, 2)
-        v = _randn(gen, s, b, h, d, dtype=dtype).transpose(0, 1)
+        q = randn(gen, b, h, s, d, dtype=dtype).transpose(1, 2)
+        k = randn(gen, b, h, s, d, dtype=dtype).transpose(1, 2)
+        v = randn(gen, s, b, h, d, dtype=dtype).transpose(0, 1)
     else:  # every other element of the head dim
-        q, k, v = (_randn(gen, b, s, h, 2 * d, dtype=dtype)[..., ::2] for _ in range(3))
+        q, k, v = (randn(gen, b, s, h, 2 * d, dtype=dtype)[..., ::2] for _ in range(3))
     assert not any(t.is_contiguous() for t in (q, k, v))
     p = local_stride_pattern(h, max_seq_len=s, block_size=32, local_blocks=2, vert_stride=2)
     out, _ = _check(q, k, v, p)
@@ -238,7 +229,7 @@ def test_rows_that_attend_nothing(gen, dtype, causal):
     mask[0, 2] = False  # head 0, query block 2 (rows 32..47) keeps no KV block
     mask[1, 6] = False  # head 1, the ragged last block (rows 96..99)
     p = BlockPattern(mask, bs, causal)
-    out, lse = _check(*_qkv(gen, 2, seq, seq, 2, 2, 64, dtype), p)
+    out, lse = _check(*random_qkv(gen, 2, seq, seq, 2, 2, 64, dtype), p)
     for head, rows in ((0, slice(32, 48)), (1, slice(96, 100))):
         assert (out[:, rows, head] == 0).all()
         assert (lse[:, head, rows] == float("-inf")).all()
@@ -250,7 +241,7 @@ def test_rows_that_attend_nothing(gen, dtype, causal):
 def test_pattern_that_keeps_nothing(gen, causal):
     dtype = DTYPES[0]
     p = BlockPattern(torch.zeros(2, 4, 4, dtype=torch.bool), 32, causal)
-    out, lse = _check(*_qkv(gen, 1, 70, 100, 2, 2, 64, dtype), p)
+    out, lse = _check(*random_qkv(gen, 1, 70, 100, 2, 2, 64, dtype), p)
     assert (out == 0).all() and (lse == float("-inf")).all()
 
 
@@ -267,7 +258,7 @@ def _split(p: BlockPattern, gen) -> tuple[BlockPattern, BlockPattern]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_merge_partials_equals_one_call(gen, dtype, causal):
-    q, k, v = _qkv(gen, 2, 90, 120, 2, 2, 64, dtype)
+    q, k, v = random_qkv(gen, 2, 90, 120, 2, 2, 64, dtype)
     p = local_stride_pattern(
         2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3, causal=causal
     )
@@ -284,7 +275,7 @@ def test_merge_partials_equals_one_call(gen, dtype, causal):
 def test_merge_partials_packed_with_empty_rows(gen):
     dtype = DTYPES[0]
     lens = [50, 90]
-    q, k, v = (_randn(gen, sum(lens), 2, 64, dtype=dtype) for _ in range(3))
+    q, k, v = (randn(gen, sum(lens), 2, 64, dtype=dtype) for _ in range(3))
     mask = local_stride_pattern(
         2, max_seq_len=96, block_size=16, local_blocks=1, vert_stride=3
     ).mask.clone()
@@ -303,7 +294,7 @@ def test_merge_partials_packed_with_empty_rows(gen):
 def test_module_matches_function(gen):
     dtype = DTYPES[0]
     p = local_stride_pattern(4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=2)
-    q, k, v = _qkv(gen, 1, 128, 128, 4, 2, 64, dtype)
+    q, k, v = random_qkv(gen, 1, 128, 128, 4, 2, 64, dtype)
     attn = s2attn.SparseAttention(p, softmax_scale=0.2)
     out, lse = attn(q, k, v, return_lse=True)
     want, want_lse = s2attn.sparse_attention(q, k, v, p, softmax_scale=0.2, return_lse=True)
@@ -318,7 +309,7 @@ def test_module_matches_function(gen):
 def test_module_varlen(gen):
     dtype = DTYPES[0]
     lens = [30, 70]
-    q, k, v = (_randn(gen, 100, 2, 32, dtype=dtype) for _ in range(3))
+    q, k, v = (randn(gen, 100, 2, 32, dtype=dtype) for _ in range(3))
     p = local_stride_pattern(2, max_seq_len=80, block_size=16, local_blocks=1, vert_stride=2)
     cu = dict(cu_seqlens_q=_cu(lens), cu_seqlens_k=_cu(lens))
     out = s2attn.SparseAttention(p)(q, k, v, **cu)
@@ -330,11 +321,11 @@ def test_qkvpacked_matches_slices(gen, varlen):
     dtype = DTYPES[0]
     p = local_stride_pattern(2, max_seq_len=160, block_size=32, local_blocks=1, vert_stride=2)
     if varlen:
-        qkv = _randn(gen, 210, 3, 2, 64, dtype=dtype)
+        qkv = randn(gen, 210, 3, 2, 64, dtype=dtype)
         kwargs = dict(cu_seqlens=_cu([60, 150]))
         sliced = dict(cu_seqlens_q=kwargs["cu_seqlens"], cu_seqlens_k=kwargs["cu_seqlens"])
     else:
-        qkv = _randn(gen, 2, 150, 3, 2, 64, dtype=dtype)
+        qkv = randn(gen, 2, 150, 3, 2, 64, dtype=dtype)
         kwargs, sliced = {}, {}
     out, lse = s2attn.sparse_attention_qkvpacked(qkv, p, return_lse=True, **kwargs)
     want, want_lse = _check(*qkv.unbind(-3), p, **sliced)
@@ -360,7 +351,7 @@ def test_tile_geometries(gen, monkeypatch, causal, block_size, block_m, block_n)
     dtype = DTYPES[0]
     monkeypatch.setattr(dispatch, "forward_tile_sizes", lambda *_: (block_m, block_n))
     p = _random_pattern(gen, 2, 280, block_size, causal, density=0.6)
-    _check(*_qkv(gen, 1, 200, 270, 2, 2, 64, dtype), p)
+    _check(*random_qkv(gen, 1, 200, 270, 2, 2, 64, dtype), p)
 
 
 # ------------------------------------------------------------------------------ torch.compile
@@ -370,13 +361,13 @@ def test_torch_compile_traces_the_call(gen):
     import warnings
 
     dtype = DTYPES[0]
-    q, k, v = (t.requires_grad_() for t in _qkv(gen, 1, 64, 64, 2, 2, 16, dtype))
+    q, k, v = (t.requires_grad_() for t in random_qkv(gen, 1, 64, 64, 2, 2, 16, dtype))
     p = local_stride_pattern(2, max_seq_len=64, block_size=16, local_blocks=1, vert_stride=2)
 
     def fn(q, k, v):
         return s2attn.sparse_attention(q, k, v, p) * 2
 
-    upstream = _randn(gen, *q.shape, dtype=dtype)
+    upstream = randn(gen, *q.shape, dtype=dtype)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="s2attn")
@@ -393,7 +384,7 @@ def test_torch_compile_traces_the_call(gen):
 # --------------------------------------------------------------------------- the tests can fail
 def test_a_wrong_pattern_is_caught(gen):
     dtype = DTYPES[0]
-    q, k, v = _qkv(gen, 1, 128, 128, 2, 2, 64, dtype)
+    q, k, v = random_qkv(gen, 1, 128, 128, 2, 2, 64, dtype)
     p = local_stride_pattern(2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=4)
     shifted = local_stride_pattern(
         2, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=4, head_offset=1
@@ -425,7 +416,7 @@ def test_gpu_large(gen, dtype, batch, seq, heads, kv_heads, dim, block_size, cau
     p = local_stride_pattern(
         heads, max_seq_len=seq, block_size=block_size, local_blocks=4, vert_stride=4, causal=causal
     )
-    _check(*_qkv(gen, batch, seq, seq, heads, kv_heads, dim, dtype), p)
+    _check(*random_qkv(gen, batch, seq, seq, heads, kv_heads, dim, dtype), p)
 
 
 @pytest.mark.gpu
@@ -434,9 +425,9 @@ def test_gpu_large(gen, dtype, batch, seq, heads, kv_heads, dim, block_size, cau
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_varlen(gen, dtype, causal):
     lens_q, lens_k = [1000, 37, 2049, 1], [1500, 37, 2049, 700]
-    q = _randn(gen, sum(lens_q), 8, 128, dtype=dtype)
-    k = _randn(gen, sum(lens_k), 2, 128, dtype=dtype)
-    v = _randn(gen, sum(lens_k), 2, 128, dtype=dtype)
+    q = randn(gen, sum(lens_q), 8, 128, dtype=dtype)
+    k = randn(gen, sum(lens_k), 2, 128, dtype=dtype)
+    v = randn(gen, sum(lens_k), 2, 128, dtype=dtype)
     p = local_stride_pattern(
         8,
         max_seq_len=2049,
