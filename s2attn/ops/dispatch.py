@@ -509,21 +509,10 @@ def decode(
     """A decode step over a paged KV cache: :func:`s2attn.ops.triton.decode.decode`'s arguments
     and results, with bfloat16 computed in float32 under the interpreter (see
     :func:`interpreter_upcasts`)."""
-    if interpreter_upcasts(q):
-        out, lse = triton_decode.decode(
-            *(t.float() for t in (q, k_pages, v_pages)),
-            page_table,
-            seq_lens,
-            layout,
-            softmax_scale=softmax_scale,
-            num_splits=num_splits,
-            split_counters=split_counters,
-        )
-        return out.to(q.dtype), lse
-    return triton_decode.decode(
-        q,
-        k_pages,
-        v_pages,
+    upcast = interpreter_upcasts(q)
+    operands = (t.float() for t in (q, k_pages, v_pages)) if upcast else (q, k_pages, v_pages)
+    out, lse = triton_decode.decode(
+        *operands,
         page_table,
         seq_lens,
         layout,
@@ -531,6 +520,7 @@ def decode(
         num_splits=num_splits,
         split_counters=split_counters,
     )
+    return (out.to(q.dtype) if upcast else out), lse
 
 
 # ------------------------------------------------------------------------- the paged cache
