@@ -123,3 +123,21 @@ def tiny_llama_config(num_layers: int = 3, **overrides):
         pad_token_id=0,
     )
     return transformers.LlamaConfig(**(fields | overrides))
+
+
+def write_source_corpus(root, files: int = 16, functions: int = 30) -> None:
+    """Source-like files under ``root/pkg`` that fall in both splits at val_fraction 0.3, for
+    training tests that must not walk site-packages."""
+    from s2attn.models import data
+
+    names = [f"pkg/mod_{i}.py" for i in range(files)]
+    splits = {data.split_of(n, 0.3) for n in names}
+    assert splits == {"train", "val"}, "the corpus's file names must fall in both splits"
+    for i, name in enumerate(names):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            "".join(
+                f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n" for j in range(functions)
+            )
+        )

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from gloo import spawn
-from helpers import assert_close, random_qkv, tiny_llama_config
+from helpers import assert_close, random_qkv, tiny_llama_config, write_source_corpus
 
 import s2attn
 from s2attn.distributed import context_parallel_attention, shard, unshard
@@ -186,13 +186,7 @@ def test_s2attn_train_in_bfloat16_learns(tmp_path):
 
     from s2attn.models import train
 
-    root = tmp_path / "corpus" / "pkg"
-    root.mkdir(parents=True)
-    for i in range(8):
-        text = "".join(
-            f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n" for j in range(30)
-        )
-        (root / f"mod_{i}.py").write_text(text)
+    write_source_corpus(tmp_path / "corpus", files=8)
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     out = tmp_path / "run"

@@ -57,20 +57,6 @@ def _reference_attention(monkeypatch):
     monkeypatch.setattr(s2hf, "sparse_attention", s2attn.attention_reference)
 
 
-@pytest.fixture(scope="module")
-def corpus_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    names = [f"pkg/mod_{i}.py" for i in range(16)]
-    assert {data.split_of(n, 0.3) for n in names} == {"train", "val"}
-    for i, name in enumerate(names):
-        path = root / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(
-            "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40))
-        )
-    return root
-
-
 def _args(out: Path, root: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)

@@ -66,22 +66,6 @@ def _reference_attention(monkeypatch):
     _s2_layers_on_reference(monkeypatch)
 
 
-@pytest.fixture(scope="module")
-def corpus_root(tmp_path_factory) -> Path:
-    """Source-like files in both splits at val_fraction 0.3, so no test walks site-packages."""
-    root = tmp_path_factory.mktemp("corpus")
-    names = [f"pkg/mod_{i}.py" for i in range(16)]
-    splits = {data.split_of(n, 0.3) for n in names}
-    assert splits == {"train", "val"}, "the fixture's file names must fall in both splits"
-    for i, name in enumerate(names):
-        path = root / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(
-            "".join(f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n" for j in range(30))
-        )
-    return root
-
-
 def _args(out: Path, root: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
