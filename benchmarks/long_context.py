@@ -21,16 +21,18 @@ The base is one model per seed, of ``--base-variant`` (default hhst); every vari
 starts from the same weights (the variants share every parameter and differ only in attention),
 reads the same batches (same seed) and so sees equal tokens. Variants (``--variants``, default
 ``dense,hhst,local``) are names of ``VARIANTS``: name -> extra ``s2attn train`` arguments;
-``--variant-args NAME=ARGS`` adds or replaces one. ``hhst-pi`` (HHST with position interpolation
+``--variant-args NAME=ARGS`` adds or replaces one; ``--variants-128k`` keeps only some of them
+for the 128k phase. ``hhst-pi`` (HHST with position interpolation
 instead of a larger RoPE base) and ``s2`` are there to add; an HHST with a RoPE base of 1M::
 
     --variants dense,hhst,local,hhst-1m --variant-args "hhst-1m=--variant hhst --rope-theta 1e6"
 
 Each extension phase's position scheme is ``--rope-32k`` / ``--rope-128k`` (train arguments; the
 variant's come after them and win). In these and in variant arguments ``{len}`` is the phase
-length, ``{scale}`` the phase length over the base length (8 at 32k, 32 at 128k) and ``{theta}``
-10000 x ``{scale}``: by default the RoPE base grows with the length (80000 at 32k, 320000 at
-128k), so the slowest rotation still turns less than once over the context as it did at 4k.
+length, ``{scale}`` the phase length over the base length (8 at 32k, 32 at 128k), ``{theta}``
+10000 x ``{scale}`` and ``{theta_sq}`` 10000 x ``{scale}`` squared (640000 at 32k, 10240000 at
+128k). By default the RoPE base grows with the length (80000 at 32k, 320000 at 128k), so the
+slowest rotation still turns less than once over the context as it did at 4k.
 Learning rate ``--lr-32k``/``--lr-128k`` (3e-4) after ``--warmup-32k``/``--warmup-128k`` (20)
 steps; gradient checkpointing from ``--checkpointing-from`` tokens (32768) on; validation every
 ``--val-every-32k``/``--val-every-128k`` steps (a tenth of the phase), so dense's curve gives the
@@ -84,7 +86,7 @@ from run_info import environment, result_stem, table, versions_line  # noqa: E40
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# name -> extra arguments of `s2attn train` (formatted with {len}, {scale}, {theta}).
+# name -> extra arguments of `s2attn train` (formatted with {len}, {scale}, {theta}, {theta_sq}).
 VARIANTS: dict[str, list[str]] = {
     "dense": ["--variant", "dense"],
     "hhst": ["--variant", "hhst"],
@@ -192,12 +194,17 @@ class Job:
 
 def _format(args: list[str], length: int, base_len: int) -> list[str]:
     scale = length / base_len
-    values = dict(len=length, scale=f"{scale:g}", theta=f"{BASE_THETA * scale:g}")
+    values = dict(
+        len=length,
+        scale=f"{scale:g}",
+        theta=f"{BASE_THETA * scale:g}",
+        theta_sq=f"{BASE_THETA * scale**2:g}",
+    )
     try:
         return [a.format(**values) for a in args]
     except (KeyError, IndexError, ValueError) as exc:
         raise SystemExit(
-            f"bad placeholder in {' '.join(args)!r}: {exc} (use {{len}}, {{scale}} or {{theta}})"
+            f"bad placeholder in {' '.join(args)!r}: {exc} (use {{len}}, {{scale}}, {{theta}} or {{theta_sq}})"
         ) from None
 
 
@@ -273,7 +280,7 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
         previous = {v: (f"base/s{seed}", base) for v in o.variants}
         for offset, phase in enumerate(PHASES[1:], start=2):
             p = o.phase[phase]
-            for v in o.variants:
+            for v in o.variants_128k if phase == "128k" else o.variants:
                 out = runs / phase / v / f"s{seed}"
                 dep, source = previous[v]
                 train(
@@ -758,6 +765,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"of {', '.join(VARIANTS)} and those --variant-args adds (default dense,hhst,local)",
     )
     add(
+        "--variants-128k",
+        default=None,
+        help="the variants that go on to 128k, of --variants (default all of them)",
+    )
+    add(
         "--variant-args",
         action="append",
         default=[],
@@ -826,6 +838,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--variant-args takes NAME=ARGS, got {spec!r}")
         VARIANTS[name.strip()] = shlex.split(args)
     o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
+    if o.variants_128k is None:
+        o.variants_128k = list(o.variants)
+    else:
+        o.variants_128k = [v.strip() for v in o.variants_128k.split(",") if v.strip()]
+        if not set(o.variants_128k) <= set(o.variants):
+            ap.error(f"--variants-128k {o.variants_128k} must be among --variants {o.variants}")
     for v in [*o.variants, o.base_variant]:
         if v not in VARIANTS:
             ap.error(

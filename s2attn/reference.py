@@ -128,9 +128,10 @@ def _sequence_spans(q, k, cu_seqlens_q, cu_seqlens_k):
     return [((slice(a, b),), (slice(c, d),)) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
 
 
-def _tiles(pattern: BlockPattern, seq_q: int, seq_k: int):
+def _tiles(pattern: BlockPattern, seq_q: int, seq_k: int, device: torch.device):
     """Per (pattern head, query tile): the tile's query rows, the key rows its blocks keep, and
-    the (rows, keys) mask, the causal rule included. Queries are aligned bottom-right."""
+    the (rows, keys) mask, the causal rule included, on ``device``. Queries are aligned
+    bottom-right."""
     bs = pattern.block_size
     offset = seq_k - seq_q
     first_block, stop_block = offset // bs, -(-seq_k // bs)
@@ -143,7 +144,7 @@ def _tiles(pattern: BlockPattern, seq_q: int, seq_k: int):
             i, j = i[keep], j[keep]
             q_pos = torch.arange(max(i0 * bs, offset), min(i1 * bs, seq_k))
             if j.numel() == 0:
-                yield head, q_pos - offset, None, None
+                yield head, (q_pos - offset).to(device), None, None
                 continue
             kv_blocks, j_index = torch.unique(j, return_inverse=True)
             k_pos = (kv_blocks[:, None] * bs + torch.arange(bs)).flatten()
@@ -154,7 +155,8 @@ def _tiles(pattern: BlockPattern, seq_q: int, seq_k: int):
             mask = kept[q_pos // bs - i0][:, col_of_key]
             if pattern.causal:
                 mask &= q_pos[:, None] >= k_pos[None, :]
-            yield head, q_pos - offset, k_pos, mask
+            # Built on the host, where the pattern's block lists live; used where q is.
+            yield head, (q_pos - offset).to(device), k_pos.to(device), mask.to(device)
 
 
 def _head_map(pattern: BlockPattern, num_q_heads: int, num_kv_heads: int):
@@ -198,7 +200,7 @@ def blockwise_forward(
             continue
         qf, kf, vf = (t.to(compute) for t in (qs, ks, vs))
         seq_out, seq_lse = out[rows], lse_rows[rows]
-        for head, q_rows, k_pos, mask in _tiles(pattern, qs.shape[0], ks.shape[0]):
+        for head, q_rows, k_pos, mask in _tiles(pattern, qs.shape[0], ks.shape[0], q.device):
             if k_pos is None:
                 continue
             group, kv_head = heads[head]
@@ -246,7 +248,7 @@ def blockwise_backward(
             continue
         qf, kf, vf = (t.to(compute) for t in (qs, ks, vs))
         dqs, dks, dvs = dq[rows], dk[cols], dv[cols]
-        for head, q_rows, k_pos, mask in _tiles(pattern, qs.shape[0], ks.shape[0]):
+        for head, q_rows, k_pos, mask in _tiles(pattern, qs.shape[0], ks.shape[0], q.device):
             if k_pos is None:
                 continue
             group, kv_head = heads[head]

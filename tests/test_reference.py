@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, skip_without_gpu
 
 import s2attn
 from s2attn.reference import attention_reference, blockwise_backward, blockwise_forward
@@ -115,6 +115,22 @@ def test_blockwise_varlen_with_empty_sequences():
     _check(q, k, v, pattern, cu_q, cu_k)
 
 
+@skip_without_gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_blockwise_on_a_gpu(varlen):
+    """The fallback on CUDA tensors (a GPU Triton does not serve): the pattern's block lists live
+    on the host, the tiles' positions and masks go where q is."""
+    pattern = s2attn.local_stride_pattern(
+        4, max_seq_len=512, block_size=16, local_blocks=2, vert_stride=3, num_kv_heads=2
+    )
+    if varlen:
+        cu = torch.tensor([0, 30, 30, 130], dtype=torch.int32, device="cuda")
+        q, k, v = (t.cuda() for t in _qkv((), 130, 130, 4, 2, 16, seed=4))
+        _check(q, k, v, pattern, cu, cu)
+    else:
+        _check(*(t.cuda() for t in _qkv((2,), 200, 200, 4, 2, 16, seed=4)), pattern)
+
+
 def test_blockwise_float64_computes_in_float64():
     """float64 inputs (gradcheck's) compute in float64: agreement to 1e-12, not float32's 1e-7."""
     pattern = s2attn.local_stride_pattern(2, max_seq_len=64, block_size=16, local_blocks=1,
@@ -134,7 +150,9 @@ def test_blockwise_float64_computes_in_float64():
 
 # A CPU process without the interpreter: sparse_attention and its backward take the blockwise
 # path. 8 heads of 8192 tokens: the dense-mask reference holds (heads, N, N) float32 scores and
-# probabilities, 2 GiB each; the blockwise path stays near its inputs and gradients.
+# probabilities, 2 GiB each; the blockwise path stays near its inputs and gradients. Measured as
+# the peak's growth over the process once its inputs exist: what the libraries map at import
+# (CUDA's, on a GPU machine) is not the call's.
 _ROUTE = textwrap.dedent(
     """
     import resource, torch, s2attn
@@ -145,9 +163,10 @@ _ROUTE = textwrap.dedent(
                                     vert_stride=16)
     q, k, v = (torch.randn(1, 8192, 8, 64, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     out, lse = s2attn.sparse_attention(q, k, v, p, return_lse=True)
     (out.float().square().sum() + lse.sum()).backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 - before
     # Rows spread over the sequence against the dense mask on those rows alone.
     rows = torch.tensor([0, 1, 63, 64, 1000, 4095, 8191])
     qr = q.detach()[:, rows]
@@ -156,10 +175,10 @@ _ROUTE = textwrap.dedent(
     s = s.masked_fill(~mask, float("-inf"))
     ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.detach().float())
     err = ((out[:, rows].float() - ref).norm() / ref.norm()).item()
-    print(f"peak {peak:.2f} GiB, error {err:.1e}")
+    print(f"peak growth {peak:.2f} GiB, error {err:.1e}")
     assert err < 1e-2, err
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
-    assert peak < 1.5, peak
+    assert peak < 1.0, peak
     empty = torch.empty(0, 64, 8, 64)
     assert s2attn.sparse_attention(empty, empty, empty, p).shape == empty.shape
     """

@@ -418,7 +418,7 @@ def test_pipeline_on_the_cpu_resumes_after_its_deadline(tmp_path):
     assert "jobs unfinished" in stopped and "run the same command again" in stopped
     assert not (runs / "base" / "s0").exists()  # nothing after an unfinished job
 
-    first = invoke("--deadline", "14")
+    first = invoke("--deadline", "30")
     assert "resuming base1k/s0" in first
     assert "resuming at step 2" in (runs / "logs" / "base1k_s0.log").read_text()
     assert "jobs unfinished" in first

@@ -20,6 +20,7 @@ import pytest
 import triton
 
 BUILD = Path(__file__).with_name("hopper_build.py")
+ROOT = BUILD.parents[2]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 # Spill bytes (stores, loads) each build may have: the dim-128 dK/dV kernel spills a few scalars
 # in its entry loop, as it did when it landed (docs/design.md, #15), and since its
@@ -38,6 +39,8 @@ pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's bundled ptx
 @pytest.mark.parametrize("case", list(SPILLS))
 def test_builds_without_spills_or_serialized_wgmma(case):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The script imports s2attn from this checkout, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.fspath(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, os.fspath(BUILD), case],
         capture_output=True,
