@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .memory import build_outside_graph_pool
-from .pattern import BlockPattern
+from .pattern import BlockPattern, check_dense_view
 
 __all__ = [
     "MAX_ENTRY_BITS",
@@ -623,15 +623,28 @@ class DecodeLayout:
         return self.num_q_blocks * self.block_size
 
 
-def group_block_mask(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
+def group_block_mask(
+    pattern: BlockPattern, num_kv_heads: int, *, max_bytes: int | None = None
+) -> torch.Tensor:
     """(num_kv_heads, heads_per_kv_head, q_blocks, kv_blocks): the effective mask per GQA group,
     with the group axis collapsed to 1 when every head of every group shares one pattern.
 
     What a KV cache sees of a pattern: the decode layout lists it, and the cache's eviction
-    schedule (``s2attn.inference.eviction``) reads each KV block's last use from it."""
+    schedule (``s2attn.inference.eviction``) reads each KV block's last use from it. Dense, so
+    it raises ``ValueError`` before allocating when the view, the visibility mask and the
+    comparison of the group's heads (``(2 * heads + 1) * q_blocks * kv_blocks`` bytes) would
+    exceed ``max_bytes`` (default :data:`s2attn.pattern.DENSE_VIEW_LIMIT`)."""
     check_kv_heads(pattern, num_kv_heads)
-    m = pattern.effective_block_mask()
-    m = m.view(num_kv_heads, pattern.num_heads // num_kv_heads, *m.shape[1:])
+    heads, q_blocks, kv_blocks = pattern.num_heads, pattern.num_q_blocks, pattern.num_kv_blocks
+    check_dense_view(
+        f"group_block_mask(num_kv_heads={num_kv_heads})",
+        (2 * heads + 1) * q_blocks * kv_blocks,
+        max_bytes,
+        "decode_layout(pattern, num_kv_heads) lists the same blocks in memory proportional to "
+        "them, and s2attn.inference.eviction.kv_last_use gives each block's last use",
+    )
+    m = pattern.effective_block_mask(max_bytes=max_bytes)
+    m = m.view(num_kv_heads, heads // num_kv_heads, *m.shape[1:])
     if m.shape[1] > 1 and bool((m == m[:, :1]).all()):
         m = m[:, :1]
     return m

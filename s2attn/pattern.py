@@ -22,7 +22,9 @@ import torch
 from .input_checks import as_int, check_int
 
 __all__ = [
+    "DENSE_VIEW_LIMIT",
     "BlockPattern",
+    "check_dense_view",
     "dense_pattern",
     "local_stride_pattern",
     "shared_dense_pattern",
@@ -35,6 +37,35 @@ _LIVE: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDiction
 # Kept blocks per step when a check walks a pattern's lists: the step's temporaries, several int64
 # tensors of this length, stay under 100 MB at any pattern size.
 _WALK_BLOCKS = 1 << 20
+
+# Bytes of host memory that one dense view of a pattern may take: :attr:`BlockPattern.mask`,
+# :meth:`~BlockPattern.effective_block_mask`, :meth:`~BlockPattern.token_mask`,
+# :meth:`~BlockPattern.draw`'s picture and :func:`s2attn.layout.group_block_mask`. They grow with
+# the square of the blocks or tokens (the mask of 32 heads at 4M tokens in blocks of 64 is
+# 137 GB), and a host that overcommits memory kills the process when it touches the pages
+# instead of refusing the allocation, so they refuse first. Raise it for a host known to have
+# the room; the methods that take ``max_bytes`` override it per call.
+DENSE_VIEW_LIMIT = 4 << 30
+
+
+def check_dense_view(what: str, needed: int, max_bytes: object, alternative: str) -> None:
+    """Raise ``ValueError`` when ``what`` would need more than ``max_bytes`` of host memory
+    (None: :data:`DENSE_VIEW_LIMIT`), naming both and ``alternative``; called before allocating."""
+    limit = DENSE_VIEW_LIMIT if max_bytes is None else check_int("max_bytes", max_bytes, 0)
+    if needed > limit:
+        raise ValueError(
+            f"{what} would need {needed:,} bytes ({needed / 2**30:.3g} GiB) of host memory, over "
+            f"the limit of {limit:,} bytes (max_bytes, default s2attn.pattern.DENSE_VIEW_LIMIT); "
+            f"{alternative}"
+        )
+
+
+# What to use instead of a dense view: the same answers in memory proportional to the kept blocks.
+_INSTEAD_OF_MASK = (
+    "the checks (density, is_kv_efficient, is_union_complete, kept_blocks_per_head) need no "
+    "mask; for the blocks themselves use row_blocks(head, first, stop) or "
+    "block_coordinates(heads=...), or take the view of a corner, crop(num_blocks)"
+)
 
 
 def _check_block_size(block_size: object) -> int:
@@ -300,9 +331,15 @@ class BlockPattern:
     @property
     def mask(self) -> torch.Tensor:
         """The dense bool view (heads, q_blocks, kv_blocks), built on each access: as large as the
-        square of the block count, so for small patterns and tests."""
-        heads, q_blocks, kv_blocks = self._shape
-        dense = torch.zeros(heads, q_blocks, kv_blocks, dtype=torch.bool)
+        square of the block count, so for small patterns and tests. Raises ``ValueError`` before
+        allocating when its ``heads * q_blocks * kv_blocks`` bytes exceed
+        :data:`DENSE_VIEW_LIMIT`."""
+        check_dense_view("BlockPattern.mask", math.prod(self._shape), None, _INSTEAD_OF_MASK)
+        return self._dense_mask()
+
+    def _dense_mask(self) -> torch.Tensor:
+        """:attr:`mask`, its size already checked by the caller."""
+        dense = torch.zeros(self._shape, dtype=torch.bool)
         dense[self.block_coordinates()] = True
         return dense
 
@@ -414,27 +451,36 @@ class BlockPattern:
             f"density={self.density():.3f}{dense})"
         )
 
-    def draw(self, head: int = 0, max_blocks: int = 64) -> str:
-        """A text picture of one head's pattern ('#' attended, '.' dropped, ' ' causally hidden)."""
+    def draw(self, head: int = 0, max_blocks: int = 64, *, max_bytes: int | None = None) -> str:
+        """A text picture of one head's pattern ('#' attended, '.' dropped, ' ' causally hidden),
+        of its top-left ``max_blocks`` x ``max_blocks`` corner, built one row at a time from the
+        drawn blocks alone. Raises ``ValueError`` before drawing when the text (2 bytes per cell:
+        the rows and the joined picture) would exceed ``max_bytes`` (default
+        :data:`DENSE_VIEW_LIMIT`)."""
         head = as_int("head", head)
         if not 0 <= head < self.num_heads:
             raise ValueError(f"head {head} outside the pattern's {self.num_heads} heads")
         max_blocks = check_int("max_blocks", max_blocks)
         n_q = min(self.num_q_blocks, max_blocks)
         n_k = min(self.num_kv_blocks, max_blocks)
-        _, i, j = self.block_coordinates(heads=slice(head, head + 1))
-        keep = (i < n_q) & (j < n_k)
-        m = torch.zeros(n_q, n_k, dtype=torch.bool)
-        m[i[keep], j[keep]] = True
+        check_dense_view(
+            f"draw(max_blocks={max_blocks}) of {n_q} x {n_k} blocks",
+            2 * n_q * (n_k + 1),
+            max_bytes,
+            "pass a smaller max_blocks",
+        )
+        rules = self._head_rules(slice(head, head + 1))
         lines = []
         for r in range(n_q):
-            row = []
-            for c in range(n_k):
-                if self.causal and c > r:
-                    row.append(" ")
-                else:
-                    row.append("#" if m[r, c] else ".")
-            lines.append("".join(row).rstrip())
+            if rules is not None:  # the rule over the drawn corner: nothing past it is generated
+                _, _, j = _row_lists(n_q, self.causal, *rules[0], rows=(r, r + 1))
+            else:
+                _, j = self.row_blocks(head, r, r + 1)
+            # Causally hidden cells are the row's tail, blank: the line stops before them.
+            width = min(r + 1, n_k) if self.causal else n_k
+            row = torch.full((width,), ord("."), dtype=torch.uint8)
+            row[j[j < width]] = ord("#")
+            lines.append(row.numpy().tobytes().decode())
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- masks
@@ -445,14 +491,35 @@ class BlockPattern:
             return torch.ones(qb, kb, dtype=torch.bool)
         return torch.arange(kb)[None, :] <= torch.arange(qb)[:, None]
 
-    def effective_block_mask(self) -> torch.Tensor:
-        """The mask with causally invisible blocks cleared: (heads, q_blocks, kv_blocks)."""
-        return self.mask & self._visible_blocks()
+    def effective_block_mask(self, *, max_bytes: int | None = None) -> torch.Tensor:
+        """The mask with causally invisible blocks cleared: bool (heads, q_blocks, kv_blocks).
 
-    def token_mask(self, seq_q: int, seq_k: int | None = None) -> torch.Tensor:
+        Raises ``ValueError`` before allocating when the view and the (q_blocks, kv_blocks)
+        visibility mask together (``(heads + 1) * q_blocks * kv_blocks`` bytes) would exceed
+        ``max_bytes`` (default :data:`DENSE_VIEW_LIMIT`).
+        """
+        heads, q_blocks, kv_blocks = self._shape
+        check_dense_view(
+            "BlockPattern.effective_block_mask()",
+            (heads + 1) * q_blocks * kv_blocks,
+            max_bytes,
+            _INSTEAD_OF_MASK,
+        )
+        mask = self._dense_mask()
+        mask &= self._visible_blocks()
+        return mask
+
+    def token_mask(
+        self, seq_q: int, seq_k: int | None = None, *, max_bytes: int | None = None
+    ) -> torch.Tensor:
         """Dense token mask (heads, seq_q, seq_k), bool: may query row t attend key s.
 
         Queries are bottom-right aligned (row ``t`` at absolute position ``t + seq_k - seq_q``).
+        Raises ``ValueError`` before allocating when its dense tensors together would exceed
+        ``max_bytes`` (default :data:`DENSE_VIEW_LIMIT`): the block mask of the ``nb`` blocks
+        that ``seq_k`` spans, its rows per query, the token mask, and the causal rule, i.e.
+        ``heads * (nb * nb + seq_q * nb + seq_q * seq_k) + seq_q * seq_k`` bytes (without the last
+        term when not causal).
         """
         seq_k = seq_q if seq_k is None else seq_k
         seq_q = check_int("seq_q", seq_q)
@@ -463,13 +530,22 @@ class BlockPattern:
             raise ValueError(
                 f"sequence length {seq_k} exceeds the pattern's max_seq_len {self.max_seq_len}"
             )
-        q_pos = torch.arange(seq_q) + (seq_k - seq_q)
-        k_pos = torch.arange(seq_k)
         bs = self.block_size
         nb = math.ceil(seq_k / bs)
-        m = self.crop(nb).mask[:, q_pos // bs][:, :, k_pos // bs]
+        heads = self.num_heads
+        check_dense_view(
+            f"token_mask({seq_q}, {seq_k}) of {heads} heads",
+            heads * (nb * nb + seq_q * nb + seq_q * seq_k) + (seq_q * seq_k if self.causal else 0),
+            max_bytes,
+            "s2attn.sparse_attention never builds this mask; for a check, take fewer tokens "
+            "(seq_q rows against the first seq_k keys) or use the pattern's own checks and "
+            "row_blocks",
+        )
+        q_pos = torch.arange(seq_q) + (seq_k - seq_q)
+        k_pos = torch.arange(seq_k)
+        m = self.crop(nb)._dense_mask()[:, q_pos // bs][:, :, k_pos // bs]
         if self.causal:
-            m = m & (q_pos[:, None] >= k_pos[None, :])
+            m &= q_pos[:, None] >= k_pos[None, :]
         return m
 
     # --------------------------------------------------------------- checks

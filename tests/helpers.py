@@ -1,7 +1,10 @@
 """What every test module shares: the device, the dtypes to test on it, random inputs of the
-attention layout, one comparison, a spy on kernel launches and a tiny Llama config."""
+attention layout, one comparison, a spy on kernel launches, a guard against allocating tensors
+and a tiny Llama config."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -141,3 +144,20 @@ def write_source_corpus(root, files: int = 16, functions: int = 30) -> None:
                 f"def f{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n\n" for j in range(functions)
             )
         )
+
+
+_TENSOR_FACTORIES = ("arange", "empty", "full", "full_like", "ones", "repeat_interleave", "zeros")
+
+
+@contextlib.contextmanager
+def no_tensor_allocation(monkeypatch: pytest.MonkeyPatch):
+    """Within the block, torch's tensor factories fail the test: a size check that must run
+    before anything is allocated raises first, or the test fails."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was allocated before the size check")
+
+    with monkeypatch.context() as patch:
+        for name in _TENSOR_FACTORIES:
+            patch.setattr(torch, name, refuse)
+        yield

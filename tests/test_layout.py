@@ -7,9 +7,17 @@ import math
 
 import pytest
 import torch
+from helpers import no_tensor_allocation
 
+import s2attn.pattern as pattern_module
 from s2attn import BlockPattern, local_stride_pattern
-from s2attn.layout import MAX_ENTRY_BITS, TileLayout, backward_layout, forward_layout
+from s2attn.layout import (
+    MAX_ENTRY_BITS,
+    TileLayout,
+    backward_layout,
+    forward_layout,
+    group_block_mask,
+)
 
 # (block_size, block_m, block_n): Merge-Q (block_m > block_size), split blocks (block_n <
 # block_size), packed blocks (block_n > block_size), and all 64 bits of an entry (16 / 128x128).
@@ -372,3 +380,26 @@ def test_gather_kv_is_ignored_when_blocks_fill_the_kv_tile():
     layout = backward_layout(p, 64, 64, gather=True)
     assert layout.gathered_kv is None
     assert layout.num_entries == backward_layout(p, 64, 64).num_entries
+
+
+def test_group_block_mask_refuses_past_its_limit_before_allocating(monkeypatch):
+    """(2 * heads + 1) * q_blocks * kv_blocks bytes: refused one byte short, before any tensor
+    exists, by argument or by the module's limit; built at exactly that."""
+    torch.manual_seed(0)
+    masks = torch.rand(4, 6, 6) < 0.5
+    p = BlockPattern(masks, block_size=16)
+    expected = masks.tril().view(2, 2, 6, 6)
+    needed = (2 * 4 + 1) * 6 * 6
+    assert torch.equal(group_block_mask(p, 2, max_bytes=needed), expected)
+    with no_tensor_allocation(monkeypatch):
+        with pytest.raises(ValueError, match=f"{needed:,} bytes.*decode_layout"):
+            group_block_mask(p, 2, max_bytes=needed - 1)
+    monkeypatch.setattr(pattern_module, "DENSE_VIEW_LIMIT", needed - 1)
+    with no_tensor_allocation(monkeypatch):
+        with pytest.raises(ValueError, match=f"limit of {needed - 1:,} bytes"):
+            group_block_mask(p, 2)
+    monkeypatch.setattr(pattern_module, "DENSE_VIEW_LIMIT", needed)
+    assert torch.equal(group_block_mask(p, 2), expected)
+    # Heads that repeat their group's first collapse to one per group, as before.
+    shared = BlockPattern(masks[::2].repeat_interleave(2, dim=0), block_size=16)
+    assert torch.equal(group_block_mask(shared, 2), masks[::2].tril()[:, None])

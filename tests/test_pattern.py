@@ -13,7 +13,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import no_tensor_allocation
 
+import s2attn.pattern as pattern_module
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
 
 
@@ -939,8 +941,6 @@ def _random_kv_efficient_mask(rng, heads, qb, kb) -> torch.Tensor:
 def test_checks_of_block_lists_equal_the_mask(monkeypatch, walk_blocks):
     """Random user block lists, square or not, walked in small chunks of rows (a few blocks per
     step, rows split between steps) or whole: every check equals the dense-mask answer."""
-    import s2attn.pattern as pattern_module
-
     monkeypatch.setattr(pattern_module, "_WALK_BLOCKS", walk_blocks)
     rng = np.random.default_rng(7)
     outcomes = collections.Counter()
@@ -999,3 +999,122 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024, second
     assert out.returncode == 0, out.stderr
     mib, seconds = (float(x) for x in out.stdout.split())
     assert mib < 1024 and seconds < 10, (mib, seconds)
+
+
+# ---------------------------------------------------------------- dense views, bounded memory
+def _small_patterns():
+    torch.manual_seed(0)
+    yield BlockPattern(torch.rand(3, 5, 7) < 0.5, block_size=16)
+    yield BlockPattern(torch.rand(2, 6, 6) < 0.5, block_size=16, causal=False)
+    yield local_stride_pattern(4, max_seq_len=200, block_size=16, local_blocks=2, vert_stride=3)
+
+
+# (the view, its bytes by the documented formula, what the error suggests instead); a view is
+# called with max_bytes, None meaning the module's DENSE_VIEW_LIMIT.
+def _token_mask_bytes(p, seq_q, seq_k):
+    nb = -(-seq_k // p.block_size)
+    causal = seq_q * seq_k if p.causal else 0
+    return p.num_heads * (nb * nb + seq_q * nb + seq_q * seq_k) + causal
+
+
+_DENSE_VIEWS = {
+    "mask": (
+        lambda p, max_bytes: p.mask,
+        lambda p: p.num_heads * p.num_q_blocks * p.num_kv_blocks,
+        "row_blocks",
+    ),
+    "effective_block_mask": (
+        lambda p, max_bytes: p.effective_block_mask(max_bytes=max_bytes),
+        lambda p: (p.num_heads + 1) * p.num_q_blocks * p.num_kv_blocks,
+        "row_blocks",
+    ),
+    "token_mask": (
+        lambda p, max_bytes: p.token_mask(40, 70, max_bytes=max_bytes),
+        lambda p: _token_mask_bytes(p, 40, 70),
+        "sparse_attention",
+    ),
+    "draw": (
+        lambda p, max_bytes: p.draw(1, max_blocks=4, max_bytes=max_bytes),
+        lambda p: 2 * 4 * (4 + 1),
+        "smaller max_blocks",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "view, by_argument",
+    # A property takes no max_bytes: the mask's limit is the module's alone.
+    [
+        (view, by)
+        for view in sorted(_DENSE_VIEWS)
+        for by in (True, False)
+        if view != "mask" or not by
+    ],
+)
+def test_dense_views_refuse_past_their_limit_before_allocating(monkeypatch, view, by_argument):
+    build, needed_of, instead = _DENSE_VIEWS[view]
+    for p in _small_patterns():
+        needed = needed_of(p)
+        expected = build(p, None)
+        for limit in (needed - 1, needed):
+            if not by_argument:
+                monkeypatch.setattr(pattern_module, "DENSE_VIEW_LIMIT", limit)
+            max_bytes = limit if by_argument else None
+            if limit < needed:
+                with no_tensor_allocation(monkeypatch):
+                    with pytest.raises(ValueError, match=f"{needed:,} bytes") as err:
+                        build(p, max_bytes)
+                assert f"limit of {limit:,} bytes" in str(err.value) and instead in str(err.value)
+            else:
+                got = build(p, max_bytes)
+                assert got == expected if view == "draw" else torch.equal(got, expected)
+        monkeypatch.undo()
+    # The views are what they were: the limit only refuses.
+    mask = torch.tensor([[[1, 0], [1, 1]], [[1, 1], [0, 1]]], dtype=torch.bool)
+    p = BlockPattern(mask, block_size=16)
+    assert torch.equal(p.effective_block_mask(), mask.tril())
+    assert torch.equal(p.token_mask(32), _token_mask_by_hand(mask, 16, True, 32, 32))
+
+
+def test_max_bytes_is_checked_by_name():
+    p = dense_pattern(1, max_seq_len=64, block_size=16)
+    with pytest.raises(ValueError, match="max_bytes"):
+        p.token_mask(16, max_bytes=-1)
+    with pytest.raises(TypeError, match="max_bytes"):
+        p.effective_block_mask(max_bytes=1.5)
+
+
+def test_dense_views_of_millions_of_tokens_refuse_at_once(monkeypatch):
+    """At 4M tokens, the default limit refuses every dense view before it allocates (the mask
+    alone would be 137 GB), builds no lists on the way, and draws from the drawn corner alone."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = local_stride_pattern(
+            32, max_seq_len=4194304, block_size=64, local_blocks=16, vert_stride=32
+        )
+    with no_tensor_allocation(monkeypatch):
+        with pytest.raises(ValueError, match="137,438,953,472 bytes"):
+            _ = p.mask
+        with pytest.raises(ValueError, match="DENSE_VIEW_LIMIT"):
+            p.effective_block_mask()
+        with pytest.raises(ValueError, match="token_mask"):
+            p.token_mask(4194304)
+        with pytest.raises(ValueError, match="token_mask"):
+            p.token_mask(1, 4194304)  # one query row: still 32 heads of 65536^2 blocks
+        with pytest.raises(ValueError, match="max_blocks"):
+            p.draw(max_blocks=1 << 16)
+    assert p._lists is None
+
+    generated = []
+    row_lists = pattern_module._row_lists
+    monkeypatch.setattr(
+        pattern_module,
+        "_row_lists",
+        lambda nb, *args, **kwargs: generated.append(nb) or row_lists(nb, *args, **kwargs),
+    )
+    small = local_stride_pattern(
+        32, max_seq_len=64 * 64, block_size=64, local_blocks=16, vert_stride=32
+    )
+    for head in (0, 5):
+        assert p.draw(head) == small.draw(head)
+    assert generated and max(generated) == 64 and p._lists is None
