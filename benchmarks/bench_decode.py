@@ -14,7 +14,9 @@ Times (medians of ``triton.testing.do_bench``, ms):
   compile and timing, which come between them.
 * ``s2 step``: a whole decode step, ``sparse_attention_with_kvcache(q, cache, k, v)``: append the
   token's K/V, evict, attend; mean over 32 consecutive steps (CUDA events).
-* ``SDPA``: dense SDPA on the dense cache.
+* ``SDPA``: dense SDPA on the dense cache, launched eagerly; ``SDPA graph``: the same call
+  replayed from a CUDA graph. ``dense best``: the faster of the two, the row dense is read by
+  (``dense path`` says which won).
 * ``Flex``: FlexAttention (``torch.compile``-d ``flex_attention``, which decodes a one-token query
   with its split-K decoding kernel) on the dense cache with the pattern's block mask for the new
   token's query block; launched as a user would call it, host work included like ``s2 call``.
@@ -22,8 +24,14 @@ Times (medians of ``triton.testing.do_bench``, ms):
 KV memory: the S2 cache's live pages, what its pattern needs, and the dense cache. ``rel err``
 compares sequence 0's S2 output with the dense-mask reference.
 
+At batch 1 the eager timings (``s2 call``, ``s2 step``, ``SDPA``, ``Flex``) are host work, which
+moves with the host: each is the median of ``--repeats`` runs (default 5), and each batch-1 row
+names the host's load when it ran (load average, cores other processes kept busy); the result's
+heading names the CPU and the load at the start and end of the run.
+
     python benchmarks/bench_decode.py
     python benchmarks/bench_decode.py --contexts 131072 --batches 16 --strides 64 --sweep
+    python benchmarks/bench_decode.py --batches 1 --repeats 9
 
 ``--sweep`` also times every (num_warps, num_stages, block_n, num_splits) of the decode kernel on
 each case and prints the best, to choose the launcher's defaults from measurement.
@@ -39,11 +47,17 @@ import torch
 import torch.nn.functional as F
 from run_info import (
     cell,
+    finish,
     graph_ms,
     heading,
+    host_line,
+    host_load,
+    load_text,
     median_ms,
+    median_run,
     parser,
     rel_err,
+    repeats_argument,
     result_stem,
     start,
     table,
@@ -174,12 +188,15 @@ def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
 
 
 def run_stride(
-    stride, ctx, q, k_full, v_full, k1, v1, sdpa_ms, sdpa_graph_ms, dense_bytes, do_sweep
+    stride, ctx, q, k_full, v_full, k1, v1, sdpa, dense_bytes, do_sweep, repeats
 ) -> dict:
     batch = q.shape[0]
     scale = DIM**-0.5
-    # Room for the new token and STEPS more: the pattern covers two blocks past ctx.
-    max_len = ctx + 2 * BLOCK
+    # At batch 1 the eager timings are host work: the median of `repeats` runs.
+    runs = repeats if batch == 1 else 1
+    load = host_load() if batch == 1 else None
+    # Room for the new token and every timed run's STEPS + 1 more, a block to spare.
+    max_len = ctx + (2 + (runs * (STEPS + 1)) // BLOCK) * BLOCK
     pattern = s2attn.local_stride_pattern(
         KV_HEADS,
         max_seq_len=max_len,
@@ -204,16 +221,16 @@ def run_stride(
     kernel_ms = median_ms(kernel)
     kernel_graph_ms = graph_ms(kernel)
     call = functools.partial(sparse_attention_with_kvcache, q, cache)
-    call_ms = median_ms(call)
+    call_ms, call_runs = median_run(lambda: median_ms(call), runs)
     flex, flex_out = flex_fn(pattern, q, k_full, v_full, scale)
-    flex_ms = median_ms(flex)
+    flex_ms, _ = median_run(lambda: median_ms(flex), runs)
     flex_err = rel_err(flex_out[:1], ref)
-    # The batch-1 call is host work, and it moved 2.5x between runs (0.018 vs 0.046 ms at 8k):
-    # timed again after FlexAttention's compile, to see whether what ran before it matters.
-    call_again_ms = median_ms(call)
+    # The batch-1 call is host work: timed again after FlexAttention's compile, to see whether
+    # what ran before it matters.
+    call_again_ms, _ = median_run(lambda: median_ms(call), runs)
     report = cache.memory_report()
     best = sweep(cache, q, scale, kernel_ms) if do_sweep else None
-    step_ms = step_time(cache, q, k1, v1)
+    step_ms, step_runs = median_run(lambda: step_time(cache, q, k1, v1), runs)
     # Bytes the kernel must read: the kept pages of every (sequence, KV head), K and V.
     read_bytes = batch * KV_HEADS * blocks * cache.page_bytes
     row = dict(
@@ -226,12 +243,15 @@ def run_stride(
         s2_call_ms=call_ms,
         s2_call_again_ms=call_again_ms,
         s2_step_ms=step_ms,
-        sdpa_ms=sdpa_ms,
+        s2_call_runs=call_runs,
+        s2_step_runs=step_runs,
+        repeats=runs,
+        host_load=load,
+        **sdpa,
         flex_ms=flex_ms,
         flex_rel_err=flex_err,
         s2_kernel_graph_ms=kernel_graph_ms,
-        sdpa_graph_ms=sdpa_graph_ms,
-        speedup_vs_sdpa=sdpa_ms / kernel_ms,
+        speedup_vs_sdpa=sdpa["sdpa_ms"] / kernel_ms,
         read_gbps=read_bytes / kernel_ms / 1e6,
         read_bytes=read_bytes,
         live_mib=report["live_bytes"] / MIB,
@@ -267,7 +287,19 @@ def device_limits() -> dict:
     return limits
 
 
-def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
+def dense_timings(sdpa, batch: int, repeats: int) -> dict:
+    """Dense SDPA on the dense cache: launched eagerly (at batch 1 the median of ``repeats``
+    runs: host work) and replayed from a CUDA graph; its best path is the faster of the two."""
+    eager_ms, _ = median_run(lambda: median_ms(sdpa), repeats if batch == 1 else 1)
+    graph = graph_ms(sdpa)
+    best_path = "CUDA graph" if graph is not None and graph < eager_ms else "eager"
+    best_ms = graph if best_path == "CUDA graph" else eager_ms
+    return dict(
+        sdpa_ms=eager_ms, sdpa_graph_ms=graph, dense_best_path=best_path, dense_best_ms=best_ms
+    )
+
+
+def run(ctx: int, batch: int, strides: list[int], do_sweep: bool, repeats: int) -> list[dict]:
     torch.manual_seed(0)
     # The dense cache: the context plus the new token (the last position), made in place so that
     # the largest cases (128k x 64 sequences: 32 GiB) need no second copy.
@@ -278,28 +310,19 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool) -> list[dict]:
     sdpa = functools.partial(
         F.scaled_dot_product_attention, q.transpose(1, 2), k_full, v_full, enable_gqa=True
     )
-    sdpa_ms = median_ms(sdpa)
-    sdpa_graph_ms = graph_ms(sdpa)
+    dense = dense_timings(sdpa, batch, repeats)
     dense_bytes = 2 * k_full.numel() * k_full.element_size()
     print(
-        f"  ctx {ctx} batch {batch}: SDPA {sdpa_ms:.4f} ms, dense KV {dense_bytes / MIB:.0f} MiB",
+        f"  ctx {ctx} batch {batch}: SDPA {dense['sdpa_ms']:.4f} ms (best: "
+        f"{dense['dense_best_path']}, {dense['dense_best_ms']:.4f} ms), dense KV "
+        f"{dense_bytes / MIB:.0f} MiB",
         flush=True,
     )
     rows = []
     for stride in strides:
         rows.append(
             run_stride(
-                stride,
-                ctx,
-                q,
-                k_full,
-                v_full,
-                k1,
-                v1,
-                sdpa_ms,
-                sdpa_graph_ms,
-                dense_bytes,
-                do_sweep,
+                stride, ctx, q, k_full, v_full, k1, v1, dense, dense_bytes, do_sweep, repeats
             )
         )
         torch.cuda.empty_cache()
@@ -323,6 +346,9 @@ COLUMNS = [
     ("s2 call again ms", lambda r: cell(r.get("s2_call_again_ms"), "{:.4f}")),
     ("s2 step ms", lambda r: f"{r['s2_step_ms']:.4f}"),
     ("SDPA ms", lambda r: f"{r['sdpa_ms']:.4f}"),
+    ("dense best ms", lambda r: f"{r['dense_best_ms']:.4f}"),
+    ("dense path", lambda r: r["dense_best_path"]),
+    ("call x dense best", lambda r: f"{r['dense_best_ms'] / r['s2_call_ms']:.1f}"),
     ("Flex ms", lambda r: cell(r.get("flex_ms"), "{:.4f}")),
     ("call x SDPA", lambda r: f"{r['sdpa_ms'] / r['s2_call_ms']:.1f}"),
     ("call x Flex", lambda r: cell(_ratio(r.get("flex_ms"), r["s2_call_ms"]), "{:.1f}")),
@@ -339,6 +365,7 @@ COLUMNS = [
     ("KV need MiB", lambda r: f"{r['needed_mib']:.1f}"),
     ("KV dense MiB", lambda r: f"{r['dense_mib']:.0f}"),
     ("rel err", lambda r: f"{r['rel_err']:.1e}"),
+    ("host (batch 1)", lambda r: load_text(r["host_load"]) if r["host_load"] else "—"),
 ]
 
 
@@ -351,7 +378,12 @@ def markdown(rows: list[dict], env: dict, limits: dict) -> str:
         f"mean of {STEPS} steps). `x SDPA` = SDPA ms / s2 kernel ms. GB/s: kept K/V pages read per "
         "second by the kernel. KV MiB: live pages of the S2 cache, what the pattern needs, the "
         "dense cache. `call x SDPA`, `call x Flex`: their ms / s2 call ms (the public call against "
-        "each, launched eagerly). `graph` columns: the same call replayed from a CUDA graph "
+        "each, launched eagerly). `dense best`: SDPA's faster path, eager or replayed from a CUDA "
+        "graph (`dense path`); `call x dense best`: it over s2 call ms. At batch 1 the eager "
+        "timings (call, step, SDPA, Flex) are host work: medians of "
+        f"{max(r['repeats'] for r in rows)} runs, each row with the host's load as it ran "
+        f"(load average; cores other processes kept busy); {host_line(env)}. `graph` columns: "
+        "the same call replayed from a CUDA graph "
         "(`do_bench_cudagraph`), i.e. GPU time without Python's launch overhead. `bound ms`: the "
         f"bytes the kernel must read at the measured copy rate ({limits['copy_gbps']:.0f} GB/s, "
         f"bytes read and written by a 1 GiB copy) plus one launch ({limits['launch_ms'] * 1e3:.1f} "
@@ -375,7 +407,10 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--strides", default="16,64")
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch options")
+    repeats_argument(ap)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     env = start("GPU kernels")
     if env is None:
         return 2
@@ -387,10 +422,11 @@ def main() -> int:
     cases = list(itertools.product(contexts, batches))
     for i, (ctx, batch) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] context {ctx}, batch {batch}", flush=True)
-        rows += run(ctx, batch, strides, args.sweep)
+        rows += run(ctx, batch, strides, args.sweep, args.repeats)
         torch.cuda.empty_cache()
     for row in rows:  # the captured kernel against its bytes at the copy rate, plus one launch
         row["bound_ms"] = row["read_bytes"] / (limits["copy_gbps"] * 1e6) + limits["launch_ms"]
+    finish(env)
     stem = result_stem(env, f"decode{args.tag}")
     write_results(args.out_dir, stem, markdown(rows, env, limits),
                   dict(env=env, limits=limits, rows=rows))  # fmt: skip

@@ -1,13 +1,15 @@
-"""What every benchmark shares: the record of its run (device, library versions, date) and the stem
-its result files are named by, its timers, its exactness measure, its markdown tables, its command
-line, and the writing of its results (markdown, JSON, an optional plot) to
-``benchmarks/results/``."""
+"""What every benchmark shares: the record of its run (device, library versions, date, and the host
+that host-bound timings depend on) and the stem its result files are named by, its timers, its
+exactness measure, its markdown tables, its command line, and the writing of its results
+(markdown, JSON, an optional plot) to ``benchmarks/results/``."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -30,6 +32,7 @@ def environment() -> dict:
         triton=triton.__version__,
         cuda=torch.version.cuda,
         s2attn=s2attn.__version__,
+        host=host(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
 
@@ -39,6 +42,69 @@ def versions_line(env: dict) -> str:
         f"{env['date']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']} · "
         f"s2attn {env['s2attn']}"
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere what ``platform`` knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of every CPU since boot, from ``/proc/stat``; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def host_load(interval: float = 0.5) -> dict:
+    """What else the host is doing now: its load averages, and the cores other processes kept
+    busy over ``interval`` seconds (all CPUs' busy time from ``/proc/stat`` less this process's
+    own), None where that cannot be read. Batch-1 decode is host-bound, so its timings move with
+    this."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (None, None, None)
+    before, own_before = _cpu_jiffies(), os.times()
+    time.sleep(interval)
+    after, own_after = _cpu_jiffies(), os.times()
+    others = None
+    if before is not None and after is not None:
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = (after[0] - before[0]) / tick
+        own = (own_after.user + own_after.system) - (own_before.user + own_before.system)
+        others = max(0.0, busy - own) / interval
+    return dict(load_1m=load[0], load_5m=load[1], other_cores_busy=others)
+
+
+def host() -> dict:
+    """The host beside the device: CPU model and core count."""
+    return dict(cpu=cpu_model(), cores=os.cpu_count())
+
+
+def host_line(env: dict) -> str:
+    """``host: <CPU>, <cores> cores; load ... at the start, ... at the end``: what a result file
+    says of the host its host-bound figures ran on."""
+    h = env["host"]
+    loads = [(when, env.get(f"host_load_{when}")) for when in ("start", "end")]
+    ends = [f"{load_text(load)} at the {when}" for when, load in loads if load]
+    return f"host: {h['cpu']}, {h['cores']} cores; " + ", ".join(ends)
+
+
+def load_text(load: dict) -> str:
+    """A load record in a few words: ``load 1.2, others 0.3 cores``."""
+    text = "load " + cell(load["load_1m"], "{:.2f}")
+    if load.get("other_cores_busy") is not None:
+        text += f", others {load['other_cores_busy']:.1f} cores"
+    return text
 
 
 def result_stem(env: dict, name: str) -> str:
@@ -63,6 +129,14 @@ def graph_ms(fn: Callable[[], object]) -> float | None:
     except Exception as exc:  # a call that cannot be captured is reported, not hidden
         print(f"    (no CUDA-graph timing: {type(exc).__name__}: {str(exc)[:80]})", flush=True)
         return None
+
+
+def median_run(measure: Callable[[], float], repeats: int) -> tuple[float, list[float]]:
+    """The median of ``repeats`` runs of ``measure`` (one timing each), and every run's value:
+    host-bound figures move between runs with what else the host does, so one run is not a
+    figure."""
+    runs = [measure() for _ in range(repeats)]
+    return statistics.median(runs), runs
 
 
 def host_ms(fn: Callable[[], object], calls: int) -> float:
@@ -123,6 +197,18 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def repeats_argument(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--repeats N``: runs of each host-bound (batch-1) timing, of which the median is
+    reported."""
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="runs of each host-bound batch-1 timing; the median is reported (default 5)",
+    )
+    return ap
+
+
 def sweep_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The tuning sweeps' one shape (batch 1, bf16, a causal local-stride pattern) and the passes
     to sweep (``fwd``, ``dkdv``, ``dq``)."""
@@ -146,8 +232,15 @@ def start(what: str) -> dict | None:
         print(f"{Path(sys.argv[0]).name} times {what}; no CUDA device here.", file=sys.stderr)
         return None
     env = environment()
+    env["host_load_start"] = host_load()
     print(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']}")
+    print(host_line(env), flush=True)
     return env
+
+
+def finish(env: dict) -> None:
+    """Record the host's load at the end of the run in ``env`` (see :func:`host_load`)."""
+    env["host_load_end"] = host_load()
 
 
 # ------------------------------------------------------------------------------------ results

@@ -291,6 +291,23 @@ class PagedKVCache:
         """Tokens held per sequence (evicted ones included)."""
         return list(self._lengths)
 
+    @_host_synced
+    def check_room(self, num_new: int) -> None:
+        """Raise ``ValueError`` unless every sequence can take ``num_new`` more tokens within
+        ``max_seq_len``, naming the length the first one that cannot would need. A compiled
+        decode step checks nothing on the host, so call this outside it, before the step (one
+        host sync when compiled steps ran since the last check)."""
+        check_int("num_new", num_new, 0)
+        self._check_fits([n + num_new for n in self._lengths])
+
+    def _check_fits(self, new: list[int]) -> None:
+        for b, n in enumerate(new):
+            if n > self.max_seq_len:
+                raise ValueError(
+                    f"sequence {b} would hold {n} tokens, past the cache's max_seq_len "
+                    f"{self.max_seq_len}"
+                )
+
     def catch_up(self) -> None:
         """Bring the host bookkeeping up to the device's lengths after compiled decode steps
         (static caches only; see :meth:`StaticKVCache.follow_device_steps`). Public methods call
@@ -463,12 +480,7 @@ class PagedKVCache:
         counts = self._new_token_counts(k, v, cu_seqlens)
         old = self._lengths
         new = [a + n for a, n in zip(old, counts)]
-        if max(new) > self.max_seq_len:
-            b = max(range(self.batch_size), key=new.__getitem__)
-            raise ValueError(
-                f"sequence {b} would hold {new[b]} tokens, past the cache's max_seq_len "
-                f"{self.max_seq_len}"
-            )
+        self._check_fits(new)
         if keep_from is None:
             keep_from = old if max(counts) <= MAX_DECODE_TOKENS else new
         else:

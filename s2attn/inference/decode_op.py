@@ -43,12 +43,14 @@ def static_decode(
     pattern_key: int,
     softmax_scale: float,
 ) -> torch.Tensor:
-    # A step past the cache's end would write through rows the page table does not have: fail
-    # on the device (no host sync), never corrupt pages.
+    # A step past the cache's end would write through rows the page table does not have. The
+    # host refuses it first (StaticKVCache.check_room); where no host code runs per step (a graph
+    # replayed as is), fail on the device rather than corrupt pages.
     capacity = page_table.shape[2] * k_pages.shape[1]
     torch._assert_async(
         seq_lens.max() + q.shape[1] <= capacity,
-        "s2attn: a decode step past the static cache's max_seq_len",
+        f"s2attn: a decode step of {q.shape[1]} tokens past the static cache's {capacity} "
+        "(check cache.check_room(num_new) before compiled steps)",
     )
     pattern = None if pattern_key == _DENSE else pattern_for_key(pattern_key)
     kv_heads, max_blocks = page_table.shape[1:]
@@ -130,8 +132,19 @@ def static_decode_step(
     """One decode step over a static cache through ``s2attn::static_decode``: ``q`` (batch,
     num_new, heads, dim) and the new ``k``/``v`` (batch, num_new, kv_heads, dim), in the cache's
     dtype and on its device. The cache's host lengths are left behind until its next eager use,
-    which catches up (:meth:`StaticKVCache.catch_up`)."""
+    which catches up (:meth:`StaticKVCache.catch_up`).
+
+    A step that would take a sequence past the cache's ``max_seq_len`` raises ``ValueError``
+    naming the length it needs, before anything is written, when called eagerly. Inside a
+    compiled graph the host checks nothing per step: call ``cache.check_room(num_new)`` before
+    the graph runs (the transformers integration does, when ``generate`` asks the cache for the
+    step's mask sizes); a step that still overruns fails on the device and writes nothing."""
     _check_step(q, cache, k, v)
+    if not torch.compiler.is_compiling():
+        # Called eagerly, the step can be refused on the host with the length it needs; a
+        # compiled graph checks nothing here (it would guard on the lengths and retrace per
+        # step), so its caller checks the room before the graph runs.
+        cache.check_room(q.shape[1])
     key = _DENSE if cache.pattern is None else pattern_key(cache.pattern)
     cache.follow_device_steps(q.shape[1])
     return torch.ops.s2attn.static_decode(

@@ -587,6 +587,10 @@ class S2CacheLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.static:  # a fixed size, as transformers' static caches give: no sync, no retrace
+            if self.is_initialized and not torch.compiler.is_compiling():
+                # generate asks for the next step's mask outside its compiled decode step, which
+                # checks nothing on the host: refuse a step past the cache here, before it runs.
+                self.paged.check_room(query_length)
             return self.max_seq_len, 0
         return self.get_seq_length() + query_length, 0
 

@@ -261,8 +261,8 @@ def test_static_cache_step_replays_from_a_cuda_graph(kind):
 def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypatch):
     """The compiled decode step's operator (s2attn::static_decode), called step after step over
     a static cache (across block boundaries, the ring's pages reused), equals the reference; it
-    advances only the device's lengths, and the host's catch up at the next eager call, which
-    then works as usual (an eager step, a crop)."""
+    advances only the device's lengths, and the host's catch up at the next eager call (the
+    operator's own, or another), which then works as usual (an eager step, a crop)."""
     from s2attn.inference import decode_op, decode_step
 
     if path == "pytorch":
@@ -281,7 +281,9 @@ def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypat
         for b in range(cache.batch_size):
             ks[b], vs[b] = torch.cat([ks[b], k[b]]), torch.cat([vs[b], v[b]])
     held = [44 + steps * num_new, 29 + steps * num_new]
-    assert cache._lengths == [44, 29]  # the operator left the host's lengths behind
+    # The operator left the host's lengths behind; each eager call caught them up first, to
+    # check the step's room.
+    assert cache._lengths == [n - num_new for n in held]
     assert cache.lengths == held and cache.seq_lens.tolist() == held  # caught up
     check_step(cache, ks, vs, heads, 1, dtype, "eager step after the operator's")
     cache.crop(1)
@@ -331,6 +333,48 @@ def test_static_decode_operator_refuses_bad_steps():
             static_decode_step(*args[:1], cache, *args[1:], softmax_scale=0.25)
     assert cache.lengths == [20, 9] and cache.seq_lens.tolist() == [20, 9]
     assert torch.equal(cache.k_pages, pages)
+
+
+@pytest.mark.parametrize("kind", ["s2", "dense"])
+def test_static_decode_refuses_a_step_past_max_seq_len(kind):
+    """A static cache's decode steps up to max_seq_len run, compiled (one graph for every step)
+    or eager; the step past it is refused on the host before anything is written, naming the
+    length it needs and the cache's max_seq_len: by check_room after compiled steps (whose graph
+    checks nothing on the host), and by the eager operator call itself."""
+    from s2attn.inference.decode_op import static_decode_step
+
+    heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
+    pattern = make_pattern(kind, heads, kv_heads)
+    cache, *_ = filled_cache(pattern, [MAX_LEN - 4, MAX_LEN - 9], kv_heads, dim, dtype, static=True)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    @torch.compile(backend=counting_backend, fullgraph=True)
+    def decode(q, k, v):
+        return static_decode_step(q, cache, k, v, softmax_scale=dim**-0.5)
+
+    torch._dynamo.reset()
+    for _ in range(3):
+        cache.check_room(1)
+        decode(*step(cache, heads, 1, dtype))
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 3 steps"
+    q, k, v = step(cache, heads, 1, dtype)
+    static_decode_step(q, cache, k, v, softmax_scale=dim**-0.5)  # eager, after compiled steps
+    full = [MAX_LEN, MAX_LEN - 5]
+    assert cache.seq_lens.tolist() == full
+    k_pages, v_pages = cache.k_pages.clone(), cache.v_pages.clone()
+    need = f"sequence 0 would hold {MAX_LEN + 1} tokens, past the cache's max_seq_len {MAX_LEN}"
+    with pytest.raises(ValueError, match=need):
+        cache.check_room(1)
+    q, k, v = step(cache, heads, 1, dtype)
+    with pytest.raises(ValueError, match=need):
+        static_decode_step(q, cache, k, v, softmax_scale=dim**-0.5)
+    assert cache.lengths == full and cache.seq_lens.tolist() == full
+    assert torch.equal(cache.k_pages, k_pages) and torch.equal(cache.v_pages, v_pages)
+    cache.check_room(0)  # a full cache has room for nothing more, which fits
 
 
 @pytest.mark.gpu

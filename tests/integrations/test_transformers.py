@@ -139,6 +139,35 @@ def test_compiled_decode_over_static_cache_matches_reference(compiler):
     assert cache.layers[2].paged.lengths == [n + new_tokens - 4 for n in lengths]
 
 
+def test_compiled_decode_refuses_a_step_past_the_static_cache():
+    """generate with a compiled decode step over a static S2Cache too short for the request:
+    the steps that fit run in one graph, and the one past the cache is refused before it runs
+    (when generate asks the cache for its mask), naming the length it needs and the cache's
+    max_seq_len; every layer holds exactly max_seq_len tokens, none written past it."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, _ = tiny_llama()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compile_config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
+    compile_config._compile_all_devices = True
+    cache = s2hf.S2Cache(model.config, static=True, max_seq_len=48)
+    ids = torch.randint(2, 128, (1, 40), device=DEVICE)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="would hold 49 tokens, past the cache's max_seq_len 48"):
+        generate(model, ids, torch.ones_like(ids), new_tokens=20, past_key_values=cache,
+                 compile_config=compile_config)  # fmt: skip
+    # At most transformers' own retrace (its first two decode calls differ in their keywords),
+    # none per step.
+    assert len(graphs) <= 2, f"{len(graphs)} graphs for 8 decode steps"
+    for layer in cache.layers:
+        assert layer.paged.lengths == [48] and layer.paged.seq_lens.tolist() == [48]
+
+
 def test_compiled_decode_serves_a_second_request_from_its_graph():
     """One static S2Cache serving two requests (reset between, as a server reuses it): the
     second generate runs the decode graph compiled for the first (no retrace), the reset finds
