@@ -122,8 +122,8 @@ def arguments(argv: list[str] | None = None):
         args = ap.parse_args(argv)
     if not 0 < args.dense_layers < args.layers:
         ap.error("--dense-layers must leave at least one dense and one S2 layer")
-    if args.steps < 5:
-        ap.error("--steps must be at least 5 (the loss check compares the first and last 5)")
+    if args.steps < 10:
+        ap.error("--steps must be at least 10 (the loss check compares the first and last 5)")
     return args
 
 
