@@ -17,7 +17,9 @@ gathered over its ranks, equals the dense-mask reference; packed sequences); thi
   function (a wrong head range, weights cut differently) is caught by the float32 comparison, where
   TP sizes agree to rounding (1e-4), and by each run's layer checks.
 
-Arguments after ``--`` go to megatron_gpt.py unchanged (``--cp`` is not: TP = world size here).
+On the GPU the model is megatron_gpt.py's with hidden 1024 and 16 query / 8 KV heads (so every TP
+size up to 8 holds whole KV heads), trained 50 steps. Arguments after ``--`` go to megatron_gpt.py
+and override these (``--cp`` is refused: every rank here is a tensor-parallel rank).
 
     python benchmarks/megatron_tp.py                       # GPU: TP 1, 2, 4 on 4 GPUs, 50 steps
     python benchmarks/megatron_tp.py --tp 1,2,4,8          # an 8-GPU machine
@@ -43,6 +45,9 @@ HERE = Path(__file__).resolve().parent
 # Relative tolerance of a TP size's loss against TP = 1's at the same step (see the docstring).
 LOSS_TOL = {"bf16": 2e-2, "float32": 1e-4}
 GPU_STEPS, SMOKE_STEPS = 50, 10
+# The GPU runs' model: megatron_gpt.py's with 16 query / 8 KV heads of 64, so that every TP size
+# up to 8 holds whole KV heads (arguments after -- override these).
+GPU_MODEL = ["--hidden", "1024", "--heads", "16", "--kv-heads", "8"]
 RUN_TIMEOUT_S = 3600
 
 
@@ -58,6 +63,8 @@ def arguments(argv: list[str] | None = None):
     if "--cp" in passed_on or any(a.startswith("--cp=") for a in passed_on):
         ap.error("--cp is not taken here: every rank of a run is a tensor-parallel rank")
     gpus = torch.cuda.device_count()
+    if not gpus and not args.smoke:
+        ap.error("no CUDA device here: the CPU runs the tiny model only (--smoke)")
     if args.tp is None:
         most = gpus if gpus else 2
         sizes = [n for n in (1, 2, 4, 8, 16) if n <= most]
@@ -93,11 +100,15 @@ def run(size: int, args, losses_out: Path) -> int:
         f"tp{size}" + (f"_{args.tag}" if args.tag else ""),
         "--out-dir",
         str(args.out_dir),
-        *(["--smoke"] if args.smoke else []),
+        *(["--smoke"] if args.smoke else GPU_MODEL),
         *args.passed_on,
     ]
     print("$ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, timeout=RUN_TIMEOUT_S).returncode
+    try:
+        return subprocess.run(cmd, timeout=RUN_TIMEOUT_S).returncode
+    except subprocess.TimeoutExpired:
+        print(f"TP={size} ran past {RUN_TIMEOUT_S} s", flush=True)
+        return 124
 
 
 def compare(losses: dict[int, list[float]], tol: float) -> tuple[list[list], bool]:
@@ -144,12 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     env.update(precision=runs[1]["precision"], tp_sizes=args.sizes)
     others = [n for n in args.sizes if n != 1]
+    largest = []
+    for n in others:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(losses.get(n, []), losses[1])]
+        if diffs:
+            step = max(range(len(diffs)), key=diffs.__getitem__)
+            largest.append(f"TP={n} {diffs[step]:.1e} (step {step})")
     header = ["step", "TP=1", *(f"TP={n} (rel. diff)" for n in others), f"all <= {tol:.0e}"]
     run_lines = [f"- TP={n}: exit status {statuses[n]}" for n in args.sizes]
+    model_args = args.passed_on if args.smoke else GPU_MODEL + args.passed_on
     description = (
         f"benchmarks/megatron_gpt.py at TP = {', '.join(map(str, args.sizes))}, {args.steps} "
         f"steps, {runs[1]['precision']}; same seed, data and initial weights"
-        + (f"; its arguments: {' '.join(args.passed_on)}" if args.passed_on else "")
+        + ("; --smoke" if args.smoke else "")
+        + (f"; its arguments: {' '.join(model_args)}" if model_args else "")
         + f". Each TP size's loss against TP = 1's at every step, relative tolerance {tol:.0e} "
         f"({precision}; the reason is in benchmarks/megatron_tp.py)."
     )
@@ -163,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         *run_lines,
         "",
         *table(header, rows),
+        "",
+        "Largest relative difference from TP = 1: " + (", ".join(largest) or "none") + ".",
         "",
         f"Every step within tolerance: {same}; every run's own checks: {runs_ok}.",
         "",
