@@ -430,8 +430,14 @@ class S2CoreAttention(MegatronModule):
         attend = attention_reference if self.s2.reference else sparse_attention
         if packed:
             if self.cp_group is not None:
+                # Raised before any collective: every rank of the group gets the same pack, so
+                # every rank refuses and none waits for the others.
                 raise NotImplementedError(
-                    "S2CoreAttention does not take packed sequences under context parallelism"
+                    "S2CoreAttention does not take packed sequences (packed_seq_params with "
+                    "qkv_format='thd') under context parallelism (context-parallel size "
+                    f"{self.cp_group.size()}): s2attn.distributed splits whole sequences over "
+                    "the ranks and has no varlen path; run packed sequences with "
+                    "context_parallel_size=1, or give equal-length sequences as batch rows"
                 )
             return self._forward_packed(
                 attend, query, key, value, attn_mask_type, packed_seq_params

@@ -423,7 +423,7 @@ def _cp_training_body(rank, world, out_path):
                 model(local_ids, local_pos, causal_mask(48)[:, :, :24], labels=local_ids)
             cu = torch.tensor([0, 24], dtype=torch.int32)
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
-            with pytest.raises(NotImplementedError, match="packed sequences under context"):
+            with pytest.raises(NotImplementedError, match=PACKED_UNDER_CP):
                 model(local_ids[:1], local_pos[:1], None, packed_seq_params=packed)
         losses = []
         for _ in range(TP_STEPS):
@@ -442,6 +442,28 @@ def _cp_training_body(rank, world, out_path):
                 json.dump(losses, f)
     finally:
         parallel_state.destroy_model_parallel()
+
+
+PACKED_UNDER_CP = r"packed sequences \(packed_seq_params.*under context parallelism"
+
+
+def test_packed_sequences_under_context_parallelism_are_refused():
+    """A context-parallel layer refuses a thd pack before any collective (here a stand-in group
+    that has none), naming what it does not take and the context-parallel size."""
+    cp = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2)
+    group = types.SimpleNamespace(tp=fake_tp(0, 1).tp, cp=cp)
+    config = make_config(context_parallel_size=2)
+    settings = s2mc.S2Settings(**SETTINGS)
+    attn = s2mc.S2CoreAttention(
+        config, 2, AttnMaskType.causal, "self", pg_collection=group, s2=settings
+    )
+    assert attn.cp_group is cp
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device=DEVICE)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    q = torch.randn(16, HEADS, HEAD_DIM, device=DEVICE)
+    k, v = (torch.randn(16, 2, HEAD_DIM, device=DEVICE) for _ in range(2))
+    with pytest.raises(NotImplementedError, match=PACKED_UNDER_CP + r" \(context-parallel size 2"):
+        attn(q, k, v, None, packed_seq_params=params)
 
 
 def test_context_parallel_needs_its_group():
