@@ -204,7 +204,8 @@ def _format(args: list[str], length: int, base_len: int) -> list[str]:
         return [a.format(**values) for a in args]
     except (KeyError, IndexError, ValueError) as exc:
         raise SystemExit(
-            f"bad placeholder in {' '.join(args)!r}: {exc} (use {{len}}, {{scale}}, {{theta}} or {{theta_sq}})"
+            f"bad placeholder in {' '.join(args)!r}: {exc} "
+            "(use {len}, {scale}, {theta} or {theta_sq})"
         ) from None
 
 
