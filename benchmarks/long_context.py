@@ -57,9 +57,11 @@ the CPU, the whole pipeline at toy sizes (tiny preset, 128 -> 256 -> 512 -> 1024
 Report (after every invocation, or alone with ``--report-only``): per phase a markdown table of
 variant, seed, validation bits per byte at the phase length (``s2attn eval``), its gap to dense of
 the same seed, needle mean and lowest cell, tokens, training seconds (steps only), tokens/s and
-its ratio to dense, peak GPU memory, and the equal-time view: dense's validation bits per byte
-(training-time validation, interpolated over its training seconds) at the moment this model
-finished, beside this model's own final value on the same batches. Also one needle heat-map PNG
+its ratio to dense, the steady tokens/s (median of the logged rows past the first tenth of the
+steps, so ``--train-args --compile``'s compilation is left out) and its ratio, peak GPU memory,
+and the equal-time view: dense's validation bits per byte (training-time validation,
+interpolated over its training seconds) at the moment this model finished, beside this model's
+own final value on the same batches. Also one needle heat-map PNG
 per phase (rows: variants, columns: seeds; each panel depth x length) and JSON with every number,
 the runs' device and library versions, written as ``<date>_<device>_long_context*`` to
 ``--out-dir`` (default benchmarks/results/).
@@ -329,6 +331,13 @@ def train_seconds(rows: list[dict]) -> list[tuple[dict, float]]:
     return out
 
 
+def steady_speed(timed: list[tuple[dict, float]], steps: int) -> float | None:
+    """Median tokens/s of the metrics rows past the first tenth of the phase's steps: the speed
+    once warm-up (compilation under ``--compile``, the allocator's growth) is over."""
+    speeds = sorted(r["tokens_per_s"] for r, _ in timed if r["step"] > steps / 10)
+    return speeds[len(speeds) // 2] if speeds else None
+
+
 def eval_estimate(job: Job) -> float:
     """Seconds an evaluation should take: start-up, and its tokens at three times the model's
     training speed (a forward pass is about a third of a training step)."""
@@ -518,6 +527,7 @@ def summarize(jobs: list[Job]) -> list[dict]:
             train_s=seconds,
             wall_s=timed[-1][0].get("elapsed_s") if timed else None,
             tokens_per_s=tokens / seconds if seconds else None,
+            steady_tokens_per_s=steady_speed(timed, record["options"]["steps"]),
             step_s=seconds / timed[-1][0]["step"] if timed else None,
             peak_gib=max(peaks) if peaks else None,
             final_val=vals[-1] if vals else None,
@@ -552,13 +562,15 @@ def summarize(jobs: list[Job]) -> list[dict]:
     by_key = {(r["phase"], r["variant"], r["seed"]): r for r in rows}
     for r in rows:
         dense = by_key.get((r["phase"], "dense", r["seed"]))
-        r["vs_dense"] = r["speedup"] = r["dense_at_equal_time"] = None
+        r["vs_dense"] = r["speedup"] = r["steady_speedup"] = r["dense_at_equal_time"] = None
         if dense is None or r["variant"] == "dense":
             continue
         if r.get("val_bpb") and dense.get("val_bpb"):
             r["vs_dense"] = r["val_bpb"] / dense["val_bpb"] - 1
         if r["tokens_per_s"] and dense["tokens_per_s"]:
             r["speedup"] = r["tokens_per_s"] / dense["tokens_per_s"]
+        if r["steady_tokens_per_s"] and dense["steady_tokens_per_s"]:
+            r["steady_speedup"] = r["steady_tokens_per_s"] / dense["steady_tokens_per_s"]
         if r["train_s"] is not None:
             dense_timed = [({"val_bpb": c["val_bpb"]}, c["train_s"]) for c in dense["curve"]]
             r["dense_at_equal_time"] = at_time(dense_timed, r["train_s"])
@@ -593,9 +605,10 @@ def markdown(rows: list[dict], o: argparse.Namespace, env: dict) -> str:
         f"{','.join(map(str, o.seeds))}; `python benchmarks/long_context.py "
         f"{shlex.join(sys.argv[1:])}`. Bits per byte and needles from `s2attn eval` at the "
         f"phase length ({o.samples} needles a cell, depths {o.depths}); seconds are training "
-        "steps only (validation and checkpoints left out); equal time: dense's training-time "
-        "validation at this run's training seconds, beside this run's own last value on the "
-        "same batches.",
+        "steps only (validation and checkpoints left out); steady tokens/s: the median of the "
+        "logged rows past the first tenth of the steps (compilation and warm-up left out); "
+        "equal time: dense's training-time validation at this run's training seconds, beside "
+        "this run's own last value on the same batches.",
         "",
     ]
     header = [
@@ -612,6 +625,8 @@ def markdown(rows: list[dict], o: argparse.Namespace, env: dict) -> str:
         "train s",
         "tokens/s",
         "x dense",
+        "steady tokens/s",
+        "x dense steady",
         "peak GiB",
         "dense at equal time",
         "own (same batches)",
@@ -640,6 +655,8 @@ def markdown(rows: list[dict], o: argparse.Namespace, env: dict) -> str:
                 _seconds(r["train_s"]),
                 _fmt(r["tokens_per_s"], "{:,.0f}"),
                 _fmt(r["speedup"], "{:.2f}x"),
+                _fmt(r["steady_tokens_per_s"], "{:,.0f}"),
+                _fmt(r["steady_speedup"], "{:.2f}x"),
                 _fmt(r["peak_gib"], "{:.1f}"),
                 _fmt(r["dense_at_equal_time"]),
                 _fmt(r["final_val"]),

@@ -34,6 +34,7 @@ _ADDED_OPTIONS = {
     "rope_theta": 10000.0,
     "rope_scaling": "none",
     "rope_factor": 1.0,
+    "compile": False,
 }
 
 
@@ -127,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gradient-checkpointing",
         action="store_true",
         help="recompute activations in the backward pass (less memory, ~30%% more time)",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        help="compile the model with torch.compile (Inductor): faster steps once compiled; the "
+        "first steps and the first validation include the compilation",
     )
     add(
         "--seed",
@@ -223,6 +230,7 @@ class TrainOptions:
     device: str
     precision: str
     gradient_checkpointing: bool
+    compile: bool
     seed: int
     val_seed: int
     needle_fraction: float
@@ -282,6 +290,7 @@ class TrainOptions:
             device=device,
             precision=precision,
             gradient_checkpointing=bool(args.gradient_checkpointing),
+            compile=bool(args.compile),
             seed=args.seed,
             val_seed=args.val_seed,
             needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),

@@ -874,6 +874,10 @@ def _set_up(plan: _Plan, started: float) -> _State:
     if opts.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    if opts.compile:
+        # In place: the state dict keeps its keys, so checkpoints and saved models are the
+        # uncompiled model's. The S2 layers are custom operators Inductor calls as they are.
+        model.compile()
     optimizer = _optimizer(model, opts.lr, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, opts.steps, opts.warmup_steps)

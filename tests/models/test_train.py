@@ -522,6 +522,32 @@ def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
     assert config.get("s2attn") == getattr(want, "s2attn", None)
 
 
+def test_compiled_model_trains_as_the_eager_one(tmp_path, corpus_root, monkeypatch):
+    """--compile compiles the model in place (its saved weights keep their names) and trains to
+    the eager run's losses; aot_eager stands in for Inductor, which the GPU runs use."""
+    compiled = []
+    eager_compile = torch.nn.Module.compile
+
+    def compile_aot_eager(self, **kwargs):
+        compiled.append(type(self).__name__)
+        eager_compile(self, backend="aot_eager")
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_aot_eager)
+    opts = ["--steps", "3", "--log-every", "1", "--val-every", "3"]
+    eager, comp = tmp_path / "eager", tmp_path / "compiled"
+    assert train.run(_args(eager, corpus_root, *opts)) == 0
+    assert not compiled
+    assert train.run(_args(comp, corpus_root, *opts, "--compile")) == 0
+    assert len(compiled) == 1
+    for a, b in zip(_rows(eager), _rows(comp), strict=True):
+        assert b["loss_nats"] == pytest.approx(a["loss_nats"], rel=1e-4)
+    assert b["val_bpb"] == pytest.approx(a["val_bpb"], rel=1e-4)
+    assert json.loads((comp / "run.json").read_text())["options"]["compile"] is True
+    saved = load_file(comp / "model.safetensors")
+    assert set(saved) == set(load_file(eager / "model.safetensors"))
+    assert not any("_orig_mod" in name for name in saved)
+
+
 def test_answer_weight_changes_only_the_objective(tmp_path, corpus_root):
     """Weighting the needle answers changes what is optimised (the weights move differently),
     not what is logged: the logged loss stays the plain language-model loss of the batch."""
