@@ -16,6 +16,15 @@ and the rest (floor), and the ceiling on HHST's speed-up over dense is dense ste
     python benchmarks/bench_training.py --seqs 8192 --steps 3    # one length
     python benchmarks/bench_training.py --smoke                  # CPU: a tiny model, 2 steps
 
+``--preset NAME`` times one of ``s2attn train``'s presets instead (its shape, S2 settings and
+dense-layer placement; float32 weights under bf16 autocast, as ``s2attn train`` runs them) with
+the variants ``dense``, ``hhst``, ``local``, ``s2``, the ``floor`` and ``hhst-floor``: HHST whose
+S2 layers are the floor's elementwise op and whose dense layers attend, so that
+1 - hhst-floor / hhst is the S2 layers' share of the HHST step::
+
+    python benchmarks/bench_training.py --preset small --seqs 32768 131072 \
+        --variants dense hhst hhst-floor floor hhst+compile hhst-floor+compile floor+compile
+
 Writes markdown and JSON with the device, versions and date to benchmarks/results/.
 """
 
@@ -57,6 +66,8 @@ SMALL_MODEL = dict(
 )
 SMOKE_MODEL = dict(shapes.SMOKE_MODEL, rope_theta=10000.0)
 FLOOR_IMPLEMENTATION = "bench_attention_floor"
+S2_FLOOR_IMPLEMENTATION = "bench_s2_layers_floor"
+PRESET_VARIANTS = ("dense", "hhst", "local", "s2", "floor", "hhst-floor")
 
 
 def floor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -67,9 +78,41 @@ def floor_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2), None
 
 
+def s2_layers_floor(module, query, key, value, attention_mask, **kwargs):
+    """The floor in the S2 layers, s2attn's attention in the dense ones."""
+    from s2attn.integrations import transformers as s2hf
+
+    if s2hf.layer_pattern(module.config, module.layer_idx) is None:
+        return s2hf.attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return floor_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def build_preset(variant: str, seq: int, args, device: str):
+    """``variant`` of preset ``args.preset`` at ``seq`` tokens, float32 weights."""
+    import transformers
+
+    from s2attn.models import presets
+
+    transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
+    transformers.AttentionInterface.register(S2_FLOOR_IMPLEMENTATION, s2_layers_floor)
+    base = {"floor": "dense", "hhst-floor": "hhst"}.get(variant, variant)
+    config = presets.model_config(args.preset, base, seq_len=seq)
+    if variant == "floor":
+        config._attn_implementation = FLOOR_IMPLEMENTATION
+    elif variant == "hhst-floor":
+        config._attn_implementation = S2_FLOOR_IMPLEMENTATION
+    with torch.device(device):
+        return presets.build_model(config, seed=0)
+
+
 def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
     """The model of ``variant``; a ``+compile`` suffix compiles it with ``torch.compile``."""
     import transformers
+
+    if args.preset:
+        name, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
+        model = build_preset(name, seq, args, device)
+        return _ready(model, args, compiled)
 
     from s2attn.integrations import transformers as s2hf
     from s2attn.stack import S2Settings
@@ -101,6 +144,10 @@ def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(dtype)
+    return _ready(model, args, compiled)
+
+
+def _ready(model, args, compiled: bool):
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
@@ -129,9 +176,12 @@ def measure(variant: str, seq: int, args, device: str) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
+    autocast = torch.bfloat16 if args.preset and device == "cuda" else None
+
     def step():
         with sdpa_backend(variant):
-            loss = model(input_ids=ids, labels=ids).loss
+            with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+                loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -173,6 +223,27 @@ def model_shape(args) -> dict:
     return SMOKE_MODEL if args.smoke else SMALL_MODEL if args.model == "small" else MODEL
 
 
+def preset_line(args) -> str:
+    from s2attn.models import presets
+
+    p = presets.PRESETS[args.preset]
+    s2 = p.s2
+    return (
+        f"Preset `{args.preset}`: {p.num_layers} layers, hidden {p.hidden_size}, "
+        f"{p.num_heads}/{p.num_kv_heads} heads of {p.hidden_size // p.num_heads}, MLP "
+        f"{p.intermediate_size}, vocab {p.vocab_size}; HHST: dense layers "
+        f"{','.join(map(str, s2.dense_layers))}, S2 block {s2.block_size}, local "
+        f"{s2.local_blocks} blocks, stride {s2.vert_stride}. Float32 weights under bf16 autocast "
+        "(as `s2attn train`), batch 1, "
+        + ("gradient checkpointing, " if args.checkpointing else "")
+        + "fused AdamW; `+compile`: `model.compile()`, its compilation in the warm-up steps; "
+        "floor: every attention an elementwise op on q and v; hhst-floor: the S2 layers so, the "
+        f"dense ones attending. Median of {args.steps} steps after {args.warmup} warm-up. "
+        "attention = step - floor (of the same compilation); S2 layers' share = 1 - hhst-floor "
+        "/ hhst."
+    )
+
+
 def markdown(rows: list[dict], env: dict, args) -> str:
     shape = model_shape(args)
     lines = [
@@ -195,11 +266,16 @@ def markdown(rows: list[dict], env: dict, args) -> str:
         "peak GiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    if args.preset:
+        lines[0] = f"# Training step: dense against HHST, preset `{args.preset}`"
+        lines[4] = preset_line(args)
     for seq in sorted({r["seq"] for r in rows}):
         at = [r for r in rows if r["seq"] == seq and "step_s" in r]
-        floor = next((r["step_s"] for r in at if r["variant"] == "floor"), None)
+        times = {r["variant"]: r["step_s"] for r in at}
         dense = min((r["step_s"] for r in at if r["variant"].startswith("dense")), default=None)
         for r in at:
+            # The floor of the same compilation: a compiled step against a compiled floor.
+            floor = times.get("floor" + ("+compile" if r["variant"].endswith("+compile") else ""))
             speed = f"{dense / r['step_s']:.2f}x" if dense else "—"
             attn = f"{r['step_s'] - floor:.3f}" if floor is not None else "—"
             rest = f"{floor:.3f}" if floor is not None else "—"
@@ -208,10 +284,18 @@ def markdown(rows: list[dict], env: dict, args) -> str:
                 f"{r['tokens_per_s']:,.0f} | {speed} | {attn} | {rest} | "
                 f"{r['peak_gib']:.1f} |"
             )
+        floor = times.get("floor")
         if floor and dense:
             lines.append(
                 f"| {seq // 1024}k | ceiling (dense / floor) | | | {dense / floor:.2f}x | | | |"
             )
+        for suffix in ("", "+compile"):
+            hhst, s2_floor = times.get("hhst" + suffix), times.get("hhst-floor" + suffix)
+            if hhst and s2_floor:
+                lines.append(
+                    f"| {seq // 1024}k | S2 layers' share of hhst{suffix} | "
+                    f"{hhst - s2_floor:.3f} | | {1 - s2_floor / hhst:.1%} | | | |"
+                )
     for r in rows:
         if "error" in r:
             lines.append(f"\n{r['variant']} at {r['seq']}: {r['error']}")
@@ -224,9 +308,17 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["dense-flash", "dense-cudnn", "hhst-V64", "hhst-V16", "floor"],
+        default=None,
+        help="default: dense-flash dense-cudnn hhst-V64 hhst-V16 floor; with --preset: dense "
+        "hhst hhst-floor floor",
     )
     ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument(
+        "--preset",
+        default=None,
+        help="time an `s2attn train` preset (its shape and S2 settings) with variants of "
+        f"{', '.join(PRESET_VARIANTS)} (each may end in +compile)",
+    )
     ap.add_argument(
         "--model", choices=["1b", "small"], default="1b", help="small: 8 layers, hidden 1024"
     )
@@ -243,9 +335,24 @@ def main() -> int:
     ap.add_argument("--name", default="training")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
+    if args.variants is None:
+        args.variants = (
+            ["dense", "hhst", "hhst-floor", "floor"]
+            if args.preset
+            else ["dense-flash", "dense-cudnn", "hhst-V64", "hhst-V16", "floor"]
+        )
+    if args.preset:
+        from s2attn.models import presets
+
+        if args.preset not in presets.PRESETS:
+            ap.error(f"--preset: choose one of {', '.join(presets.PRESETS)}")
+        for v in args.variants:
+            if v.removesuffix("+compile") not in PRESET_VARIANTS:
+                ap.error(f"--variants with --preset: {v!r} is not one of {PRESET_VARIANTS}")
     if args.smoke:
         args.seqs, args.steps, args.warmup = [256], 2, 1
-        args.variants = ["dense", "hhst-V4", "hhst-V4+compile", "floor"]
+        if not args.preset:
+            args.variants = ["dense", "hhst-V4", "hhst-V4+compile", "floor"]
     env = environment()
     rows = []
     for seq in args.seqs:
@@ -268,6 +375,7 @@ def main() -> int:
             dict(
                 environment=env,
                 model=model_shape(args),
+                preset=args.preset,
                 dense_layers=args.dense_layers,
                 rows=rows,
             ),
