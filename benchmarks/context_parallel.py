@@ -7,17 +7,23 @@ checks each rank's shards of the output and dq/dk/dv against the same shards of 
 2e-3 in fp16, 1e-4 in fp32). Then it times forward and forward+backward (median of ``--iters``
 after a barrier; the slowest rank is reported, and its ratio to the mean rank's) and the
 one-device call on the whole sequence, and reports strong-scaling efficiency (one-device time /
-(W x time per rank)), the K/V bytes each rank receives and holds (its shard, what it receives,
-its chunks' compact keys), and each call's GPU memory peak (which counts the full-sequence
-tensors held for the comparison). With ``--no-reference`` (lengths one device cannot hold) each
-rank draws only its shards, span by span from seeded generators, and checks sampled query rows
-of its output, LSE and dq against float32 computed from keys drawn the same way
-(``--check-rows``).
+(W x time per rank)), the pattern's work per rank (its kept token pairs over W, summed over
+heads) and the time per billion of them, the K/V bytes each rank receives and holds (its shard,
+what it receives, its chunks' compact keys), and each call's GPU memory peak (which counts the
+full-sequence tensors held for the comparison). With ``--no-reference`` (lengths one device
+cannot hold) each rank draws only its shards, span by span from seeded generators, and checks
+sampled query rows of its output, LSE and dq against float32 computed from keys drawn the same
+way (``--check-rows``).
 
     python benchmarks/context_parallel.py                          # world size 1
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
     torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq 1048576 --pattern dense
     torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq-per-rank 262144 --tag weak
+
+Weak scaling (``--seq-per-rank``) adds work per token: a local + stride pattern keeps more pairs
+per query as the sequence grows, so W ranks at W x L tokens each do more than one device at L.
+``ms per G pairs`` divides that out: its ratio between two runs is the efficiency left to the
+system (the exchange, the balance, the launch), the pattern's own growth aside.
     torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq 4194304 --no-reference
     torchrun --nproc-per-node 2 benchmarks/context_parallel.py --seq 512 --heads 4 --kv-heads 2 \
         --dim 32 --block-size 16 --local-blocks 2 --stride 4 --dtype float32   # CPU smoke, gloo
@@ -58,8 +64,8 @@ from s2attn.distributed import (
 
 HEADERS = [
     "pass", "ranks", "ms per rank", "slowest / mean rank", "one device ms", "efficiency",
-    "MiB in, busiest rank", "all-gather MiB", "K/V held MiB, busiest rank",
-    "GPU peak GiB, busiest rank",
+    "kept G pairs per rank", "ms per G pairs", "MiB in, busiest rank", "all-gather MiB",
+    "K/V held MiB, busiest rank", "GPU peak GiB, busiest rank",
 ]  # fmt: skip
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 SPAN = 1 << 16  # --no-reference draws the sequence this many positions per generator
@@ -392,6 +398,7 @@ def main() -> int:
     rows = []
     # The busiest rank's bytes moved and K/V held, and an all-gather's for comparison.
     sizes = (pattern, 1, args.seq, args.kv_heads, args.dim, dtype, world)
+    pairs_per_rank = pattern.kept_token_pairs(args.seq) / world / 1e9
     moved = max(context_parallel_bytes(*sizes))
     held = max(context_parallel_kv_bytes(*sizes))
     gather = communication_bytes(*sizes[1:])
@@ -406,6 +413,7 @@ def main() -> int:
                 pass_=name, world=world, seq=args.seq, cp_ms=t_cp, balance=t_cp / t_mean,
                 one_device_ms=t_one,
                 efficiency=None if t_one is None else t_one / (world * t_cp),
+                gpairs_per_rank=pairs_per_rank, ms_per_gpair=t_cp / pairs_per_rank,
                 mib_per_rank=bytes_moved / 2**20,
                 all_gather_mib=(gather if name == "fwd" else 2 * gather) / 2**20,
                 kv_held_mib=held / 2**20, peak_gib=peak_gib(cp),
@@ -456,6 +464,8 @@ def main() -> int:
                         f"{r['balance']:.3f}",
                         cell(r["one_device_ms"], "{:.2f}"),
                         cell(r["efficiency"], "{:.2f}"),
+                        f"{r['gpairs_per_rank']:.3g}",
+                        f"{r['ms_per_gpair']:.3g}",
                         f"{r['mib_per_rank']:.1f}",
                         f"{r['all_gather_mib']:.1f}",
                         f"{r['kv_held_mib']:.1f}",
