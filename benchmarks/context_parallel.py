@@ -8,12 +8,13 @@ checks each rank's shards of the output and dq/dk/dv against the same shards of 
 after a barrier; the slowest rank is reported, and its ratio to the mean rank's) and the
 one-device call on the whole sequence, and reports strong-scaling efficiency (one-device time /
 (W x time per rank)), the pattern's work per rank (its kept token pairs over W, summed over
-heads) and the time per billion of them, the K/V bytes each rank receives and holds (its shard,
-what it receives, its chunks' compact keys), and each call's GPU memory peak (which counts the
-full-sequence tensors held for the comparison). With ``--no-reference`` (lengths one device
-cannot hold) each rank draws only its shards, span by span from seeded generators, and checks
-sampled query rows of its output, LSE and dq against float32 computed from keys drawn the same
-way (``--check-rows``).
+heads) and the time per billion of them, the time the busiest rank's GPU spends in NCCL kernels
+(the exchange, waits included: what overlapping it could save) and its share of the step, the
+K/V bytes each rank receives and holds (its shard, what it receives, its chunks' compact keys),
+and each call's GPU memory peak (which counts the full-sequence tensors held for the
+comparison). With ``--no-reference`` (lengths one device cannot hold) each rank draws only its
+shards, span by span from seeded generators, and checks sampled query rows of its output, LSE
+and dq against float32 computed from keys drawn the same way (``--check-rows``).
 
     python benchmarks/context_parallel.py                          # world size 1
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
@@ -64,7 +65,8 @@ from s2attn.distributed import (
 
 HEADERS = [
     "pass", "ranks", "ms per rank", "slowest / mean rank", "one device ms", "efficiency",
-    "kept G pairs per rank", "ms per G pairs", "MiB in, busiest rank", "all-gather MiB",
+    "kept G pairs per rank", "ms per G pairs", "NCCL ms, busiest rank", "NCCL share",
+    "MiB in, busiest rank", "all-gather MiB",
     "K/V held MiB, busiest rank", "GPU peak GiB, busiest rank",
 ]  # fmt: skip
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
@@ -185,6 +187,27 @@ def rank_times_ms(fn, iters: int) -> tuple[float, float]:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return slowest.item(), total.item() / dist.get_world_size()
+
+
+def communication_ms(fn, iters: int) -> float | None:
+    """The busiest rank's GPU time in NCCL kernels per call of ``fn`` (ms, mean of ``iters``
+    profiled calls): the exchange of K/V and their gradients, and the call's agreement check,
+    waits for the peers included, which is what the step pays for them while nothing overlaps
+    them. None on a CPU (gloo runs no kernels)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
+    mine = torch.tensor([us / iters / 1e3], device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.item()
 
 
 def worst_shard_err(mine: torch.Tensor, full: torch.Tensor) -> float:
@@ -407,6 +430,7 @@ def main() -> int:
         ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved),
     ):
         t_cp, t_mean = rank_times_ms(cp, args.iters)
+        t_comm = communication_ms(cp, args.iters)
         t_one = None if args.no_reference else timed_ms(one, args.iters)
         rows.append(
             dict(
@@ -414,6 +438,7 @@ def main() -> int:
                 one_device_ms=t_one,
                 efficiency=None if t_one is None else t_one / (world * t_cp),
                 gpairs_per_rank=pairs_per_rank, ms_per_gpair=t_cp / pairs_per_rank,
+                comm_ms=t_comm, comm_share=None if t_comm is None else t_comm / t_cp,
                 mib_per_rank=bytes_moved / 2**20,
                 all_gather_mib=(gather if name == "fwd" else 2 * gather) / 2**20,
                 kv_held_mib=held / 2**20, peak_gib=peak_gib(cp),
@@ -466,6 +491,8 @@ def main() -> int:
                         cell(r["efficiency"], "{:.2f}"),
                         f"{r['gpairs_per_rank']:.3g}",
                         f"{r['ms_per_gpair']:.3g}",
+                        cell(r["comm_ms"], "{:.2f}"),
+                        cell(r["comm_share"], "{:.1%}"),
                         f"{r['mib_per_rank']:.1f}",
                         f"{r['all_gather_mib']:.1f}",
                         f"{r['kv_held_mib']:.1f}",
