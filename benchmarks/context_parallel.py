@@ -232,10 +232,27 @@ def peak_gib(fn) -> float:
     return mine.item()
 
 
+def dense_torch_error(out, q, k, v, group: int) -> float:
+    """The worst rank's relative error of dense CP's whole output against one-device SDPA on the
+    whole sequence (each rank holds the whole q, k, v)."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        qd, kd, vd = (
+            t.transpose(1, 2).repeat_interleave(n, dim=1)
+            for t, n in ((q, 1), (k, group), (v, group))
+        )
+        want = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        err = torch.tensor([rel_err(out.float(), want.float())], device=out.device)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    return err.item()
+
+
 def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
     """Dense causal attention over the same sequence under the context parallelism PyTorch
     ships (ring attention over SDPA, GQA's K/V heads repeated), its forward and forward+backward
-    timed like ours; a row holds the error instead where the installed torch cannot run it."""
+    timed like ours and its output, gathered back in order, checked against one-device SDPA; a
+    row holds the error instead where the installed torch cannot run it."""
     import torch.nn.functional as F
 
     gather = communication_bytes(1, args.seq, args.kv_heads, args.dim, q.dtype, world) / 2**20
@@ -243,7 +260,10 @@ def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
         return [dict(pass_="fwd", error="not run (CUDA only)", all_gather_mib=gather)]
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental import (
+            context_parallel,
+            context_parallel_unshard,
+        )
 
         mesh = init_device_mesh("cuda", (world,))
         group = args.heads // args.kv_heads
@@ -274,6 +294,11 @@ def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
                 if dist.get_rank() == 0:  # as it comes: a run cut off by a time limit says how far
                     print(f"dense SDPA under PyTorch's CP, {name}: {rows[-1]['cp_ms']:.1f} ms",
                           flush=True)  # fmt: skip
+            with torch.no_grad():
+                out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+            # Back in sequence order, whatever layout the context balanced the shards in.
+            [out] = context_parallel_unshard(mesh, [out], [2])
+        rows[0]["error_out"] = dense_torch_error(out, q, k, v, group)
         return rows
     except Exception as exc:  # report what the installed torch refused, keep our results
         return [dict(pass_="fwd", error=f"failed: {type(exc).__name__}: {exc}",
@@ -507,6 +532,11 @@ def main() -> int:
             lines.append(
                 f"Dense causal SDPA under PyTorch's context parallelism, {r['pass_']}: "
                 + (f"{r['cp_ms']:.2f} ms per rank" if "cp_ms" in r else r["error"])
+                + (
+                    f", output against one-device SDPA: relative error {r['error_out']:.1e}"
+                    if "error_out" in r
+                    else ""
+                )
                 + f" (ring attention moves about an all-gather's {r['all_gather_mib']:.1f} MiB)."
             )
         stem = result_stem(env, f"context_parallel_w{world}{'_' + args.tag if args.tag else ''}")
