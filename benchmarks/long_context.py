@@ -17,6 +17,9 @@ subprocess with its log in ``--runs``/logs, several at once (one per GPU of ``--
                             (``--depths``: 11 depths, ``--samples`` 20 needles a cell)
 ==========================  =====================================================================
 
+``--base-from DIR`` takes the bases from ``DIR/s<seed>`` instead (saved by an earlier invocation
+or machine; weights in any float dtype) and plans no base jobs.
+
 The base is one model per seed, of ``--base-variant`` (default hhst); every variant of a phase
 starts from the same weights (the variants share every parameter and differ only in attention),
 reads the same batches (same seed) and so sees equal tokens. Variants (``--variants``, default
@@ -257,7 +260,8 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
         evals.append(Job(name, "eval", job.phase, job.variant, job.seed, job.out, args, deps))
         evals[-1].eval_tokens = tokens
 
-    for seed in o.seeds:
+    def base_jobs(seed: int) -> dict:
+        """The 4k base of ``seed`` in two phases; each variant's (job, weights) to start from."""
         short, base = runs / "base1k" / f"s{seed}", runs / "base" / f"s{seed}"
         variant_args = _format(VARIANTS[o.base_variant], base_len, base_len)
         train(
@@ -280,7 +284,10 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
             *flags(steps=o.base_steps, seed=seed + 1, init_from=short),
         )
         evaluation(trains[-1], base_len)
-        previous = {v: (f"base/s{seed}", base) for v in o.variants}
+        return {v: (f"base/s{seed}", base) for v in o.variants}
+
+    def extension_jobs(seed: int, previous: dict) -> None:
+        """The 32k and 128k phases of every variant, each from the one before."""
         for offset, phase in enumerate(PHASES[1:], start=2):
             p = o.phase[phase]
             for v in o.variants_128k if phase == "128k" else o.variants:
@@ -290,7 +297,7 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
                     v,
                     seed,
                     out,
-                    [dep],
+                    [] if dep is None else [dep],
                     *flags(seq_len=p["len"], batch_size=p["batch"], steps=p["steps"]),
                     *flags(lr=p["lr"], warmup_steps=p["warmup"], seed=seed + offset),
                     *flags(init_from=source, val_every=p["val_every"]),
@@ -301,6 +308,15 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
                 )
                 evaluation(trains[-1], p["len"])
                 previous[v] = (trains[-1].name, out)
+
+    for seed in o.seeds:
+        if o.base_from is not None:
+            # A 4k base trained elsewhere (another runs directory, an earlier machine).
+            source = o.base_from / f"s{seed}"
+            previous = {v: (None, source) for v in o.variants}
+        else:
+            previous = base_jobs(seed)
+        extension_jobs(seed, previous)
     order = {name: i for i, name in enumerate(("base1k", *PHASES))}
     jobs = [j for j in trains + evals if order[j.phase] <= order[o.until]]
     # Training first (it leads to the next phase), earlier phases first; sorted() is stable.
@@ -839,6 +855,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=PHASES[-1],
         help="plan the jobs up to this phase only (default 128k: all)",
     )
+    add(
+        "--base-from",
+        type=Path,
+        default=None,
+        help="start the 32k phase from the 4k bases in DIR/s<seed> (a model saved by s2attn "
+        "train) instead of training them here",
+    )
     add("--report-only", action="store_true", help="tabulate and plot the runs; run nothing")
     add("--dry-run", action="store_true", help="list the jobs and their commands; run nothing")
     add("--smoke", action="store_true", help="CPU: tiny preset, toy lengths, a few steps")
@@ -870,6 +893,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             )
     if not o.seeds:
         ap.error("--seeds: at least one seed")
+    if o.base_from is not None:
+        for seed in o.seeds:
+            base = o.base_from / f"s{seed}"
+            if not (base / "model.safetensors").is_file() or not (base / "run.json").is_file():
+                ap.error(f"--base-from: {base} holds no model.safetensors and run.json of a run")
     o.gpus = [g.strip() for g in o.gpus.split(",") if g.strip()]
     if not o.gpus:
         ap.error("--gpus: at least one GPU")

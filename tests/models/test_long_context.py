@@ -367,6 +367,37 @@ def test_variant_specs_are_formatted_per_phase(tmp_path):
         lc.parse(["--smoke", "--runs", str(tmp_path), "--variants", "nope"])
 
 
+def test_variants_128k_and_base_from_choose_the_jobs(tmp_path):
+    """--variants-128k keeps some variants out of 128k; --base-from starts the 32k phase from
+    bases saved elsewhere (no base jobs, no dependency on them), and refuses a folder without
+    one; {theta_sq} is 10000 x the length ratio squared."""
+    lc = _script()
+    bases = tmp_path / "bases"
+    for seed in (0, 1):
+        (bases / f"s{seed}").mkdir(parents=True)
+        (bases / f"s{seed}" / "model.safetensors").write_bytes(b"")
+        (bases / f"s{seed}" / "run.json").write_text("{}")
+    argv = ["--smoke", "--runs", str(tmp_path / "runs"), "--seeds", "0,1"]
+    argv += ["--variants", "dense,hhst,sq", "--variants-128k", "hhst,sq"]
+    argv += ["--variant-args", "sq=--variant hhst --rope-theta {theta_sq}"]
+    jobs = {j.name: j for j in lc.plan_jobs(lc.parse([*argv, "--base-from", str(bases)]))}
+    assert not any(name.startswith(("base", "eval/base")) for name in jobs)
+    assert "128k/dense/s0" not in jobs and {"128k/hhst/s1", "128k/sq/s1", "32k/dense/s1"} <= set(
+        jobs
+    )
+    first = jobs["32k/hhst/s1"]
+    assert first.deps == [] and first.args[first.args.index("--init-from") + 1] == str(bases / "s1")
+    assert jobs["128k/sq/s0"].deps == ["32k/sq/s0"]
+    sq = jobs["128k/sq/s0"].args
+    assert sq[sq.index("--rope-theta", sq.index("--variant")) + 1] == "160000"  # 10000 x 4**2
+    planned = {j.name for j in lc.plan_jobs(lc.parse(argv))}
+    assert {"base1k/s0", "base/s1", "eval/base/s0"} <= planned
+    with pytest.raises(SystemExit):
+        lc.parse([*argv, "--base-from", str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit):
+        lc.parse([*argv, "--variants-128k", "local"])
+
+
 def test_time_limit_stops_after_the_step_that_crosses_it(tmp_path, corpus_root):
     out = tmp_path / "run"
     assert (
