@@ -5,8 +5,9 @@
 #     LOG_DIR=$OUT [SUITE_TIMEOUT=300] [TEST_TIMEOUT=240] [SUITE_SKIP='test_a.py|test_b.py'] \
 #         [SUITE_RESUME=dir] scripts/gpu_suite.sh [WORKERS]
 #
-# SUITE_TIMEOUT (seconds) stops each GPU's pytest when it runs past it, so a device call keeps time
-# for the work after the suite. SUITE_SKIP (an extended regex) leaves out test files already run.
+# SUITE_TIMEOUT (seconds) stops each GPU's pytest when it runs past it (SIGINT, as Ctrl-C: pytest
+# still prints the failures so far with their tracebacks), so a device call keeps time for the
+# work after the suite. SUITE_SKIP (an extended regex) leaves out test files already run.
 # TEST_TIMEOUT (seconds, default 240) fails a single test that runs past it, where pytest-timeout
 # is installed (the GPU machine has it): a kernel that deadlocks then shows up by name in the log
 # instead of silently holding the whole call until SUITE_TIMEOUT.
@@ -51,10 +52,15 @@ per_test=()
 if python -c "import pytest_timeout" 2>/dev/null; then
     per_test=(--timeout "${TEST_TIMEOUT:-240}")
 fi
+# Every pytest worker's torch would take a thread per core for its CPU work (the model tests
+# train on the CPU): dozens of workers on one host then oversubscribe it many times over, and
+# fixtures that take seconds alone run past the per-test timeout. Share the cores out instead.
+cores=$(nproc)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / (gpus * workers) > 0 ? cores / (gpus * workers) : 1))}
 pids=()
 for ((g = 0; g < gpus; g++)); do
     # shellcheck disable=SC2086  # the file list is meant to split into words
-    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE --durations=30 -p no:cacheprovider "${per_test[@]}" ${sel[g]} \
+    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout -s INT -k 60 $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE --durations=30 -p no:cacheprovider "${per_test[@]}" ${sel[g]} \
         > "$log_dir/gpu_suite_$g.log" 2>&1 &
     pids+=($!)
 done
