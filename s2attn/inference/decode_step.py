@@ -102,8 +102,8 @@ def decode_step(
         return out.view(q.shape), lse
     if layout is None:
         layout = step_layout(pattern, kv_heads, block_size, max_blocks, q.device)
-    dispatch.write_pages(k, v, k_pages, v_pages, page_table, seq_lens)  # at the old lengths
-    seq_lens.add_(q.shape[1])
+    # Written at the old lengths, which the same launch then advances: two launches a step.
+    dispatch.write_pages(k, v, k_pages, v_pages, page_table, seq_lens, advance=True)
     return dispatch.decode(
         q,
         k_pages,

@@ -535,9 +535,12 @@ def write_pages(
     v_pages: torch.Tensor,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    *,
+    advance: bool = False,
 ) -> None:
-    """A decode step's page write: :func:`s2attn.ops.triton.page_write.write_pages`."""
-    triton_page_write.write_pages(k, v, k_pages, v_pages, page_table, seq_lens)
+    """A decode step's page write, and with ``advance`` its length update in the same launch:
+    :func:`s2attn.ops.triton.page_write.write_pages`."""
+    triton_page_write.write_pages(k, v, k_pages, v_pages, page_table, seq_lens, advance=advance)
 
 
 def decode_num_splits(

@@ -403,6 +403,36 @@ def test_page_write_reads_new_tokens_past_2_31_elements():
     assert k_pages.count_nonzero() == v_pages.count_nonzero() == batch * dim
 
 
+@pytest.mark.parametrize("advance", [False, True])
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_page_write_matches_the_reference_and_advances_in_its_launch(num_new, advance):
+    """Every (new token, KV head) row lands in its block's page, across a block boundary, with
+    3 KV heads (rows not a power of two) and a block that has no page (skipped); with advance
+    the lengths move past the new tokens in the same launch, else they stay."""
+    from s2attn.ops.triton.page_write import write_pages
+    from s2attn.reference import write_pages_reference
+
+    dtype, dim, page, batch, kv_heads, blocks = DTYPES[0], 16, 4, 2, 3, 4
+    gen = torch.Generator().manual_seed(num_new)
+    k, v = (
+        torch.randn(batch, num_new, kv_heads, dim, generator=gen).to(DEVICE, dtype) for _ in "kv"
+    )
+    pages = batch * kv_heads * blocks
+    table = torch.arange(pages, dtype=torch.int32).view(batch, kv_heads, blocks)
+    table[1, 2, 1] = -1  # sequence 1's third KV head keeps no block 1
+    table = table.to(DEVICE)
+    seq_lens = torch.tensor([2, 3], dtype=torch.int32, device=DEVICE)  # crossing into block 1
+    # One spare page past the pool: where the reference puts writes to blocks without a page.
+    k_pages, v_pages = (torch.zeros(pages + 1, page, dim, dtype=dtype, device=DEVICE) for _ in "kv")
+    want_k, want_v = k_pages.clone(), v_pages.clone()
+    write_pages_reference(k, v, want_k, want_v, table, seq_lens.clone())
+    lens = seq_lens.clone()
+    write_pages(k, v, k_pages, v_pages, table, lens, advance=advance)
+    assert torch.equal(k_pages[:-1], want_k[:-1]) and torch.equal(v_pages[:-1], want_v[:-1])
+    assert not k_pages[-1].any()  # a block without a page is not written anywhere
+    assert lens.tolist() == (seq_lens + num_new if advance else seq_lens).tolist()
+
+
 def test_device_defaults_to_the_gpu_when_there_is_one_else_the_cpu():
     """No device named: the pools land where the machine can hold them (a pattern is host
     metadata and names none), so the same code runs on a laptop and on a GPU node; the first
