@@ -61,12 +61,20 @@ def kv_last_use(pattern: BlockPattern, num_kv_heads: int) -> torch.Tensor:
 
 
 def is_dense_pattern(pattern: BlockPattern) -> bool:
-    """True when a causal pattern keeps every visible block of every head."""
-    _, i, j = pattern.block_coordinates()
-    kept = int((j <= i).sum())
+    """True when a causal pattern keeps every visible block of every head. A builder's pattern
+    answers from its rules (its kept token pairs against the visible ones, in closed form, at any
+    length); one given by a mask or lists, one head's blocks at a time."""
     qb, kb = pattern.num_q_blocks, pattern.num_kv_blocks
+    if pattern.causal and pattern.rules is not None and qb == kb:
+        # Every visible block holds visible pairs, so all pairs are kept only if all blocks are.
+        seq = pattern.max_seq_len
+        return pattern.kept_token_pairs(seq) == seq * (seq + 1) // 2 * pattern.num_heads
     visible = int(torch.clamp(torch.arange(1, qb + 1), max=kb).sum())
-    return kept == visible * pattern.num_heads
+    for h in range(pattern.num_heads):
+        _, i, j = pattern.block_coordinates(heads=slice(h, h + 1))
+        if int((j <= i).sum()) != visible:
+            return False
+    return True
 
 
 def _pattern_facts(pattern: BlockPattern, num_kv_heads: int) -> tuple[bool, bool, torch.Tensor]:

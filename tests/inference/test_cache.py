@@ -4,12 +4,13 @@ one pass, non-KV-efficient patterns keep everything (with a warning), and bad in
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, assert_close
+from helpers import DEVICE, DTYPES, assert_close, no_tensor_allocation
 
 import s2attn
 from s2attn import (
@@ -18,7 +19,7 @@ from s2attn import (
     attention_reference,
     sparse_attention_with_kvcache,
 )
-from s2attn.inference.eviction import EvictionSchedule, kv_last_use
+from s2attn.inference.eviction import EvictionSchedule, is_dense_pattern, kv_last_use
 
 BS = 16
 MAX_LEN = 192
@@ -250,6 +251,53 @@ def test_dense_layer_keeps_everything(dense):
     assert cache.live_pages == 2 * 2 * math.ceil(150 / BS)
     got, _, _ = cache.gather()
     assert torch.equal(got[:150], k)
+
+
+def _dense_by_mask(pattern) -> bool:
+    tril = torch.ones(pattern.num_q_blocks, pattern.num_kv_blocks, dtype=torch.bool).tril()
+    return bool(pattern.mask[:, tril].all())
+
+
+@pytest.mark.filterwarnings("ignore:.*the pattern is dense:UserWarning")
+def test_dense_pattern_is_told_from_rules_and_lists_as_by_the_mask():
+    """A cache keeps everything for a pattern that keeps every visible block, whether built
+    dense, dense by its rules (a window over everything, stride 1, every head dense), cropped to
+    where its window covers all, or given as a mask; one missing block makes it sparse."""
+    seq, bs = 512, 64
+    lsp = functools.partial(s2attn.local_stride_pattern, 4, max_seq_len=seq, block_size=bs)
+    tril = torch.ones(8, 8, dtype=torch.bool).tril().expand(4, 8, 8).clone()
+    holed = tril.clone()
+    holed[2, 5, 1] = False
+    cases = {
+        "dense": s2attn.dense_pattern(4, max_seq_len=seq, block_size=bs),
+        "window over all": lsp(local_blocks=8, vert_stride=4),
+        "stride 1": lsp(local_blocks=2, vert_stride=1),
+        "every head dense": lsp(local_blocks=2, vert_stride=3, num_dense_heads=4),
+        "some heads dense": lsp(local_blocks=2, vert_stride=3, num_dense_heads=2),
+        "sparse": lsp(local_blocks=2, vert_stride=3),
+        "cropped into its window": lsp(local_blocks=3, vert_stride=8).crop(3),
+        "cropped past it": lsp(local_blocks=3, vert_stride=8).crop(6),
+        "mask": s2attn.BlockPattern(tril, bs, causal=True),
+        "mask with a hole": s2attn.BlockPattern(holed, bs, causal=True),
+    }
+    got = {name: is_dense_pattern(p) for name, p in cases.items()}
+    assert got == {name: _dense_by_mask(p) for name, p in cases.items()}
+    dense = [name for name, is_dense in got.items() if is_dense]
+    assert dense == ["dense", "window over all", "stride 1", "every head dense"] + [
+        "cropped into its window",
+        "mask",
+    ]
+
+
+def test_dense_pattern_check_reads_the_rules_alone(monkeypatch):
+    """At 1M tokens and 32 heads (16,384 blocks a head) the rules answer without a tensor: the
+    blocks themselves would be 143 million coordinates."""
+    pattern = s2attn.local_stride_pattern(
+        32, max_seq_len=2**20, block_size=64, local_blocks=16, vert_stride=32
+    )
+    with no_tensor_allocation(monkeypatch):
+        assert not is_dense_pattern(pattern)
+        assert is_dense_pattern(s2attn.dense_pattern(32, max_seq_len=2**20, block_size=64))
 
 
 @pytest.mark.parametrize("filter_writes", [False, True])
