@@ -4,6 +4,7 @@ and a tiny Llama config."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 
 import pytest
@@ -161,3 +162,40 @@ def no_tensor_allocation(monkeypatch: pytest.MonkeyPatch):
         for name in _TENSOR_FACTORIES:
             patch.setattr(torch, name, refuse)
         yield
+
+
+# The model tests' `s2attn train` options: the tiny preset at 64 tokens on the CPU (shorter than
+# its 256, long enough for the validation needles); the training rows carry no needles (4 of
+# them need 96 tokens).
+def tiny_train_argv(batch_size: int) -> list[str]:
+    options = {
+        "--preset": "tiny",
+        "--seq-len": "64",
+        "--batch-size": str(batch_size),
+        "--device": "cpu",
+        "--needle-fraction": "0",
+        "--val-batches": "1",
+        "--val-needles": "2",
+        "--val-fraction": "0.3",
+    }
+    return [*(x for pair in options.items() for x in pair), "--no-progress"]
+
+
+def train_args(argv: list[str], out, root, *extra: str) -> argparse.Namespace:
+    """``s2attn train``'s parsed arguments: ``argv``, the corpus at ``root``, the run in ``out``,
+    then ``extra``."""
+    from s2attn.models import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return parser.parse_args([*argv, "--data-root", str(root), "--out", str(out), *extra])
+
+
+def s2_layers_on_reference(mp: pytest.MonkeyPatch) -> None:
+    """The S2 layers of the transformers integration on the exact dense-mask reference: under the
+    interpreter (conftest) an S2 forward pass takes seconds, and the kernels have their own
+    tests. The config still says "s2attn"."""
+    import s2attn
+    from s2attn.integrations import transformers as s2hf
+
+    mp.setattr(s2hf, "sparse_attention", s2attn.attention_reference)

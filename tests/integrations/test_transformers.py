@@ -92,6 +92,24 @@ def test_generate_with_static_s2_cache_matches_reference():
     assert s2_layer.num_pages < cache.layers[0].paged.num_pages  # the dense layer: every block
 
 
+def counting_compile_config(compile_graph=None):
+    """A ``CompileConfig`` for ``generate`` that compiles on any device (transformers compiles on
+    GPUs only by default) with ``compile_graph`` (default aot_eager), and the list each compiled
+    graph is appended to, to count retraces."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    compile_graph = compile_graph or torch._dynamo.backends.debugging.aot_eager
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return compile_graph(gm, example_inputs)
+
+    config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
+    config._compile_all_devices = True
+    return config, graphs
+
+
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compiled_decode_over_static_cache_matches_reference(compiler):
     """generate compiles its decode step for a static S2Cache (the cache says it is compileable):
@@ -101,7 +119,6 @@ def test_compiled_decode_over_static_cache_matches_reference(compiler):
     and the host lengths catch up with the device's afterwards. Inductor runs the operator in
     place on the cache's tensors (a copy would lose the pages' writes)."""
     from torch._inductor.compile_fx import compile_fx
-    from transformers.generation.configuration_utils import CompileConfig
 
     compile_graph = {
         "aot_eager": torch._dynamo.backends.debugging.aot_eager,
@@ -114,14 +131,7 @@ def test_compiled_decode_over_static_cache_matches_reference(compiler):
     mask = torch.ones_like(ids)
     mask[1, : PROMPT - lengths[1]] = 0
     ids[1, : PROMPT - lengths[1]] = 0
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return compile_graph[compiler](gm, example_inputs)
-
-    compile_config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
-    compile_config._compile_all_devices = True  # transformers compiles on GPUs only by default
+    compile_config, graphs = counting_compile_config(compile_graph[compiler])
     cache = s2hf.S2Cache(model.config, static=True)
     assert cache.is_compileable
     torch._dynamo.reset()
@@ -144,17 +154,8 @@ def test_compiled_decode_refuses_a_step_past_the_static_cache():
     the steps that fit run in one graph, and the one past the cache is refused before it runs
     (when generate asks the cache for its mask), naming the length it needs and the cache's
     max_seq_len; every layer holds exactly max_seq_len tokens, none written past it."""
-    from transformers.generation.configuration_utils import CompileConfig
-
     model, _ = tiny_llama()
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
-    compile_config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
-    compile_config._compile_all_devices = True
+    compile_config, graphs = counting_compile_config()
     cache = s2hf.S2Cache(model.config, static=True, max_seq_len=48)
     ids = torch.randint(2, 128, (1, 40), device=DEVICE)
     torch._dynamo.reset()
@@ -172,17 +173,8 @@ def test_compiled_decode_serves_a_second_request_from_its_graph():
     """One static S2Cache serving two requests (reset between, as a server reuses it): the
     second generate runs the decode graph compiled for the first (no retrace), the reset finds
     the host caught up with the device, and both requests' tokens equal the reference's."""
-    from transformers.generation.configuration_utils import CompileConfig
-
     model, reference = tiny_llama()
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
-    compile_config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
-    compile_config._compile_all_devices = True
+    compile_config, graphs = counting_compile_config()
     cache = s2hf.S2Cache(model.config, static=True)
     torch._dynamo.reset()
     for request in range(2):

@@ -20,47 +20,25 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
+from helpers import s2_layers_on_reference, tiny_train_argv, train_args  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-import s2attn  # noqa: E402
 from s2attn.integrations import transformers as s2hf  # noqa: E402
 from s2attn.models import data, evaluate, presets, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-SMALL = [
-    "--preset",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "2",
-    "--device",
-    "cpu",
-    "--needle-fraction",
-    "0",
-    "--val-batches",
-    "1",
-    "--val-needles",
-    "2",
-    "--val-fraction",
-    "0.3",
-    "--no-progress",
-]
+SMALL = tiny_train_argv(batch_size=2)
 
 
 @pytest.fixture(autouse=True)
 def _reference_attention(monkeypatch):
-    # The S2 layers through the exact dense-mask reference: the Triton interpreter would take
-    # seconds per forward pass, and the kernels have their own tests.
-    monkeypatch.setattr(s2hf, "sparse_attention", s2attn.attention_reference)
+    s2_layers_on_reference(monkeypatch)
 
 
 def _args(out: Path, root: Path, *extra: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
-    return parser.parse_args([*SMALL, "--data-root", str(root), "--out", str(out), *extra])
+    return train_args(SMALL, out, root, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +46,7 @@ def base(tmp_path_factory, corpus_root) -> Path:
     """A tiny HHST model trained a few steps at 64 tokens: the run the tests extend."""
     out = tmp_path_factory.mktemp("base") / "hhst"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(s2hf, "sparse_attention", s2attn.attention_reference)
+        s2_layers_on_reference(mp)
         assert train.run(_args(out, corpus_root, "--steps", "4", "--val-every", "0")) == 0
     return out
 

@@ -22,54 +22,24 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
+from helpers import s2_layers_on_reference, tiny_train_argv, train_args  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-import s2attn  # noqa: E402
-from s2attn.integrations import transformers as s2hf  # noqa: E402
 from s2attn.models import data, presets, train  # noqa: E402
 
-# Shorter than the tiny preset's 256 tokens (the tests train on the CPU), long enough for the
-# validation needles; the training rows carry no needles (4 of them need 96 tokens).
-SMALL = [
-    "--preset",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "4",
-    "--device",
-    "cpu",
-    "--needle-fraction",
-    "0",
-    "--val-batches",
-    "1",
-    "--val-needles",
-    "2",
-    "--val-fraction",
-    "0.3",
-    "--no-progress",
-]
+SMALL = tiny_train_argv(batch_size=4)
 # Everything but time varies with the weights; time fields differ run to run.
 _TIMING = ("tokens_per_s", "elapsed_s", "max_mem_gib", "step_s")
 
 
-def _s2_layers_on_reference(mp: pytest.MonkeyPatch) -> None:
-    # conftest turns on the Triton interpreter, which takes seconds per S2 forward pass: the S2
-    # layers use the exact dense-mask reference instead (as on a CPU without the interpreter),
-    # while the config still says "s2attn". The kernels have their own tests.
-    mp.setattr(s2hf, "sparse_attention", s2attn.attention_reference)
-
-
 @pytest.fixture(autouse=True)
 def _reference_attention(monkeypatch):
-    _s2_layers_on_reference(monkeypatch)
+    s2_layers_on_reference(monkeypatch)
 
 
 def _args(out: Path, root: Path, *extra: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
-    return parser.parse_args([*SMALL, "--data-root", str(root), "--out", str(out), *extra])
+    return train_args(SMALL, out, root, *extra)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -88,7 +58,7 @@ TRAINED = ["--steps", "30", "--val-every", "15", "--log-every", "1"]
 def trained(tmp_path_factory, corpus_root) -> Path:
     out = tmp_path_factory.mktemp("run") / "hhst"
     with pytest.MonkeyPatch.context() as mp:
-        _s2_layers_on_reference(mp)
+        s2_layers_on_reference(mp)
         assert train.run(_args(out, corpus_root, *TRAINED)) == 0
     return out
 
@@ -588,7 +558,7 @@ def test_init_from_starts_at_the_saved_weights(tmp_path, corpus_root, trained):
         "1",
     )
     with pytest.MonkeyPatch.context() as mp:
-        _s2_layers_on_reference(mp)
+        s2_layers_on_reference(mp)
         assert train.run(args) == 0
     saved, now = (
         load_file(str(trained / "model.safetensors")),
