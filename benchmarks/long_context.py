@@ -229,7 +229,7 @@ def flags(**options) -> list[str]:
 
 def plan_jobs(o: argparse.Namespace) -> list[Job]:
     """Every job of the experiment, in the order they are preferred when several are ready:
-    training before evaluation, earlier phases first."""
+    earlier phases first, and within a phase training before evaluation."""
     runs, base_len = o.runs, o.base_len
     common = [
         *flags(preset=o.preset, val_seed=VAL_SEED, no_progress=True),
@@ -290,9 +290,11 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
         """The 32k and 128k phases of every variant, each from the one before."""
         for offset, phase in enumerate(PHASES[1:], start=2):
             p = o.phase[phase]
+            before = dict(previous)  # the phase before's runs, whatever this phase adds
             for v in o.variants_128k if phase == "128k" else o.variants:
                 out = runs / phase / v / f"s{seed}"
-                dep, source = previous[v]
+                # A 128k-only variant (NAME:FROM) starts from FROM's 32k weights.
+                dep, source = before[o.sources_128k.get(v, v) if phase == "128k" else v]
                 train(
                     v,
                     seed,
@@ -319,8 +321,9 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
         extension_jobs(seed, previous)
     order = {name: i for i, name in enumerate(("base1k", *PHASES))}
     jobs = [j for j in trains + evals if order[j.phase] <= order[o.until]]
-    # Training first (it leads to the next phase), earlier phases first; sorted() is stable.
-    return sorted(jobs, key=lambda j: (j.kind == "eval", order[j.phase], j.seed))
+    # Earlier phases first, a phase's training before its evaluation, so that each phase's
+    # results are complete before the next phase's runs take the GPUs; sorted() is stable.
+    return sorted(jobs, key=lambda j: (order[j.phase], j.kind == "eval", j.seed))
 
 
 # ------------------------------------------------------------------------------ the scheduler
@@ -761,7 +764,7 @@ def report(jobs: list[Job], o: argparse.Namespace) -> None:
         env=env,
         versions=recorded["versions"],
         settings=settings,
-        variants={v: VARIANTS[v] for v in {*o.variants, o.base_variant}},
+        variants={v: VARIANTS[v] for v in {*o.variants, *o.variants_128k, o.base_variant}},
         rows=rows,
     )
     (o.out_dir / f"{stem}.md").write_text(text)
@@ -801,7 +804,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add(
         "--variants-128k",
         default=None,
-        help="the variants that go on to 128k, of --variants (default all of them)",
+        help="the variants that go on to 128k, of --variants (default all of them); NAME:FROM "
+        "adds a 128k-only variant NAME (say, another stride) started from FROM's 32k weights",
     )
     add(
         "--variant-args",
@@ -879,13 +883,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--variant-args takes NAME=ARGS, got {spec!r}")
         VARIANTS[name.strip()] = shlex.split(args)
     o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
+    o.sources_128k = {}
     if o.variants_128k is None:
         o.variants_128k = list(o.variants)
     else:
-        o.variants_128k = [v.strip() for v in o.variants_128k.split(",") if v.strip()]
-        if not set(o.variants_128k) <= set(o.variants):
-            ap.error(f"--variants-128k {o.variants_128k} must be among --variants {o.variants}")
-    for v in [*o.variants, o.base_variant]:
+        specs = [v.strip() for v in o.variants_128k.split(",") if v.strip()]
+        o.variants_128k = [v.partition(":")[0].strip() for v in specs]
+        o.sources_128k = {
+            name.strip(): source.strip()
+            for name, sep, source in (v.partition(":") for v in specs)
+            if sep
+        }
+        plain = [v for v in o.variants_128k if v not in o.sources_128k]
+        if not set(plain + list(o.sources_128k.values())) <= set(o.variants):
+            ap.error(
+                f"--variants-128k {specs}: each variant, or the FROM of NAME:FROM, must be among "
+                f"--variants {o.variants}"
+            )
+    for v in [*o.variants, *o.variants_128k, o.base_variant]:
         if v not in VARIANTS:
             ap.error(
                 f"unknown variant {v!r}: choose from {', '.join(VARIANTS)} or add it with "

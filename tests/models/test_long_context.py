@@ -376,6 +376,23 @@ def test_variants_128k_and_base_from_choose_the_jobs(tmp_path):
         lc.parse([*argv, "--variants-128k", "local"])
 
 
+def test_a_128k_only_variant_starts_from_another_variants_32k_weights(tmp_path):
+    """--variants-128k NAME:FROM trains NAME at 128k only, from FROM's 32k run; FROM must be a
+    32k variant and NAME a known one."""
+    lc = _script()
+    argv = ["--smoke", "--runs", str(tmp_path), "--variants", "dense,hhst"]
+    argv += ["--variant-args", "wide=--variant hhst --vert-stride 4"]
+    jobs = {j.name: j for j in lc.plan_jobs(lc.parse([*argv, "--variants-128k", "hhst,wide:hhst"]))}
+    assert "32k/wide/s0" not in jobs and "128k/dense/s0" not in jobs
+    wide = jobs["128k/wide/s0"]
+    assert wide.deps == ["32k/hhst/s0"] and "eval/128k/wide/s0" in jobs
+    assert wide.args[wide.args.index("--init-from") + 1] == str(tmp_path / "32k" / "hhst" / "s0")
+    assert wide.args[wide.args.index("--vert-stride") + 1] == "4"
+    for bad in ("wide:local", "nope:hhst"):
+        with pytest.raises(SystemExit):
+            lc.parse([*argv, "--variants-128k", bad])
+
+
 def test_time_limit_stops_after_the_step_that_crosses_it(tmp_path, corpus_root):
     out = tmp_path / "run"
     assert (
