@@ -57,10 +57,13 @@ fi
 # fixtures that take seconds alone run past the per-test timeout. Share the cores out instead.
 cores=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores / (gpus * workers) > 0 ? cores / (gpus * workers) : 1))}
+# The GPUs by the ids the caller's CUDA_VISIBLE_DEVICES gives (CUDA_VISIBLE_DEVICES=2,3 runs on
+# those two, not on 0 and 1), or 0, 1, ... where it is unset.
+IFS=, read -r -a ids <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}"
 pids=()
 for ((g = 0; g < gpus; g++)); do
     # shellcheck disable=SC2086  # the file list is meant to split into words
-    CUDA_VISIBLE_DEVICES=$g ${SUITE_TIMEOUT:+timeout -s INT -k 60 $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE --durations=30 -p no:cacheprovider "${per_test[@]}" ${sel[g]} \
+    CUDA_VISIBLE_DEVICES=${ids[g]} ${SUITE_TIMEOUT:+timeout -s INT -k 60 $SUITE_TIMEOUT} python -m pytest -n "$workers" -v -rfE --durations=30 -p no:cacheprovider "${per_test[@]}" ${sel[g]} \
         > "$log_dir/gpu_suite_$g.log" 2>&1 &
     pids+=($!)
 done
