@@ -339,7 +339,10 @@ def check_layer(model, args, layer: int, ids, pos, tp: int) -> dict:
     same_pattern = worst(0.0 if torch.equal(core.pattern.mask, full[split.heads].mask) else 1.0)
 
     q, k, v = captured["qkv"]
-    dtype = q.dtype  # what the layer computes in: bf16 under autocast on the GPU
+    # What the layer computes in: the autocast region's dtype where one is on (the layer casts
+    # to it; Megatron's rotary embedding hands over float32 q and k under bf16 autocast).
+    on = torch.is_autocast_enabled(q.device.type)
+    dtype = torch.get_autocast_dtype(q.device.type) if on else q.dtype
     tol = REL_TOL[dtype]
     gen = torch.Generator().manual_seed(args.seed + 1 + layer)
     whole_shape = (args.seq, args.batch, args.heads, q.shape[-1])

@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 import triton
 
-import s2attn
+# This checkout's s2attn, installed or not: a benchmark runs from any directory, and a
+# PYTHONPATH that carries other packages (wheels unpacked on a GPU machine) leaves it out.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import s2attn  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

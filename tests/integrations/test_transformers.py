@@ -98,7 +98,9 @@ def counting_compile_config(compile_graph=None):
     graph is appended to, to count retraces."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    compile_graph = compile_graph or torch._dynamo.backends.debugging.aot_eager
+    from torch._dynamo.backends.debugging import aot_eager
+
+    compile_graph = compile_graph or aot_eager
     graphs = []
 
     def counting_backend(gm, example_inputs):
