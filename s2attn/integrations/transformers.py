@@ -569,6 +569,15 @@ class S2CacheLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        # The hand-off to the attention function. transformers (5.x) gives that function the
+        # module (config, layer_idx), q/k/v, the mask and the model's forward kwargs, never
+        # past_key_values (LlamaAttention.forward takes it by name and calls
+        # past_key_values.update, then the attention interface with the keys update returned);
+        # Cache.update never sees the module, and the mask interface (create_causal_mask) gets
+        # sizes only, and none at all for a 4-D mask. Any other seam is state kept between calls,
+        # stale once a step stops between here and the attention or runs without an S2Cache.
+        # These keys are new in every forward, so the tag lives one layer's step; under
+        # torch.compile it is a side effect inside the trace, with no guard of its own.
         key_states._s2attn_cache_layer = self
         self._pending = True
         return key_states, value_states

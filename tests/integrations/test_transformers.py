@@ -365,3 +365,23 @@ def test_cache_reuse_crop_reset_and_two_caches_match_reference():
     first.reset()
     d, _ = generate(model, ids[:, 5:], mask[:, 5:], new_tokens=3, past_key_values=first)
     assert torch.equal(d, generate(reference, ids[:, 5:], mask[:, 5:], new_tokens=3)[0])
+
+
+def test_cache_hand_off_lasts_one_step():
+    """S2Cache hands each layer's step to the attention through that step's keys only: a forward
+    without a cache, after generating through an S2Cache and after an S2Cache step that no
+    's2attn' attention took (the model on SDPA then), attends over its own keys as the reference
+    does."""
+    model, reference = tiny_llama(num_layers=2)
+    ids = torch.randint(2, 128, (1, 40), device=DEVICE)
+    mask = torch.ones_like(ids)
+    generate(model, ids, mask, new_tokens=3, past_key_values=s2hf.S2Cache(model.config))
+    with torch.no_grad():
+        want = reference(ids, use_cache=False).logits
+        got = model(ids, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        model.set_attn_implementation("sdpa")
+        model(ids[:, :20], past_key_values=s2hf.S2Cache(model.config), use_cache=True)
+        model.set_attn_implementation(s2hf.ATTN_IMPLEMENTATION)
+        got = model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
