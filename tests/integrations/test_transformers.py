@@ -96,9 +96,8 @@ def counting_compile_config(compile_graph=None):
     """A ``CompileConfig`` for ``generate`` that compiles on any device (transformers compiles on
     GPUs only by default) with ``compile_graph`` (default aot_eager), and the list each compiled
     graph is appended to, to count retraces."""
-    from transformers.generation.configuration_utils import CompileConfig
-
     from torch._dynamo.backends.debugging import aot_eager
+    from transformers.generation.configuration_utils import CompileConfig
 
     compile_graph = compile_graph or aot_eager
     graphs = []
