@@ -34,8 +34,9 @@ Each extension phase's position scheme is ``--rope-32k`` / ``--rope-128k`` (trai
 variant's come after them and win). In these and in variant arguments ``{len}`` is the phase
 length, ``{scale}`` the phase length over the base length (8 at 32k, 32 at 128k), ``{theta}``
 10000 x ``{scale}`` and ``{theta_sq}`` 10000 x ``{scale}`` squared (640000 at 32k, 10240000 at
-128k). By default the RoPE base grows with the length (80000 at 32k, 320000 at 128k), so the
-slowest rotation still turns less than once over the context as it did at 4k.
+128k). By default the RoPE base grows with the square of the length ({theta_sq}): with a base
+that only kept pace with it ({theta}: 80000 at 32k, 320000 at 128k) every model, dense included,
+lost the needles at the start of the context (docs/results.md, "The RoPE base of the extension").
 Learning rate ``--lr-32k``/``--lr-128k`` (3e-4) after ``--warmup-32k``/``--warmup-128k`` (20)
 steps; gradient checkpointing from ``--checkpointing-from`` tokens (32768) on; validation every
 ``--val-every-32k``/``--val-every-128k`` steps (a tenth of the phase), so dense's curve gives the
@@ -828,8 +829,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         add(f"--val-every-{phase}", type=int, help="validate every N steps (a tenth)")
         add(
             f"--rope-{phase}",
-            default="--rope-theta {theta}",
-            help="its RoPE train arguments (default '--rope-theta {theta}')",
+            default="--rope-theta {theta_sq}",
+            help="its RoPE train arguments (default '--rope-theta {theta_sq}')",
         )
     add("--checkpointing-from", type=int, help="gradient checkpointing from this length (32768)")
     add("--samples", type=int, help="needles a grid cell (20)")

@@ -337,7 +337,7 @@ def test_variant_specs_are_formatted_per_phase(tmp_path):
     assert set(jobs) >= {"32k/mine/s0", "128k/mine/s0", "eval/128k/hhst/s0", "base/s0"}
     args = jobs["128k/mine/s0"].args
     assert args[args.index("--rope-factor") + 1] == "4" and args[args.index("--x") + 1] == "1024"
-    assert args[args.index("--rope-theta") + 1] == "40000"  # the phase's default: 10000 x 4
+    assert args[args.index("--rope-theta") + 1] == "160000"  # the phase's default: 10000 x 4**2
     assert args[args.index("--init-from") + 1] == str(o.runs / "32k" / "mine" / "s0")
     assert "--gradient-checkpointing" in args
     assert "--gradient-checkpointing" not in jobs["32k/mine/s0"].args
@@ -479,7 +479,7 @@ def test_pipeline_on_the_cpu_resumes_after_its_deadline(tmp_path):
         assert r["seq_len"] == expected_len and max(map(int, r["needle"])) == expected_len
     by = {(r["phase"], r["variant"]): r for r in rows}
     assert by["32k", "dense"]["tokens"] == by["32k", "hhst"]["tokens"] > 0  # equal tokens
-    assert by["128k", "hhst"]["rope"]["rope_theta"] == 40000.0
+    assert by["128k", "hhst"]["rope"]["rope_theta"] == 160000.0  # 10000 x (1024 / 256)**2
     assert by["128k", "hhst"]["dense_at_equal_time"] is not None
     assert by["128k", "hhst"]["vs_dense"] is not None
     for phase in ("base", "32k", "128k"):
