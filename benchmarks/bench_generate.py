@@ -2,8 +2,9 @@
 through s2attn with the evicting S2Cache against dense SDPA with transformers' DynamicCache.
 
 Model: random weights (nothing is downloaded), hidden 2048, 16 layers, 32 query / 8 KV heads of
-dim 64, MLP 8192, vocabulary 32000, bf16 (~1.1B parameters). HHST: the first ``--dense-layers``
-layers dense, the rest S2 (block 64, local_blocks 16, vertical stride 16 and 64). Greedy decoding
+dim 64, MLP 8192, vocabulary 32000, bf16 (~1.1B parameters). HHST: ``--dense-layers`` dense
+layers spread through the stack (as ``s2attn.integrations.transformers.configure`` places them),
+the rest S2 (block 64, local_blocks 16, vertical stride 16 and 64). Greedy decoding
 of ``--new`` tokens after a ``--prompt``-token prompt, ``--batch`` sequences.
 
 With ``--compiled`` also static caches, whose decode step ``generate`` compiles
@@ -149,8 +150,9 @@ def markdown(rows: list[dict], env: dict, args, params: int) -> str:
         "generate benchmark",
         env,
         f"Llama-style, {params / 1e9:.2f}B parameters, random weights, bf16: {MODEL}. Batch "
-        f"{args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy. HHST: first "
-        f"{args.dense_layers} layers dense, the rest S2 (block 64, local_blocks 16). Peak: GPU "
+        f"{args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy. HHST: "
+        f"{args.dense_layers} dense layers spread through the stack, the rest S2 (block 64, "
+        "local_blocks 16). Peak: GPU "
         "memory above the weights during `generate`. KV: the cache's bytes at the end.",
         versions,
     )

@@ -3,8 +3,9 @@ batch one GPU holds, and peak memory; HHST through s2attn's evicting ``S2Cache``
 with transformers' ``DynamicCache``.
 
 Model: random weights (nothing is downloaded), hidden 4096, 32 layers, 32 query / 8 KV heads of
-128, MLP 11008, vocabulary 32000, bf16 (6.7B parameters). HHST: the first ``--dense-layers``
-layers dense, the rest S2 (block 64, local 16 blocks, vertical stride ``--stride``).
+128, MLP 11008, vocabulary 32000, bf16 (6.7B parameters). HHST: ``--dense-layers`` dense layers
+spread through the stack (as ``s2attn.integrations.transformers.configure`` places them: 2 of 32
+are layers 8 and 24), the rest S2 (block 64, local 16 blocks, vertical stride ``--stride``).
 
 For each prompt length and configuration:
 
@@ -248,7 +249,8 @@ def markdown(rows: list[dict], checks: list[dict], env: dict, args, params: int)
         "Serving benchmark",
         env,
         f"Llama-style, {params / 1e9:.2f}B parameters, random weights, bf16: {MODEL}. HHST: "
-        f"first {args.dense_layers} layers dense, the rest S2 (block 64, local 16, stride "
+        f"{args.dense_layers} dense layers spread through the stack, the rest S2 (block 64, "
+        "local 16, stride "
         f"{args.stride}). TTFT: one prompt through the model. Decode: caches filled with random "
         f"K/V for every sequence (as a prefill stores them), then {args.new} greedy tokens; "
         "`x dense` compares with the dense row of the same prompt and kind (eager, or static "
