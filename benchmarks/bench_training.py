@@ -25,13 +25,18 @@ S2 layers are the floor's elementwise op and whose dense layers attend, so that
     python benchmarks/bench_training.py --preset small --seqs 32768 131072 \
         --variants dense hhst hhst-floor floor hhst+compile hhst-floor+compile floor+compile
 
+A preset variant ending in ``-V<N>`` has its S2 layers at vertical stride N (``hhst-V32``,
+``hhst-floor-V32+compile``), so one table weighs the preset's stride against sparser ones.
+
 Writes markdown and JSON with the device, versions and date to benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
@@ -87,6 +92,13 @@ def s2_layers_floor(module, query, key, value, attention_mask, **kwargs):
     return floor_attention(module, query, key, value, attention_mask, **kwargs)
 
 
+def split_stride(variant: str) -> tuple[str, int | None]:
+    """A preset variant's name and the S2 vertical stride its ``-V<N>`` suffix asks for (None:
+    the preset's): ``hhst-floor-V32`` -> ``("hhst-floor", 32)``."""
+    match = re.fullmatch(r"(.+)-V(\d+)", variant)
+    return (match[1], int(match[2])) if match else (variant, None)
+
+
 def build_preset(variant: str, seq: int, args, device: str):
     """``variant`` of preset ``args.preset`` at ``seq`` tokens, float32 weights."""
     import transformers
@@ -95,8 +107,12 @@ def build_preset(variant: str, seq: int, args, device: str):
 
     transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
     transformers.AttentionInterface.register(S2_FLOOR_IMPLEMENTATION, s2_layers_floor)
+    variant, stride = split_stride(variant)
+    s2 = presets.PRESETS[args.preset].s2
+    if stride is not None:
+        s2 = dataclasses.replace(s2, vert_stride=stride)
     base = {"floor": "dense", "hhst-floor": "hhst"}.get(variant, variant)
-    config = presets.model_config(args.preset, base, seq_len=seq)
+    config = presets.model_config(args.preset, base, seq_len=seq, s2=s2)
     if variant == "floor":
         config._attn_implementation = FLOOR_IMPLEMENTATION
     elif variant == "hhst-floor":
@@ -289,11 +305,15 @@ def markdown(rows: list[dict], env: dict, args) -> str:
             lines.append(
                 f"| {seq // 1024}k | ceiling (dense / floor) | | | {dense / floor:.2f}x | | | |"
             )
-        for suffix in ("", "+compile"):
-            hhst, s2_floor = times.get("hhst" + suffix), times.get("hhst-floor" + suffix)
-            if hhst and s2_floor:
+        for name, hhst in times.items():
+            # Each HHST row beside its twin with the S2 layers left out (same stride, same
+            # compilation): hhst-V32+compile against hhst-floor-V32+compile.
+            if not name.startswith("hhst") or "floor" in name:
+                continue
+            s2_floor = times.get("hhst-floor" + name.removeprefix("hhst"))
+            if s2_floor:
                 lines.append(
-                    f"| {seq // 1024}k | S2 layers' share of hhst{suffix} | "
+                    f"| {seq // 1024}k | S2 layers' share of {name} | "
                     f"{hhst - s2_floor:.3f} | | {1 - s2_floor / hhst:.1%} | | | |"
                 )
     for r in rows:
@@ -317,7 +337,8 @@ def main() -> int:
         "--preset",
         default=None,
         help="time an `s2attn train` preset (its shape and S2 settings) with variants of "
-        f"{', '.join(PRESET_VARIANTS)} (each may end in +compile)",
+        f"{', '.join(PRESET_VARIANTS)} (each may end in -V<stride>, the S2 layers' vertical "
+        "stride, and in +compile)",
     )
     ap.add_argument(
         "--model", choices=["1b", "small"], default="1b", help="small: 8 layers, hidden 1024"
@@ -347,8 +368,12 @@ def main() -> int:
         if args.preset not in presets.PRESETS:
             ap.error(f"--preset: choose one of {', '.join(presets.PRESETS)}")
         for v in args.variants:
-            if v.removesuffix("+compile") not in PRESET_VARIANTS:
-                ap.error(f"--variants with --preset: {v!r} is not one of {PRESET_VARIANTS}")
+            name, stride = split_stride(v.removesuffix("+compile"))
+            if name not in PRESET_VARIANTS or stride == 0:
+                ap.error(
+                    f"--variants with --preset: {v!r} is not one of {PRESET_VARIANTS}, each "
+                    "optionally with -V<stride> (the S2 layers' vertical stride) and +compile"
+                )
     if args.smoke:
         args.seqs, args.steps, args.warmup = [256], 2, 1
         if not args.preset:

@@ -79,3 +79,22 @@ def test_table_reports_the_s2_layers_share():
     text = bt.markdown(rows, env, _args(model="1b", dense_layers=2))
     assert "| 32k | S2 layers' share of hhst | 0.200 | | 20.0% |" in text
     assert "| 32k | ceiling (dense / floor) | | | 4.00x |" in text
+
+
+def test_a_stride_suffix_sets_the_s2_layers_stride_and_pairs_with_its_floor():
+    """``hhst-V4`` builds the preset with its S2 layers at vertical stride 4 (the preset's own
+    otherwise), and the table sets each HHST row beside the floor twin of the same stride."""
+    bt = _bench()
+    assert bt.split_stride("hhst-floor-V32") == ("hhst-floor", 32)
+    assert bt.split_stride("hhst") == ("hhst", None)
+    own = bt.build_preset("hhst", 64, _args(), "cpu").config.s2attn
+    wide = bt.build_preset("hhst-V4", 64, _args(), "cpu").config.s2attn
+    assert own["vert_stride"] == presets.PRESETS["tiny"].s2.vert_stride != 4
+    assert wide["vert_stride"] == 4 and wide["layer_types"] == own["layer_types"]
+    rows = [
+        dict(variant=v, seq=32768, step_s=t, tokens_per_s=32768 / t, peak_gib=1.0)
+        for v, t in (("hhst-V4+compile", 1.0), ("hhst-floor-V4+compile", 0.9), ("dense", 2.0))
+    ]
+    env = dict(device="cpu", date="today", torch="x", triton="y", cuda=None, s2attn="z")
+    text = bt.markdown(rows, env, _args(model="1b", dense_layers=2))
+    assert "| 32k | S2 layers' share of hhst-V4+compile | 0.100 | | 10.0% |" in text
