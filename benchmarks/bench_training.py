@@ -125,15 +125,13 @@ def build(variant: str, seq: int, args, device: str, dtype: torch.dtype):
     """The model of ``variant``; a ``+compile`` suffix compiles it with ``torch.compile``."""
     import transformers
 
+    variant, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
     if args.preset:
-        name, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
-        model = build_preset(name, seq, args, device)
-        return _ready(model, args, compiled)
+        return _ready(build_preset(variant, seq, args, device), args, compiled)
 
     from s2attn.integrations import transformers as s2hf
     from s2attn.stack import S2Settings
 
-    variant, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
     transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
     shape = model_shape(args)
     impl = {"floor": FLOOR_IMPLEMENTATION}.get(variant, "sdpa")

@@ -85,10 +85,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's s2attn, installed or not
+from run_info import environment, result_stem, table, versions_line
 
-from run_info import environment, result_stem, table, versions_line  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -291,11 +290,11 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
         """The 32k and 128k phases of every variant, each from the one before."""
         for offset, phase in enumerate(PHASES[1:], start=2):
             p = o.phase[phase]
-            before = dict(previous)  # the phase before's runs, whatever this phase adds
+            runs_of_phase = {}  # variant -> (job, weights) of this phase, for the next one
             for v in o.variants_128k if phase == "128k" else o.variants:
                 out = runs / phase / v / f"s{seed}"
                 # A 128k-only variant (NAME:FROM) starts from FROM's 32k weights.
-                dep, source = before[o.sources_128k.get(v, v) if phase == "128k" else v]
+                dep, source = previous[o.sources_128k.get(v, v) if phase == "128k" else v]
                 train(
                     v,
                     seed,
@@ -310,7 +309,8 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
                     *_format(VARIANTS[v], p["len"], base_len),
                 )
                 evaluation(trains[-1], p["len"])
-                previous[v] = (trains[-1].name, out)
+                runs_of_phase[v] = (trains[-1].name, out)
+            previous = runs_of_phase
 
     for seed in o.seeds:
         if o.base_from is not None:

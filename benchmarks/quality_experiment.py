@@ -84,7 +84,7 @@ def run_all(jobs: dict[str, list[list[str]]], runs: Path, parallel: int, env: di
 def read_metrics(path: Path) -> list[dict]:
     """A run's rows under today's names (``val_bpb``, ``val_needle_acc``), also where an older
     version logged them under others."""
-    # Imported here: main() puts the repository on sys.path first.
+    # Imported here, as main() imports the models: the module loads without transformers.
     from s2attn.models.train import read_metrics as read
 
     return read(path)
@@ -257,7 +257,6 @@ def main() -> int:
     ap.add_argument("--name", default="quality")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from s2attn.models.presets import PRESETS, model_config, model_summary
 
     preset = PRESETS[args.preset]
