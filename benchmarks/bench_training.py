@@ -185,6 +185,9 @@ def sdpa_backend(variant: str):
 
 def measure(variant: str, seq: int, args, device: str) -> dict:
     dtype = torch.float32 if args.smoke else torch.bfloat16
+    # Each variant compiles from nothing: one process runs many, and past dynamo's recompile
+    # limit (8 per frame) a later variant would run eagerly under a +compile name.
+    torch._dynamo.reset()
     model = build(variant, seq, args, device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device)
