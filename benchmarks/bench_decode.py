@@ -33,8 +33,13 @@ heading names the CPU and the load at the start and end of the run.
     python benchmarks/bench_decode.py --contexts 131072 --batches 16 --strides 64 --sweep
     python benchmarks/bench_decode.py --batches 1 --repeats 9
 
-``--sweep`` also times every (num_warps, num_stages, block_n, num_splits) of the decode kernel on
-each case and prints the best, to choose the launcher's defaults from measurement.
+``--sweep`` also times every (num_warps, num_stages, block_n, prefetch_entries, num_splits) of the
+decode kernel on each case (CUDA-graph replays) and prints the best, to choose the launcher's
+defaults from measurement; ``--sweep-batch1`` sweeps a smaller space (64-key tiles, 3 or 4
+stages) for batch-1 rows, and ``--sweep-prefetch`` names the prefetch widths (default 0,16):
+
+    python benchmarks/bench_decode.py --contexts 32768,131072 --batches 1 --strides 16,64 \\
+        --sweep-batch1 --repeats 1
 """
 
 from __future__ import annotations
@@ -163,12 +168,42 @@ def kernel_fn(
     )
 
 
-def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
+# The launches --sweep times: every (warps, stages, block_n, prefetch_entries, splits). The split
+# count is a run-time argument, but each power of two up to it compiles anew (the merge's width).
+SWEEP_SPACE = dict(
+    warps=(4, 8),
+    stages=(2, 3, 4),
+    block_n=(32, 64),
+    prefetch=(0, 16),
+    splits=(1, 2, 4, 8, 16, 32, 64),
+)
+# --sweep-batch1: a single sequence's few programs wait on dependent loads, not bandwidth, so its
+# sweep is over split counts and prefetching, at the 64-key tiles and deep pipelines the batch-16
+# sweep chose: a third of the compiles, so that two contexts and two strides take minutes.
+SWEEP_BATCH1_SPACE = dict(SWEEP_SPACE, stages=(3, 4), block_n=(64,))
+
+
+def sweep(
+    cache: PagedKVCache, q, scale: float, default_ms: float, blocks: int, space: dict
+) -> dict:
+    """Times every launch of ``space`` on the case (CUDA-graph replays) and returns the best.
+    ``default_ms``: the launcher's default launch, timed the same way."""
+    # The split counts the heuristic would choose if a split could hold fewer pages than 4.
+    heuristic = {
+        m: dec.decode_num_splits(q.shape[0], KV_HEADS, blocks, q.device, min_pages_per_split=m)
+        for m in (1, 2, 4)
+    }
+    print(f"    heuristic splits by min_pages_per_split: {heuristic}", flush=True)
     best = None
-    # num_splits is a run-time argument: only warps, stages, block_n and split-or-not compile.
-    space = itertools.product((4, 8), (2, 3, 4), (32, 64), (1, 2, 4, 8, 16))
-    for warps, stages, block_n, splits in space:
-        config = TritonDecodeConfig(num_warps=warps, num_stages=stages, block_n=block_n)
+    launches = itertools.product(
+        space["warps"], space["stages"], space["block_n"], space["prefetch"], space["splits"]
+    )
+    for warps, stages, block_n, prefetch, splits in launches:
+        if splits > max(blocks, 1):  # splits past the list's pages would have nothing to read
+            continue
+        config = TritonDecodeConfig(
+            num_warps=warps, num_stages=stages, block_n=block_n, prefetch_entries=prefetch
+        )
         try:
             fn = kernel_fn(cache, q, scale, splits, config)
             fn()  # compile outside the graph capture
@@ -177,18 +212,27 @@ def sweep(cache: PagedKVCache, q, scale: float, default_ms: float) -> dict:
             print(f"      {config} splits {splits}: {type(exc).__name__}")
             continue
         print(
-            f"      warps {warps} stages {stages} block_n {block_n} splits {splits:2d}: "
-            f"{ms:.4f} ms",
+            f"      warps {warps} stages {stages} block_n {block_n} prefetch {prefetch:2d} "
+            f"splits {splits:2d}: {ms:.4f} ms",
             flush=True,
         )
         if best is None or ms < best["ms"]:
-            best = dict(ms=ms, num_warps=warps, num_stages=stages, block_n=block_n, splits=splits)
+            best = dict(
+                ms=ms,
+                num_warps=warps,
+                num_stages=stages,
+                block_n=block_n,
+                prefetch_entries=prefetch,
+                splits=splits,
+            )
     print(f"    best {best} (default {default_ms:.4f} ms)", flush=True)
+    if best is not None:
+        best.update(default_ms=default_ms, heuristic_splits=heuristic)
     return best
 
 
 def run_stride(
-    stride, ctx, q, k_full, v_full, k1, v1, sdpa, dense_bytes, do_sweep, repeats
+    stride, ctx, q, k_full, v_full, k1, v1, sdpa, dense_bytes, sweep_space, repeats
 ) -> dict:
     batch = q.shape[0]
     scale = DIM**-0.5
@@ -229,7 +273,10 @@ def run_stride(
     # what ran before it matters.
     call_again_ms, _ = median_run(lambda: median_ms(call), runs)
     report = cache.memory_report()
-    best = sweep(cache, q, scale, kernel_ms) if do_sweep else None
+    best = None
+    if sweep_space is not None:  # against the default launch timed as the sweep times its own
+        default_ms = kernel_graph_ms or kernel_ms
+        best = sweep(cache, q, scale, default_ms, blocks, sweep_space)
     step_ms, step_runs = median_run(lambda: step_time(cache, q, k1, v1), runs)
     # Bytes the kernel must read: the kept pages of every (sequence, KV head), K and V.
     read_bytes = batch * KV_HEADS * blocks * cache.page_bytes
@@ -299,7 +346,9 @@ def dense_timings(sdpa, batch: int, repeats: int) -> dict:
     )
 
 
-def run(ctx: int, batch: int, strides: list[int], do_sweep: bool, repeats: int) -> list[dict]:
+def run(
+    ctx: int, batch: int, strides: list[int], sweep_space: dict | None, repeats: int
+) -> list[dict]:
     torch.manual_seed(0)
     # The dense cache: the context plus the new token (the last position), made in place so that
     # the largest cases (128k x 64 sequences: 32 GiB) need no second copy.
@@ -322,7 +371,7 @@ def run(ctx: int, batch: int, strides: list[int], do_sweep: bool, repeats: int) 
     for stride in strides:
         rows.append(
             run_stride(
-                stride, ctx, q, k_full, v_full, k1, v1, dense, dense_bytes, do_sweep, repeats
+                stride, ctx, q, k_full, v_full, k1, v1, dense, dense_bytes, sweep_space, repeats
             )
         )
         torch.cuda.empty_cache()
@@ -407,6 +456,16 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--strides", default="16,64")
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch options")
+    ap.add_argument(
+        "--sweep-batch1",
+        action="store_true",
+        help="sweep the batch-1 space instead (implies --sweep): 64-key tiles, 3 or 4 stages",
+    )
+    ap.add_argument(
+        "--sweep-prefetch",
+        default=",".join(map(str, SWEEP_SPACE["prefetch"])),
+        help="the sweep's prefetch_entries (0: off; else a power of two)",
+    )
     repeats_argument(ap)
     args = ap.parse_args()
     if args.repeats < 1:
@@ -417,12 +476,16 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     strides = [int(s) for s in args.strides.split(",")]
+    sweep_space = None
+    if args.sweep or args.sweep_batch1:
+        sweep_space = dict(SWEEP_BATCH1_SPACE if args.sweep_batch1 else SWEEP_SPACE)
+        sweep_space["prefetch"] = tuple(int(w) for w in args.sweep_prefetch.split(","))
     limits = device_limits()
     rows = []
     cases = list(itertools.product(contexts, batches))
     for i, (ctx, batch) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] context {ctx}, batch {batch}", flush=True)
-        rows += run(ctx, batch, strides, args.sweep, args.repeats)
+        rows += run(ctx, batch, strides, sweep_space, args.repeats)
         torch.cuda.empty_cache()
     for row in rows:  # the captured kernel against its bytes at the copy rate, plus one launch
         row["bound_ms"] = row["read_bytes"] / (limits["copy_gbps"] * 1e6) + limits["launch_ms"]

@@ -5,29 +5,42 @@ Every rank builds the same full q, k, v and output gradient, takes its shard wit
 checks each rank's shards of the output and dq/dk/dv against the same shards of one-device
 ``sparse_attention`` on the whole sequence (the worst rank's relative error under 1e-2 in bf16,
 2e-3 in fp16, 1e-4 in fp32). Then it times forward and forward+backward (median of ``--iters``
-after a barrier; the slowest rank is reported, and its ratio to the mean rank's) and the
-one-device call on the whole sequence, and reports strong-scaling efficiency (one-device time /
-(W x time per rank)), the pattern's work per rank (its kept token pairs over W, summed over
-heads) and the time per billion of them, the time the busiest rank's GPU spends in NCCL kernels
-(the exchange, waits included: what overlapping it could save) and its share of the step, the
-K/V bytes each rank receives and holds (its shard, what it receives, its chunks' compact keys),
-and each call's GPU memory peak (which counts the full-sequence tensors held for the
-comparison). With ``--no-reference`` (lengths one device cannot hold) each rank draws only its
-shards, span by span from seeded generators, and checks sampled query rows of its output, LSE
-and dq against float32 computed from keys drawn the same way (``--check-rows``).
+after ``--warmup`` calls, each after a barrier; the slowest rank is reported, and its ratio to
+the mean rank's) and the one-device call on the whole sequence, and reports:
+
+- strong-scaling efficiency (one-device time / (W x time per rank)), the pattern's work per rank
+  (its kept token pairs over W, summed over heads) and the time per billion of them;
+- ``exchange ms alone``: the call's exchange timed by itself, the slowest rank's median of 20
+  after a barrier: the same ``all_to_all_single`` of K and of V, with the call's own plan, that
+  the forward runs (fwd row), plus the return of their gradients that the backward runs
+  (fwd+bwd row); ``exchange / step``, its share of the row's time per rank, what overlapping it
+  with compute could save at most; ``agreement check ms``, the per-call check that the ranks
+  agree (an all-gather and a host sync), timed alone the same way;
+- the K/V bytes the busiest rank receives and holds (its shard, what it receives, its chunks'
+  compact keys), against an all-gather's;
+- the GPU memory peak of the timed calls (which counts the full-sequence tensors held for the
+  comparison), each forward+backward starting from no gradients.
+
+With ``--no-reference`` (lengths one device cannot hold) each rank draws only its shards, span by
+span from seeded generators, and checks sampled rows against float32 computed from inputs drawn
+the same way (``--check-rows``): out, LSE and dq of query rows, and dk and dv of key rows outside
+every head's stripes, each summed over the queries of its local window (a stripe's key has every
+later query as a reader). Rows are printed as they come, so that a run cut off says how far it
+got.
 
     python benchmarks/context_parallel.py                          # world size 1
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 131072
     torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq 1048576 --pattern dense
     torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq-per-rank 262144 --tag weak
+    torchrun --nproc-per-node 4 benchmarks/context_parallel.py --seq 4194304 --no-reference \
+        --iters 3 --warmup 1
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --seq 512 --heads 4 --kv-heads 2 \
+        --dim 32 --block-size 16 --local-blocks 2 --stride 4 --dtype float32   # CPU smoke, gloo
 
 Weak scaling (``--seq-per-rank``) adds work per token: a local + stride pattern keeps more pairs
 per query as the sequence grows, so W ranks at W x L tokens each do more than one device at L.
 ``ms per G pairs`` divides that out: its ratio between two runs is the efficiency left to the
 system (the exchange, the balance, the launch), the pattern's own growth aside.
-    torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq 4194304 --no-reference
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --seq 512 --heads 4 --kv-heads 2 \
-        --dim 32 --block-size 16 --local-blocks 2 --stride 4 --dtype float32   # CPU smoke, gloo
 
 On a CPU (gloo, the dense-mask reference, host timers) it checks the wiring only.
 
@@ -56,22 +69,24 @@ from run_info import (
 
 import s2attn
 from s2attn.distributed import (
+    _CallCommunication,
     communication_bytes,
     context_parallel_attention,
-    context_parallel_bytes,
-    context_parallel_kv_bytes,
     shard,
+    unshard,
 )
 
 HEADERS = [
     "pass", "ranks", "ms per rank", "slowest / mean rank", "one device ms", "efficiency",
-    "kept G pairs per rank", "ms per G pairs", "NCCL ms, busiest rank", "NCCL share",
-    "MiB in, busiest rank", "all-gather MiB",
+    "kept G pairs per rank", "ms per G pairs", "exchange ms alone, slowest rank",
+    "exchange / step", "agreement check ms", "MiB in, busiest rank", "all-gather MiB",
     "K/V held MiB, busiest rank", "GPU peak GiB, busiest rank",
 ]  # fmt: skip
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 SPAN = 1 << 16  # --no-reference draws the sequence this many positions per generator
 TAGS = {"q": 1, "k": 2, "v": 3, "grad": 4}  # each tensor's seeds
+ROW_CHUNK = 1024  # --no-reference's check computes this many rows against a span's keys at once
+COMM_ITERS = 20  # timed runs of each collective alone: each is short, so more of them
 
 
 def span_rows(name: str, span: int, shape: tuple[int, int], dtype, device) -> torch.Tensor:
@@ -100,79 +115,190 @@ def shard_positions(seq: int, world: int, rank: int) -> torch.Tensor:
     return torch.cat(ranges)
 
 
-def sampled_row_errors(out, lse, dq, pattern, positions, args, dtype, device, rows: int) -> dict:
-    """Relative errors, worst rank, of ``rows`` sampled rows of this rank's out, LSE and dq
-    against float32 from the seeded inputs, for runs without the whole sequence anywhere: each
-    row's visible keys are drawn span by span and folded in with an online softmax (dq as
-    scale * (sum p dP k - delta sum p k), both sums rescaled like the output)."""
+def shared_rule_heads(pattern, kv_heads: int) -> list[slice]:
+    """The pattern's heads in runs that keep the same blocks (a KV group's heads when they share
+    one rule), so that the reference computes a run's heads against one set of keys at once."""
+    group, rules = pattern.num_heads // kv_heads, pattern.rules
+    runs = []
+    for g in range(kv_heads):
+        heads = range(g * group, (g + 1) * group)
+        if rules is not None and len({rules[h] for h in heads}) == 1:
+            runs.append(slice(heads.start, heads.stop))
+        else:
+            runs.extend(slice(h, h + 1) for h in heads)
+    return runs
+
+
+def reference_rows(pos: torch.Tensor, pattern, args, dtype, device) -> tuple[torch.Tensor, ...]:
+    """Float32 out, LSE and dq (rows, heads[, dim]) of the virtual full tensors' query rows at
+    ``pos`` (host int64), for runs without the whole sequence anywhere: the keys each row's kept
+    blocks hold are drawn span by span and folded in with an online softmax (dq as
+    scale * (sum p dP k - delta sum p k), both sums rescaled like the output). Rows go ROW_CHUNK
+    at a time, each against only the blocks some row of the chunk keeps."""
     heads, group, scale = args.heads, args.heads // args.kv_heads, args.dim**-0.5
     bs, q_shape, kv_shape = pattern.block_size, (heads, args.dim), (args.kv_heads, args.dim)
-    gen = torch.Generator().manual_seed(7 + dist.get_rank())
-    drawn = torch.randint(len(positions), (max(rows - 2, 0),), generator=gen).tolist()
-    local = [0, len(positions) - 1, *drawn]
-    pos = positions[local]
     f32 = dict(dtype=torch.float32, device=device)
     qr = seeded_rows("q", pos, q_shape, dtype, device).float()  # (rows, heads, dim)
     dor = seeded_rows("grad", pos, q_shape, dtype, device).float()
-    # Per (row, head): its visible key positions, sorted.
-    keys = {}
-    for n, t in enumerate(pos.tolist()):
-        for h in range(heads):
-            _, j = pattern.row_blocks(h, t // bs, t // bs + 1)
-            kp = (j[:, None] * bs + torch.arange(bs)).flatten()
-            keys[n, h] = kp[(kp <= t) if pattern.causal else (kp < args.seq)]
-    m = torch.full((len(pos), heads), float("-inf"), **f32)
-    l_sum, o_acc, a_acc, b_acc = (torch.zeros(len(pos), heads, *s, **f32)
-                                  for s in ((), (args.dim,), (args.dim,), (args.dim,)))  # fmt: skip
-    for span in range(args.seq // SPAN + 1):
-        lo, hi = span * SPAN, (span + 1) * SPAN
-        if lo >= args.seq:
-            break
-        k_span = v_span = None
-        for (n, h), kp in keys.items():
-            sel = kp[(kp >= lo) & (kp < hi)]
-            if sel.numel() == 0:
-                continue
-            if k_span is None:
-                k_span = span_rows("k", span, kv_shape, dtype, device)
-                v_span = span_rows("v", span, kv_shape, dtype, device)
-            kk = k_span[(sel - lo).to(device), h // group].float()
-            vv = v_span[(sel - lo).to(device), h // group].float()
-            sc = kk @ qr[n, h] * scale
-            new_m = torch.maximum(m[n, h], sc.max())
-            keep, p = torch.exp(m[n, h] - new_m), torch.exp(sc - new_m)
-            dp = vv @ dor[n, h]
-            m[n, h] = new_m
-            l_sum[n, h] = l_sum[n, h] * keep + p.sum()
-            o_acc[n, h] = o_acc[n, h] * keep + p @ vv
-            a_acc[n, h] = a_acc[n, h] * keep + (p * dp) @ kk
-            b_acc[n, h] = b_acc[n, h] * keep + p @ kk
-    o_ref = o_acc / l_sum[..., None]
-    delta = (dor * o_ref).sum(-1, keepdim=True)
-    dq_ref = scale * (a_acc - delta * b_acc) / l_sum[..., None]
-    want = dict(out=o_ref, lse=m + l_sum.log(), dq=dq_ref)
+    rows = len(pos)
+    # Finite, so that a row that sees nothing in a span rescales by exp(0), not by nan.
+    m = torch.full((rows, heads), -1e30, **f32)
+    l_sum = torch.zeros(rows, heads, **f32)
+    o_acc, a_acc, b_acc = (torch.zeros(rows, heads, args.dim, **f32) for _ in range(3))
+    # Per run of heads: the kept blocks of the rows' query blocks, as a (query block, column)
+    # mask over the sorted columns any of them keeps.
+    q_blocks, row_block = (pos // bs).unique(return_inverse=True)
+    masks = []
+    for run in shared_rule_heads(pattern, args.kv_heads):
+        pairs = [pattern.row_blocks(run.start, b, b + 1) for b in q_blocks.tolist()]
+        i, j = (torch.cat(t) for t in zip(*pairs))
+        cols = j.unique()
+        mask = torch.zeros(len(q_blocks), len(cols), dtype=torch.bool)
+        mask[torch.searchsorted(q_blocks, i), torch.searchsorted(cols, j)] = True
+        masks.append((run, cols.to(device), mask[row_block].to(device)))
+    pos_dev, offsets = pos.to(device), torch.arange(bs, device=device)
+    for span in range(-(-args.seq // SPAN)):
+        lo = span * SPAN
+        k_span = span_rows("k", span, kv_shape, dtype, device)
+        v_span = span_rows("v", span, kv_shape, dtype, device)
+        for run, cols, mask in masks:
+            g = run.start // group
+            in_span = (cols * bs >= lo) & (cols * bs < lo + SPAN)  # blocks never straddle spans
+            for r in range(0, rows, ROW_CHUNK):
+                rs = slice(r, r + ROW_CHUNK)
+                seen = mask[rs][:, in_span]
+                kept = seen.any(0)
+                if not kept.any():
+                    continue
+                kp = (cols[in_span][kept][:, None] * bs + offsets).flatten()
+                visible = seen[:, kept].repeat_interleave(bs, dim=1) & (kp < args.seq)
+                if pattern.causal:
+                    visible &= kp <= pos_dev[rs, None]
+                kk, vv = (x[kp - lo, g].float() for x in (k_span, v_span))
+                sc = torch.einsum("rhd,kd->rhk", qr[rs, run], kk) * scale
+                sc.masked_fill_(~visible[:, None], float("-inf"))
+                new_m = torch.maximum(m[rs, run], sc.amax(-1))
+                keep, p = torch.exp(m[rs, run] - new_m), torch.exp(sc - new_m[..., None])
+                dp = torch.einsum("rhd,kd->rhk", dor[rs, run], vv)
+                m[rs, run] = new_m
+                l_sum[rs, run] = l_sum[rs, run] * keep + p.sum(-1)
+                o_acc[rs, run] = o_acc[rs, run] * keep[..., None] + p @ vv
+                a_acc[rs, run] = a_acc[rs, run] * keep[..., None] + (p * dp) @ kk
+                b_acc[rs, run] = b_acc[rs, run] * keep[..., None] + p @ kk
+    out = o_acc / l_sum[..., None]
+    delta = (dor * out).sum(-1, keepdim=True)
+    dq = scale * (a_acc - delta * b_acc) / l_sum[..., None]
+    return out, m + l_sum.log(), dq
+
+
+def local_only_blocks(pattern) -> tuple[int, set[tuple[int, int]]] | None:
+    """(local_blocks, the stripes' (stride, shift)) when every head is a causal local + stride
+    rule with one window: a key block outside every head's stripes is then read only by the
+    ``local_blocks`` query blocks from its own, so its dK and dV are cheap to recompute. None
+    otherwise (a dense head, or a pattern without rules: every later query may read a key)."""
+    rules = pattern.rules
+    if rules is None or not pattern.causal or any(len(r) != 3 for r in rules):
+        return None
+    local_blocks = {r[0] for r in rules}
+    if len(local_blocks) != 1:  # the readers of a block would differ between heads
+        return None
+    return local_blocks.pop(), {(r[1], r[2]) for r in rules}
+
+
+def sampled_keys(positions: torch.Tensor, pattern, count: int, gen) -> torch.Tensor:
+    """Up to ``count`` of this rank's key positions outside every head's stripes: the last such
+    position of each of its two chunks (their local windows reach into the next chunk, another
+    rank's, so their gradients come back through the exchange), the rest at random."""
+    _, stripes = local_only_blocks(pattern)
+    blocks = positions // pattern.block_size
+    outside = torch.ones(len(positions), dtype=torch.bool)
+    for stride, shift in stripes:
+        outside &= (blocks + shift) % stride != 0
+    half = len(positions) // 2
+    picked = []
+    for chunk in (slice(0, half), slice(half, len(positions))):
+        idx = outside[chunk].nonzero().flatten()
+        if len(idx):
+            picked.append(chunk.start + int(idx[-1]))
+    candidates = outside.nonzero().flatten()
+    drawn = candidates[torch.randperm(len(candidates), generator=gen)[: max(count - 2, 0)]]
+    return torch.tensor(sorted(set(picked) | set(drawn.tolist())), dtype=torch.long)
+
+
+def sampled_row_errors(out, lse, dq, dk, dv, pattern, positions, args, dtype, device) -> dict:
+    """Relative errors, worst rank, of sampled rows of this rank's shards against float32 from
+    the seeded inputs (:func:`reference_rows`), for runs without the whole sequence anywhere:
+    out, LSE and dq on ``--check-rows`` query rows (the shard's first, its last, the rest at
+    random); dk and dv on as many key rows outside every head's stripes
+    (:func:`sampled_keys`), each summed over the queries of its local window, which read it
+    alone. A key in a stripe has every later query as a reader (millions at 4M tokens) and is
+    not sampled; nor are dk and dv under a pattern with a dense head."""
+    rows, bs = args.check_rows, pattern.block_size
+    group, scale = args.heads // args.kv_heads, args.dim**-0.5
+    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    drawn = torch.randint(len(positions), (max(rows - 2, 0),), generator=gen).tolist()
+    local = [0, len(positions) - 1, *drawn]
+    checked = [positions[local]]
+    window = local_only_blocks(pattern)
+    key_local, readers = torch.zeros(0, dtype=torch.long), []
+    if window is not None:
+        key_local = sampled_keys(positions, pattern, rows, gen)
+        for s in positions[key_local].tolist():
+            end = min(args.seq, (s // bs + window[0]) * bs)
+            readers.append(torch.arange(s, end))
+    ref_out, ref_lse, ref_dq = reference_rows(
+        torch.cat(checked + readers), pattern, args, dtype, device
+    )
     idx = torch.tensor(local, device=device)
+    want = dict(out=ref_out[: len(local)], lse=ref_lse[: len(local)], dq=ref_dq[: len(local)])
     got = dict(out=out[0, idx], lse=lse[0, :, idx].transpose(0, 1), dq=dq[0, idx])
+    if len(key_local):
+        # dK, dV of key s from its readers t, every head h of its KV group g:
+        # p = exp(q_t . k_s * scale - lse_t), dk_s = sum scale * p (dO_t . v_s - delta_t) q_t,
+        # dv_s = sum p dO_t.
+        key_pos = positions[key_local]
+        kv_shape, q_shape = (args.kv_heads, args.dim), (args.heads, args.dim)
+        ks = seeded_rows("k", key_pos, kv_shape, dtype, device).float()
+        vs = seeded_rows("v", key_pos, kv_shape, dtype, device).float()
+        want_dk, want_dv, start = [], [], len(local)
+        for n, t in enumerate(readers):
+            part = slice(start, start + len(t))
+            start += len(t)
+            q_t = seeded_rows("q", t, q_shape, dtype, device).float()  # (readers, heads, dim)
+            do_t = seeded_rows("grad", t, q_shape, dtype, device).float()
+            k_h, v_h = (x[n].repeat_interleave(group, dim=0) for x in (ks, vs))  # (heads, dim)
+            p = torch.exp((q_t * k_h).sum(-1) * scale - ref_lse[part])  # (readers, heads)
+            delta = (do_t * ref_out[part]).sum(-1)
+            ds = p * ((do_t * v_h).sum(-1) - delta)
+            dk_h = scale * (ds[..., None] * q_t).sum(0)  # (heads, dim)
+            dv_h = (p[..., None] * do_t).sum(0)
+            want_dk.append(dk_h.view(args.kv_heads, group, -1).sum(1))
+            want_dv.append(dv_h.view(args.kv_heads, group, -1).sum(1))
+        kidx = key_local.to(device)
+        want.update(dk=torch.stack(want_dk), dv=torch.stack(want_dv))
+        got.update(dk=dk[0, kidx], dv=dv[0, kidx])
     errors = {}
-    for name in want:
-        err = torch.tensor([rel_err(got[name].float(), want[name])], device=device)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        # Every rank takes part in each all-reduce, also where it checked no key rows.
+        mine = rel_err(got[name].float(), want[name]) if name in want else 0.0
+        err = torch.tensor([mine], device=device)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        errors[name] = err.item()
+        if name in want or window is not None:
+            errors[name] = err.item()
     return errors
 
 
-def timed_ms(fn, iters: int) -> float:
-    """Median ms of ``fn`` over ``iters`` runs, each started together on every rank; the slowest
-    rank's."""
-    return rank_times_ms(fn, iters)[0]
-
-
-def rank_times_ms(fn, iters: int) -> tuple[float, float]:
-    """The slowest rank's and the mean rank's median ms of ``fn`` over ``iters`` runs, each run
-    started together on every rank (their ratio is the balance)."""
+def rank_times_ms(fn, iters: int, warmup: int) -> tuple[float, float, float]:
+    """The slowest rank's and the mean rank's median ms of ``fn`` over ``iters`` runs after
+    ``warmup`` ones, each run started together on every rank after a barrier (their ratio is the
+    balance), and the largest GPU memory peak over the ranks of the timed runs (GiB; nan on a
+    CPU)."""
     on_gpu = torch.cuda.is_available()
     times = []
-    for i in range(iters + 2):
+    for i in range(warmup + iters):
+        if i == warmup and on_gpu:  # the peak of steady calls, not of the first's caches
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         dist.barrier()
         if on_gpu:
             torch.cuda.synchronize()
@@ -180,34 +306,36 @@ def rank_times_ms(fn, iters: int) -> tuple[float, float]:
         fn()
         if on_gpu:
             torch.cuda.synchronize()
-        if i >= 2:  # the first two warm up (compilation, layouts)
+        if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
     mine = torch.tensor([statistics.median(times)], device="cuda" if on_gpu else "cpu")
-    slowest, total = mine.clone(), mine.clone()
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return slowest.item(), total.item() / dist.get_world_size()
+    slowest, total, peak = mine.clone(), mine.clone(), torch.tensor([peak], device=mine.device)
+    for t, op in (
+        (slowest, dist.ReduceOp.MAX),
+        (total, dist.ReduceOp.SUM),
+        (peak, dist.ReduceOp.MAX),
+    ):
+        dist.all_reduce(t, op=op)
+    return slowest.item(), total.item() / dist.get_world_size(), peak.item()
 
 
-def communication_ms(fn, iters: int) -> float | None:
-    """The busiest rank's GPU time in NCCL kernels per call of ``fn`` (ms, mean of ``iters``
-    profiled calls): the exchange of K/V and their gradients, and the call's agreement check,
-    waits for the peers included, which is what the step pays for them while nothing overlaps
-    them. None on a CPU (gloo runs no kernels)."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
+def timed_ms(fn, iters: int, warmup: int = 2) -> float:
+    """Median ms of ``fn`` over ``iters`` runs, each started together on every rank; the slowest
+    rank's."""
+    return rank_times_ms(fn, iters, warmup)[0]
 
-    dist.barrier()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    us = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
-    mine = torch.tensor([us / iters / 1e3], device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return mine.item()
+
+def table_row(r: dict) -> list[str]:
+    """A row of the results table (HEADERS) from a row of the JSON."""
+    return [
+        r["pass_"], str(r["world"]), f"{r['cp_ms']:.2f}", f"{r['balance']:.3f}",
+        cell(r["one_device_ms"], "{:.2f}"), cell(r["efficiency"], "{:.2f}"),
+        f"{r['gpairs_per_rank']:.3g}", f"{r['ms_per_gpair']:.3g}",
+        cell(r["exchange_ms"], "{:.3f}"), cell(r["exchange_share"], "{:.2%}"),
+        f"{r['check_ms']:.3f}", f"{r['mib_per_rank']:.1f}", f"{r['all_gather_mib']:.1f}",
+        f"{r['kv_held_mib']:.1f}", f"{r['peak_gib']:.2f}",
+    ]  # fmt: skip
 
 
 def worst_shard_err(mine: torch.Tensor, full: torch.Tensor) -> float:
@@ -216,20 +344,6 @@ def worst_shard_err(mine: torch.Tensor, full: torch.Tensor) -> float:
     err = torch.tensor([rel_err(mine, shard(full))], device=mine.device)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     return err.item()
-
-
-def peak_gib(fn) -> float:
-    """The largest GPU memory peak over the ranks of one call of ``fn`` (GiB);
-    nan on a CPU."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    mine = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return mine.item()
 
 
 def dense_torch_error(out, q, k, v, group: int) -> float:
@@ -260,10 +374,7 @@ def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
         return [dict(pass_="fwd", error="not run (CUDA only)", all_gather_mib=gather)]
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import (
-            context_parallel,
-            context_parallel_unshard,
-        )
+        from torch.distributed.tensor.experimental import context_parallel
 
         mesh = init_device_mesh("cuda", (world,))
         group = args.heads // args.kv_heads
@@ -286,18 +397,24 @@ def dense_torch_rows(q, k, v, grad, world: int, args) -> list[dict]:
                     F.scaled_dot_product_attention(*leaves, is_causal=True)
 
             def fwd_bwd():
+                for t in leaves:  # fresh gradients, as ours get
+                    t.grad = None
                 F.scaled_dot_product_attention(*leaves, is_causal=True).backward(gd)
 
             for name, fn, factor in (("fwd", fwd, 1), ("fwd+bwd", fwd_bwd, 2)):
-                rows.append(dict(pass_=name, cp_ms=timed_ms(fn, args.dense_iters),
+                rows.append(dict(pass_=name, cp_ms=timed_ms(fn, args.dense_iters, args.warmup),
                                  all_gather_mib=factor * gather))  # fmt: skip
                 if dist.get_rank() == 0:  # as it comes: a run cut off by a time limit says how far
                     print(f"dense SDPA under PyTorch's CP, {name}: {rows[-1]['cp_ms']:.1f} ms",
                           flush=True)  # fmt: skip
             with torch.no_grad():
                 out = F.scaled_dot_product_attention(*leaves, is_causal=True)
-            # Back in sequence order, whatever layout the context balanced the shards in.
-            [out] = context_parallel_unshard(mesh, [out], [2])
+            # Back in sequence order. torch exports no unshard (context_parallel_unshard is
+            # private and has moved between releases), but its default balancer for causal SDPA
+            # (_HeadTailLoadBalancer, chosen by _create_default_load_balancer when the sequence
+            # divides by 2W) gives rank r chunks r and 2W-1-r of 2W, our shard's layout: so
+            # ours gathers it back. A different layout would show as a large error.
+            out = unshard(out, seq_dim=2)
         rows[0]["error_out"] = dense_torch_error(out, q, k, v, group)
         return rows
     except Exception as exc:  # report what the installed torch refused, keep our results
@@ -318,6 +435,11 @@ def main() -> int:
         ("--iters", 10),
     ):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument(
+        "--warmup", type=int, default=2,
+        help="untimed calls before the --iters timed ones (the check's call has compiled the "
+        "kernels and built the layouts already: 1 saves a call's time at 4M tokens)",
+    )  # fmt: skip
     ap.add_argument("--dense-iters", type=int, default=3, help="timed calls of --dense-torch")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument(
@@ -347,7 +469,8 @@ def main() -> int:
     )
     ap.add_argument(
         "--check-rows", type=int, default=6,
-        help="with --no-reference: query rows per rank checked against float32 (out, LSE, dq)",
+        help="with --no-reference: query rows (out, LSE, dq) and key rows (dk, dv) per rank "
+        "checked against float32",
     )  # fmt: skip
     args = ap.parse_args()
     if args.no_reference and args.dense_torch:
@@ -392,10 +515,9 @@ def main() -> int:
             out.backward(grad_local)
             with torch.no_grad():
                 errors = sampled_row_errors(
-                    out, lse, ql.grad, pattern, positions, args, dtype, device, args.check_rows
+                    out, lse, ql.grad, kl.grad, vl.grad, pattern, positions, args, dtype, device
                 )
             del out, lse
-            ql.grad = kl.grad = vl.grad = None
     else:
         g = torch.Generator(device=device).manual_seed(0)
         shape_q = (1, args.seq, args.heads, args.dim)
@@ -424,6 +546,8 @@ def main() -> int:
                 )
             }  # fmt: skip
         del out, ref
+    for t in (ql, kl, vl):
+        t.grad = None
     ok = all(e < TOL[dtype] for e in errors.values())
     if rank == 0:  # now, so that a run cut short by the timings (memory, a time limit) still says
         print("errors " + (", ".join(f"{n} {e:.1e}" for n, e in errors.items()) or "none")
@@ -434,6 +558,10 @@ def main() -> int:
             context_parallel_attention(ql, kl, vl, pattern)
 
     def cp_fwd_bwd():
+        # Fresh gradients, as a step's zero_grad leaves them: accumulating into the last ones
+        # would hold two sets at once.
+        for t in (ql, kl, vl):
+            t.grad = None
         context_parallel_attention(ql, kl, vl, pattern).backward(grad_local)
 
     def one_fwd():
@@ -441,34 +569,48 @@ def main() -> int:
             s2attn.sparse_attention(qf, kf, vf, pattern)
 
     def one_fwd_bwd():
+        for t in (qf, kf, vf):
+            t.grad = None
         s2attn.sparse_attention(qf, kf, vf, pattern).backward(grad)
 
-    rows = []
-    # The busiest rank's bytes moved and K/V held, and an all-gather's for comparison.
-    sizes = (pattern, 1, args.seq, args.kv_heads, args.dim, dtype, world)
+    # The call's communication, each part alone: the agreement check, the forward's K/V
+    # exchange and the backward's return of their gradients. From this rank's own plan (cached
+    # by the call above), as are its bytes: no rank builds the others' plans.
+    comm = _CallCommunication.of(ql.detach(), kl.detach(), vl.detach(), pattern)
+    check_ms = timed_ms(comm.agreement_check, COMM_ITERS)
+    exchange_ms = return_ms = None
+    if comm.plan is not None:
+        exchange_ms = timed_ms(comm.exchange_kv, COMM_ITERS)
+        return_ms = timed_ms(comm.return_gradients, COMM_ITERS)
+    sizes = torch.tensor([comm.bytes_received(), comm.kv_bytes_held()], dtype=torch.float64,
+                         device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # the busiest rank's
+    moved, held = sizes.tolist()
+    gather = communication_bytes(1, args.seq, args.kv_heads, args.dim, dtype, world)
     pairs_per_rank = pattern.kept_token_pairs(args.seq) / world / 1e9
-    moved = max(context_parallel_bytes(*sizes))
-    held = max(context_parallel_kv_bytes(*sizes))
-    gather = communication_bytes(*sizes[1:])
-    for name, cp, one, bytes_moved in (
-        ("fwd", cp_fwd, one_fwd, moved),
-        ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved),
-    ):
-        t_cp, t_mean = rank_times_ms(cp, args.iters)
-        t_comm = communication_ms(cp, args.iters)
-        t_one = None if args.no_reference else timed_ms(one, args.iters)
+    rows = []
+    for name, cp, one, bytes_moved, t_exchange in (
+        ("fwd", cp_fwd, one_fwd, moved, exchange_ms),
+        ("fwd+bwd", cp_fwd_bwd, one_fwd_bwd, 2 * moved,
+         None if exchange_ms is None else exchange_ms + return_ms),
+    ):  # fmt: skip
+        t_cp, t_mean, peak = rank_times_ms(cp, args.iters, args.warmup)
+        t_one = None if args.no_reference else timed_ms(one, args.iters, args.warmup)
         rows.append(
             dict(
                 pass_=name, world=world, seq=args.seq, cp_ms=t_cp, balance=t_cp / t_mean,
                 one_device_ms=t_one,
                 efficiency=None if t_one is None else t_one / (world * t_cp),
                 gpairs_per_rank=pairs_per_rank, ms_per_gpair=t_cp / pairs_per_rank,
-                comm_ms=t_comm, comm_share=None if t_comm is None else t_comm / t_cp,
-                mib_per_rank=bytes_moved / 2**20,
+                exchange_ms=t_exchange,
+                exchange_share=None if t_exchange is None else t_exchange / t_cp,
+                check_ms=check_ms, mib_per_rank=bytes_moved / 2**20,
                 all_gather_mib=(gather if name == "fwd" else 2 * gather) / 2**20,
-                kv_held_mib=held / 2**20, peak_gib=peak_gib(cp),
+                kv_held_mib=held / 2**20, peak_gib=peak,
             )
         )  # fmt: skip
+        if rank == 0:  # as it comes: a run cut off by a time limit says how far it got
+            print(" | ".join(table_row(rows[-1])), flush=True)
     dense_torch = []
     if args.dense_torch:
         # Our gradients are done with: at 1M tokens they are the ~15 GiB per rank that dense
@@ -492,11 +634,13 @@ def main() -> int:
                 if args.pattern == "dense"
                 else f"local {args.local_blocks}, stride {args.stride}"
             )
-            + ". "
+            + f"; median of {args.iters} after {args.warmup} warm-up calls. "
             + (
                 (
-                    f"Not run on one device (--no-reference); {args.check_rows} sampled query "
-                    "rows per rank against float32 from the seeded inputs, worst rank: "
+                    "Not run on one device (--no-reference); sampled rows per rank "
+                    f"({args.check_rows} query rows: out, LSE, dq"
+                    + ("; as many key rows outside every stripe: dk, dv" if "dk" in errors else "")
+                    + ") against float32 from the seeded inputs, worst rank: "
                     if args.no_reference
                     else "Relative errors against one device, worst rank: "
                 )
@@ -504,28 +648,7 @@ def main() -> int:
                 + f" ({'ok' if ok else 'FAILED'})."
             ),
             "",
-            *table(
-                HEADERS,
-                [
-                    [
-                        r["pass_"],
-                        world,
-                        f"{r['cp_ms']:.2f}",
-                        f"{r['balance']:.3f}",
-                        cell(r["one_device_ms"], "{:.2f}"),
-                        cell(r["efficiency"], "{:.2f}"),
-                        f"{r['gpairs_per_rank']:.3g}",
-                        f"{r['ms_per_gpair']:.3g}",
-                        cell(r["comm_ms"], "{:.2f}"),
-                        cell(r["comm_share"], "{:.1%}"),
-                        f"{r['mib_per_rank']:.1f}",
-                        f"{r['all_gather_mib']:.1f}",
-                        f"{r['kv_held_mib']:.1f}",
-                        f"{r['peak_gib']:.2f}",
-                    ]
-                    for r in rows
-                ],
-            ),  # fmt: skip
+            *table(HEADERS, [table_row(r) for r in rows]),
             "",
         ]
         for r in dense_torch:

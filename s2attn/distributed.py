@@ -431,28 +431,37 @@ def _all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], 
     return recv
 
 
-class _ExchangeKV(torch.autograd.Function):
+def _send_rows(x: torch.Tensor, plan: _ExchangePlan, group) -> torch.Tensor:
     """A rank's shard (batch, local_seq, kv_heads, dim) -> the rows other ranks send it
-    (batch, received, dim), by source rank, KV head and position. The backward sends each
-    received row's gradient back to its owner, which adds it to its own."""
+    (batch, received, dim), by source rank, KV head and position."""
+    batch, _, _, dim = x.shape
+    rows = x.reshape(batch, -1, dim)
+    # Row-major by destination with the batch inside a row, so each rank's part is one span.
+    send = rows[:, plan.send].transpose(0, 1)
+    return _all_to_all(send, plan.send_counts, plan.recv, group).transpose(0, 1)
+
+
+def _return_gradients(grad: torch.Tensor, plan: _ExchangePlan, group, shape) -> torch.Tensor:
+    """The received rows' gradients (batch, received, dim) -> the gradient of the rank's shard
+    (``shape``) from every rank's: each row's goes back to its owner, which sums them."""
+    batch, _, _, dim = shape
+    returned = _all_to_all(grad.transpose(0, 1), plan.recv, plan.send_counts, group)
+    local = grad.new_zeros(batch, math.prod(shape[1:3]), dim)
+    local.index_add_(1, plan.send, returned.transpose(0, 1))
+    return local.view(shape)
+
+
+class _ExchangeKV(torch.autograd.Function):
+    """:func:`_send_rows`, whose backward is :func:`_return_gradients`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: _ExchangePlan, group) -> torch.Tensor:
         ctx.plan, ctx.group, ctx.shape = plan, group, x.shape
-        batch, _, _, dim = x.shape
-        rows = x.reshape(batch, -1, dim)
-        # Row-major by destination with the batch inside a row, so each rank's part is one span.
-        send = rows[:, plan.send].transpose(0, 1)
-        return _all_to_all(send, plan.send_counts, plan.recv, group).transpose(0, 1)
+        return _send_rows(x, plan, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        plan, group = ctx.plan, ctx.group
-        batch, _, _, dim = ctx.shape
-        returned = _all_to_all(grad.transpose(0, 1), plan.recv, plan.send_counts, group)
-        local = grad.new_zeros(batch, math.prod(ctx.shape[1:3]), dim)
-        local.index_add_(1, plan.send, returned.transpose(0, 1))
-        return local.view(ctx.shape), None, None
+        return _return_gradients(grad, ctx.plan, ctx.group, ctx.shape), None, None
 
 
 def _store(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -655,6 +664,14 @@ def _check_agreement(q, k, v, pattern, softmax_scale, group) -> bool:
     return every_plan
 
 
+def _call_plan(q, k, pattern, every_plan: bool, group) -> _ExchangePlan:
+    """The rank's exchange plan for a call on these shards: cached when every rank holds its own
+    (``every_plan``, from the agreement check), else built by all together."""
+    world, rank = _world(group)
+    key = (pattern, q.shape[1] * world, world, rank, k.shape[2], k.device)
+    return _cached_exchange_plan(*key) if every_plan else _exchange_plan(*key, group)
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -704,11 +721,7 @@ def context_parallel_attention(
         return sparse_attention(
             q, k, v, pattern, softmax_scale=softmax_scale, return_lse=return_lse
         )
-    plan_key = (pattern, q.shape[1] * world, world, rank, k.shape[2], k.device)
-    if every_plan:
-        plan = _cached_exchange_plan(*plan_key)
-    else:
-        plan = _exchange_plan(*plan_key, group)
+    plan = _call_plan(q, k, pattern, every_plan, group)
     k_store = _store(k, _ExchangeKV.apply(k, plan, group))
     v_store = _store(v, _ExchangeKV.apply(v, plan, group))
     chunk = q.shape[1] // 2
@@ -729,3 +742,63 @@ def context_parallel_attention(
             outs.append(result)
     out = torch.cat(outs, dim=1)
     return (out, torch.cat(lses, dim=2)) if return_lse else out
+
+
+@dataclass(frozen=True)
+class _CallCommunication:
+    """What one call of :func:`context_parallel_attention` on given shards communicates, each part
+    runnable alone, so that it can be timed apart from the attention
+    (``benchmarks/context_parallel.py``). Build it with :meth:`of`; like the call, it and each
+    method are collectives that every rank of the group runs together.
+
+    ``plan`` is None in a group of one, which exchanges nothing (only the check runs)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    pattern: BlockPattern
+    group: dist.ProcessGroup | None
+    softmax_scale: float | None
+    plan: _ExchangePlan | None
+    received_grad: torch.Tensor | None  # zeros in the shape of the received rows' gradient
+
+    @classmethod
+    def of(cls, q, k, v, pattern, *, group=None, softmax_scale=None) -> _CallCommunication:
+        every_plan = _check_agreement(q, k, v, pattern, softmax_scale, group)
+        plan = received = None
+        if _world(group)[0] > 1:
+            plan = _call_plan(q, k, pattern, every_plan, group)
+            received = k.new_zeros(k.shape[0], sum(plan.recv), k.shape[3])
+        return cls(q, k, v, pattern, group, softmax_scale, plan, received)
+
+    def agreement_check(self) -> None:
+        """The call's check that the ranks agree: an all-gather of a few integers, read on the
+        host."""
+        _check_agreement(self.q, self.k, self.v, self.pattern, self.softmax_scale, self.group)
+
+    def exchange_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's exchange of K and V (:func:`_send_rows`): the rows received of each."""
+        return _send_rows(self.k, self.plan, self.group), _send_rows(self.v, self.plan, self.group)
+
+    def return_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backward's return of K's and V's received rows' gradients (zeros) to their owners
+        (:func:`_return_gradients`): the gradients of this rank's K and V shards."""
+        return tuple(
+            _return_gradients(self.received_grad, self.plan, self.group, x.shape)
+            for x in (self.k, self.v)
+        )
+
+    def bytes_received(self) -> int:
+        """Bytes of K and V this rank receives in a forward (the backward sends as many back):
+        its entry of :func:`context_parallel_bytes`, from its own plan alone."""
+        rows = 0 if self.plan is None else sum(self.plan.recv)
+        return 2 * rows * self.k.shape[0] * self.k.shape[3] * self.k.element_size()
+
+    def kv_bytes_held(self) -> int:
+        """Bytes of K and V this rank holds in a forward: its entry of
+        :func:`context_parallel_kv_bytes`, from its own plan alone."""
+        batch, local_seq, kv_heads, dim = self.k.shape
+        rows = local_seq * kv_heads
+        if self.plan is not None:
+            rows += sum(self.plan.recv) + sum(c.gather.numel() for c in self.plan.chunks)
+        return 2 * rows * batch * dim * self.k.element_size()

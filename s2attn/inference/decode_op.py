@@ -1,9 +1,10 @@
 """A static cache's decode step as one ``torch.library`` operator, for compiled graphs.
 
 ``s2attn::static_decode(q, k, v, k_pages, v_pages, page_table, seq_lens, pattern_key,
-softmax_scale) -> out`` writes the new tokens' keys and values into their pages,
+softmax_scale, check_room) -> out`` writes the new tokens' keys and values into their pages,
 advances ``seq_lens`` and attends the new queries to the pages the pattern keeps, all in device
-work on the cache's tensors (it mutates ``k_pages``, ``v_pages`` and ``seq_lens``). Nothing in it
+work on the cache's tensors (it mutates ``k_pages``, ``v_pages`` and ``seq_lens``). With
+``check_room`` it first asserts on the device that the step fits the cache. Nothing in it
 reads or changes host state, so a compiled graph that holds it, replayed from a CUDA graph or run
 by Inductor, serves every step; the cache's host bookkeeping (lengths, keep blocks) catches up
 from ``seq_lens`` when an eager call next needs it (:meth:`StaticKVCache.catch_up`).
@@ -42,16 +43,10 @@ def static_decode(
     seq_lens: torch.Tensor,
     pattern_key: int,
     softmax_scale: float,
+    check_room: bool,
 ) -> torch.Tensor:
-    # A step past the cache's end would write through rows the page table does not have. The
-    # host refuses it first (StaticKVCache.check_room); where no host code runs per step (a graph
-    # replayed as is), fail on the device rather than corrupt pages.
-    capacity = page_table.shape[2] * k_pages.shape[1]
-    torch._assert_async(
-        seq_lens.max() + q.shape[1] <= capacity,
-        f"s2attn: a decode step of {q.shape[1]} tokens past the static cache's {capacity} "
-        "(check cache.check_room(num_new) before compiled steps)",
-    )
+    if check_room:
+        _assert_room(seq_lens, q.shape[1], page_table.shape[2] * k_pages.shape[1])
     pattern = None if pattern_key == _DENSE else pattern_for_key(pattern_key)
     kv_heads, max_blocks = page_table.shape[1:]
     layout = step_layout(pattern, kv_heads, k_pages.shape[1], max_blocks, q.device)
@@ -71,6 +66,19 @@ def static_decode(
     return out.contiguous()
 
 
+def _assert_room(seq_lens: torch.Tensor, num_new: int, capacity: int) -> None:
+    # A step past the cache's end would write through rows the page table does not have (the
+    # page write reads the next head's entries there). The host refuses it first
+    # (StaticKVCache.check_room); where no host code runs per step (a graph replayed as is),
+    # fail on the device before the write rather than corrupt pages. Two launches (the max, the
+    # assert): a model pays them once per step, not per layer (static_decode_step's check_room).
+    torch._assert_async(
+        seq_lens.max() + num_new <= capacity,
+        f"s2attn: a decode step of {num_new} tokens past the static cache's {capacity} "
+        "(check cache.check_room(num_new) before compiled steps)",
+    )
+
+
 # (pattern key, KV heads, batch, device) -> the run's split count (as capture_decode_step's), kept
 # so that a step not replayed from a graph does not scan the layout's list lengths again.
 _SPLITS: dict[tuple, int] = {}
@@ -84,7 +92,7 @@ def _run_num_splits(layout, key: int, batch: int, device: torch.device) -> int:
 
 
 @static_decode.register_fake
-def _(q, k, v, k_pages, v_pages, page_table, seq_lens, pattern_key, softmax_scale):
+def _(q, k, v, k_pages, v_pages, page_table, seq_lens, pattern_key, softmax_scale, check_room):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -93,14 +101,18 @@ def _check_step(q, cache, k, v) -> None:
     checks nothing per step (the cache's end is checked on the device)."""
     if not isinstance(cache, StaticKVCache):
         raise ValueError("static_decode_step needs a static PagedKVCache (static=True)")
+    # The cache's facts come from its tensors, which a compiled graph takes as inputs and guards
+    # anyway: each of its attributes read here would add a guard per layer, evaluated before
+    # every step.
+    pages, table = cache.k_pages, cache.page_table
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-        if t.dtype != cache.dtype or t.device != cache.device:
+        if t.dtype != pages.dtype or t.device != pages.device:
             raise ValueError(
-                f"{name} must be {cache.dtype} on {cache.device} (the cache's), got {t.dtype} on "
+                f"{name} must be {pages.dtype} on {pages.device} (the cache's), got {t.dtype} on "
                 f"{t.device}"
             )
-    batch, kv_heads, dim = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    batch, kv_heads, dim = table.shape[0], table.shape[1], pages.shape[-1]
     if q.dim() != 4 or q.shape[0] != batch or q.shape[-1] != dim or q.shape[2] % kv_heads:
         raise ValueError(
             f"q must be (batch={batch}, num_new, heads (a multiple of {kv_heads}), dim={dim}), "
@@ -128,6 +140,7 @@ def static_decode_step(
     v: torch.Tensor,
     *,
     softmax_scale: float,
+    check_room: bool = True,
 ) -> torch.Tensor:
     """One decode step over a static cache through ``s2attn::static_decode``: ``q`` (batch,
     num_new, heads, dim) and the new ``k``/``v`` (batch, num_new, kv_heads, dim), in the cache's
@@ -138,7 +151,12 @@ def static_decode_step(
     naming the length it needs, before anything is written, when called eagerly. Inside a
     compiled graph the host checks nothing per step: call ``cache.check_room(num_new)`` before
     the graph runs (the transformers integration does, when ``generate`` asks the cache for the
-    step's mask sizes); a step that still overruns fails on the device and writes nothing."""
+    step's mask sizes); a step that still overruns fails on the device and writes nothing.
+
+    ``check_room=False`` leaves that device check to another cache's call in the same step: one
+    whose lengths advance in lockstep with this cache's (the layers of one model's cache) and
+    that runs before this one (the transformers integration gives it to the first layer that
+    stores tokens). A model then pays the check once per step instead of once per layer."""
     _check_step(q, cache, k, v)
     if not torch.compiler.is_compiling():
         # Called eagerly, the step can be refused on the host with the length it needs; a
@@ -157,4 +175,5 @@ def static_decode_step(
         cache.seq_lens,
         key,
         float(softmax_scale),
+        bool(check_room),
     )

@@ -385,13 +385,25 @@ def _compiled_decode(layer: S2CacheLayer, q, k, v, scaling: float | None) -> tor
     ``s2attn.inference.decode_op``), so the graph serves every step, replayed or not. The
     cache's host lengths follow the device's from then on (``PagedKVCache.catch_up``). Dtypes
     follow ``sparse_attention_with_kvcache``'s rule: cast to the cache's under autocast, the
-    output back to the region's; refused when they differ outside it."""
+    output back to the region's; refused when they differ outside it.
+
+    Only the layer that stores tokens first checks on the device that the step fits (two
+    launches; once per step, not per layer). The others need no check of their own: every
+    forward hands each layer the same tokens (``update`` refuses a layer whose tokens were not
+    stored) and every edit (crop, reorder, reset) goes to all layers through :class:`S2Cache`,
+    so the layers' lengths move in lockstep; and the first layer runs first in every step, so a
+    step past the cache fails before any layer writes."""
     paged = layer.paged
     region = autocast_dtype(q)
     if region is not None:
         q, k, v = cast_inputs(paged.dtype, q.device.type, q, k, v)
     out = static_decode_step(
-        q.contiguous(), paged, k, v, softmax_scale=check_softmax_scale(scaling, q.shape[-1])
+        q.contiguous(),
+        paged,
+        k,
+        v,
+        softmax_scale=check_softmax_scale(scaling, q.shape[-1]),
+        check_room=layer.checks_room,
     )
     return out if region is None else out.to(region)
 
@@ -534,6 +546,11 @@ class S2CacheLayer(CacheLayerMixin):
         self.num_pages = num_pages
         self.paged: PagedKVCache | None = None
         self._pending = False
+        # Whether this layer's compiled decode steps check on the device that the step fits the
+        # cache (see _compiled_decode). The layers of one S2Cache share _room_check: the first to
+        # store tokens takes it and checks for all, once per step; a layer alone checks itself.
+        self.checks_room = True
+        self._room_check: list[S2CacheLayer | None] = [None]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # Under autocast the model hands over float32 keys (its projections' input dtype), but
@@ -553,6 +570,9 @@ class S2CacheLayer(CacheLayerMixin):
         )
         self.batch_size = key_states.shape[0]
         self.is_initialized = True
+        if self._room_check[0] is None:
+            self._room_check[0] = self
+        self.checks_room = self._room_check[0] is self
         if self.static and not torch.compiler.is_compiling():
             # Fixed addresses, mutated in place: CUDA graphs of compiled decode steps keep them.
             for t in (self.paged.k_pages, self.paged.v_pages, self.paged.seq_lens,
@@ -708,6 +728,9 @@ class S2Cache(Cache):
             )
             for i in range(text.num_hidden_layers)
         ]
+        shared: list[S2CacheLayer | None] = [None]
+        for layer in layers:
+            layer._room_check = shared
         super().__init__(layers=layers)
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -82,11 +82,16 @@ class TritonDecodeConfig(_Settings):
     """The Triton decode kernel's launch over a paged KV cache (ops/triton/decode.py): warps,
     pipeline depth, and keys per K/V tile (``block_n``, dividing the page size: a page is read
     in ``block_size // block_n`` slices). Decode has one backend and is not a pass of
-    :class:`KernelOptions`: bench_decode.py's sweep hands it to the launcher."""
+    :class:`KernelOptions`: bench_decode.py's sweep hands it to the launcher.
+
+    prefetch_entries: 0 (the default) reads each list entry, then its page id, then the page;
+    a power of two W reads W entries' page ids as vectors before walking them, so that each
+    page waits on its own loads only (two dependent round trips fewer per page)."""
 
     num_warps: int | None = None
     num_stages: int | None = None
     block_n: int | None = None
+    prefetch_entries: int | None = None
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,39 @@ def test_a_rank_without_its_plan_rebuilds_it_with_the_others():
     spawn(2, _lost_plan_body, pattern)
 
 
+def _communication_body(rank, world, pattern, shape):
+    from s2attn.distributed import _CallCommunication
+
+    q, k, v, _ = _inputs(*shape)
+    ql, kl, vl = (shard(t) for t in (q, k, v))
+    context_parallel_attention(ql, kl, vl, pattern)
+    comm = _CallCommunication.of(ql, kl, vl, pattern)
+    batch, seq, _, kv_heads, dim = shape
+    sizes = (pattern, batch, seq, kv_heads, dim, DTYPE, world)
+    assert comm.bytes_received() == context_parallel_bytes(*sizes)[rank]
+    assert comm.kv_bytes_held() == context_parallel_kv_bytes(*sizes)[rank]
+    comm.agreement_check()
+    if world == 1:
+        assert comm.plan is None
+        return
+    received_k, received_v = comm.exchange_kv()
+    assert received_k.shape == received_v.shape == (batch, sum(comm.plan.recv), dim)
+    assert received_k.numel() > 0
+    dk, dv = comm.return_gradients()  # of zeros: what it moves, not what it computes, is timed
+    assert dk.shape == dv.shape == kl.shape and not dk.any()
+
+
+def test_the_calls_communication_runs_alone():
+    """What the benchmark times: one call's agreement check, K/V exchange and gradients' return,
+    each alone, from the rank's own plan; its bytes are the rank's entries of
+    context_parallel_bytes and context_parallel_kv_bytes."""
+    pattern = s2attn.local_stride_pattern(
+        4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3, num_kv_heads=2
+    )
+    for world in (1, 2, 4):
+        spawn(world, _communication_body, pattern, (1, 128, 4, 2, 16))
+
+
 def test_only_the_tokens_read_move():
     """Each rank receives only the K/V tokens its queries read, per KV head: a few percent of an
     all-gather under a strided S2 pattern, every earlier token under a dense causal one (the

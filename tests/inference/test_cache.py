@@ -481,6 +481,32 @@ def test_page_write_matches_the_reference_and_advances_in_its_launch(num_new, ad
     assert lens.tolist() == (seq_lens + num_new if advance else seq_lens).tolist()
 
 
+def test_page_write_past_the_tables_end_writes_nowhere():
+    """A token past the page table's last block (a step the static cache should have refused)
+    is dropped: its entry would be the next KV head's first page, which must keep its rows; the
+    tokens before it still land."""
+    from s2attn.ops.triton.page_write import write_pages
+
+    dtype, dim, page, kv_heads, blocks = DTYPES[0], 16, 4, 2, 2
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(1, 3, kv_heads, dim, generator=gen).to(DEVICE, dtype) for _ in "kv")
+    table = torch.arange(kv_heads * blocks, dtype=torch.int32, device=DEVICE)
+    table = table.view(1, kv_heads, blocks)
+    seq_lens = torch.tensor([blocks * page - 1], dtype=torch.int32, device=DEVICE)
+    k_pages, v_pages = (
+        torch.full((kv_heads * blocks, page, dim), 7.0, dtype=dtype, device=DEVICE) for _ in "kv"
+    )
+    write_pages(k, v, k_pages, v_pages, table, seq_lens)
+    for h in range(kv_heads):
+        last = int(table[0, h, -1])
+        assert torch.equal(k_pages[last, -1], k[0, 0, h]) and torch.equal(
+            v_pages[last, -1], v[0, 0, h]
+        )
+    untouched = torch.ones(kv_heads * blocks, page, dtype=torch.bool)
+    untouched[table[0, :, -1].long().cpu(), -1] = False
+    assert (k_pages.cpu()[untouched] == 7.0).all() and (v_pages.cpu()[untouched] == 7.0).all()
+
+
 def test_device_defaults_to_the_gpu_when_there_is_one_else_the_cpu():
     """No device named: the pools land where the machine can hold them (a pattern is host
     metadata and names none), so the same code runs on a laptop and on a GPU node; the first

@@ -3,15 +3,15 @@
 Contexts of different lengths per sequence sit in a PagedKVCache; the new tokens' queries sit at the
 last positions of each sequence. Covered: patterns shared by a GQA group, per-query-head patterns,
 dense layers, several new tokens that straddle a block boundary, split-K with the exact merge,
-padded head dims, MHA/MQA, pages read in slices narrower than a page, and many consecutive steps
-with eviction in between.
+padded head dims, MHA/MQA, pages read in slices narrower than a page, page ids prefetched as
+vectors (``prefetch_entries``), and many consecutive steps with eviction in between.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, assert_close, skip_without_gpu
+from helpers import DEVICE, DTYPE_IDS, DTYPES, assert_close, skip_without_gpu
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
@@ -290,8 +290,9 @@ def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypat
     assert cache.lengths == [n for n in held]
 
 
+@pytest.mark.parametrize("check_room", [True, False])
 @pytest.mark.parametrize("path", ["kernels", "pytorch"])
-def test_static_decode_opcheck(path, monkeypatch):
+def test_static_decode_opcheck(path, check_room, monkeypatch):
     """torch.library.opcheck on s2attn::static_decode: its schema (what it mutates), fake
     implementation and the compiled (AOT) dispatch agree with running it."""
     from s2attn.compile import pattern_key
@@ -303,7 +304,7 @@ def test_static_decode_opcheck(path, monkeypatch):
     cache, *_ = filled_cache(pattern, [44, 29], 2, 16, torch.float32, static=True)
     q, k, v = step(cache, 4, 2, torch.float32)
     args = (q, k, v, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens,
-            pattern_key(pattern), 0.25)  # fmt: skip
+            pattern_key(pattern), 0.25, check_room)  # fmt: skip
     torch.library.opcheck(torch.ops.s2attn.static_decode.default, args)
 
 
@@ -375,6 +376,42 @@ def test_static_decode_refuses_a_step_past_max_seq_len(kind):
     assert cache.lengths == full and cache.seq_lens.tolist() == full
     assert torch.equal(cache.k_pages, k_pages) and torch.equal(cache.v_pages, v_pages)
     cache.check_room(0)  # a full cache has room for nothing more, which fits
+
+
+def test_compiled_static_decode_past_the_end_fails_on_the_device():
+    """A compiled step past a static cache's end, its host check skipped (a graph replayed as
+    is), fails the operator's device assertion before anything is written. With
+    check_room=False (another cache's call checks the step) the operator asserts nothing."""
+    from s2attn.inference import decode_op
+
+    heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
+    cache, *_ = filled_cache(make_pattern("s2", heads, kv_heads), [MAX_LEN - 2, 9], kv_heads,
+                             dim, dtype, static=True)  # fmt: skip
+    asserts = []
+    assert_async = torch._assert_async
+
+    def counting_assert(*args):
+        asserts.append(args)
+        return assert_async(*args)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def decode(q, k, v, check_room):
+        return decode_op.static_decode_step(
+            q, cache, k, v, softmax_scale=dim**-0.5, check_room=check_room
+        )
+
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "_assert_async", counting_assert)
+        decode(*step(cache, heads, 1, dtype), False)
+        assert len(asserts) == 0
+        decode(*step(cache, heads, 1, dtype), True)  # the last row
+        assert len(asserts) == 1
+    assert cache.seq_lens.tolist() == [MAX_LEN, 11]
+    pages, lengths = cache.k_pages.clone(), cache.seq_lens.clone()
+    with pytest.raises(RuntimeError, match=f"1 tokens past the static cache's {MAX_LEN}"):
+        decode(*step(cache, heads, 1, dtype), True)
+    assert torch.equal(cache.k_pages, pages) and torch.equal(cache.seq_lens, lengths)
 
 
 @pytest.mark.gpu
@@ -449,6 +486,75 @@ def test_pages_wider_than_the_kv_tile():
     assert_close(lse, ref_lse.float(), torch.float32, "block_n 16 lse")
     with pytest.raises(ValueError, match="block_n=64 must divide the page size 32"):
         triton_decode.decode(*args, softmax_scale=1.0, config=TritonDecodeConfig(block_n=64))
+
+
+def direct_step(cache, ks, vs, heads, num_new, dtype, num_splits, config, what):
+    """One step through the kernel's launcher (its ``config`` and split count as given), the new
+    tokens appended first, against the reference; outputs start as NaN (POISON_OUTPUTS)."""
+    assert triton_decode.POISON_OUTPUTS, "tests poison outputs (conftest.py)"
+    q, k, v = step(cache, heads, num_new, dtype)
+    cache.append(k, v)
+    out, lse = triton_decode.decode(
+        q, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, cache.decode_layout,
+        softmax_scale=cache.head_dim**-0.5, num_splits=num_splits, config=config,
+    )  # fmt: skip
+    # The reference reads the past from ks/vs and the new tokens from k/v, as check_step's do.
+    check_against_reference(cache, ks, vs, (q, k, v), (out, lse), dtype, what)
+
+
+# (prefetch_entries, num_splits). Lists here hold 3-4 full entries (s2), 10-14 partial ones with
+# per-head bits (per_query_head) or 9-13 implicit ones (dense): one split of width 2 takes them
+# in several chunks, the last partly empty; 3 splits of width 4 chunk only the partial lists; 16
+# splits hold one page or none each (min_pages_per_split=1 at batch 1), with prefetch and without.
+PREFETCH_CASES = [(2, 1), (4, 3), (16, 16), (0, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_new", [1, 3])
+@pytest.mark.parametrize("kind", ["s2", "per_query_head", "dense"])
+@pytest.mark.parametrize("prefetch,num_splits", PREFETCH_CASES)
+def test_prefetched_page_ids_match_reference(prefetch, num_splits, kind, num_new, dtype):
+    torch.manual_seed(9)
+    heads, kv_heads, dim = 8, 2, 32  # GQA group 4, as the 7B layers have
+    pattern = make_pattern(kind, heads, kv_heads)
+    # Sequence 1 ends at 205: three new tokens (206..208) straddle query blocks 12 and 13.
+    cache, ks, vs = filled_cache(pattern, [150, 206], kv_heads, dim, dtype)
+    config = TritonDecodeConfig(prefetch_entries=prefetch)
+    what = f"{kind} prefetch {prefetch} splits {num_splits} new={num_new}"
+    direct_step(cache, ks, vs, heads, num_new, dtype, num_splits, config, what)
+
+
+def test_prefetch_width_must_be_a_power_of_two():
+    heads, kv_heads, dim, dtype = 4, 2, 16, DTYPES[0]
+    cache, *_ = filled_cache(make_pattern("s2", heads, kv_heads), [20, 20], kv_heads, dim, dtype)
+    q, *_ = step(cache, heads, 1, dtype)
+    args = (q, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, cache.decode_layout)
+    for bad in (3, -2):
+        with pytest.raises(ValueError, match=f"prefetch_entries={bad} must be 0 or a power of two"):
+            config = TritonDecodeConfig(prefetch_entries=bad)
+            triton_decode.decode(*args, softmax_scale=0.25, config=config)
+
+
+def test_split_heuristic_pages_per_split(monkeypatch):
+    """decode_num_splits on a (pretend) 132-SM GPU: 2 programs per SM, at least
+    ``min_pages_per_split`` pages a split (4 unless told), at most 64 splits."""
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+
+    def splits(batch, pages, **kwargs):
+        return triton_decode.decode_num_splits(batch, 8, pages, gpu, **kwargs)
+
+    assert splits(1, 49) == 13  # 128k, stride 64: 49 pages, 4 a split
+    assert splits(1, 49, min_pages_per_split=2) == 25
+    assert splits(1, 49, min_pages_per_split=1) == 33  # 264 programs / 8 KV heads
+    assert splits(1, 200, min_pages_per_split=1) == 33
+    assert splits(16, 49) == 3 and splits(16, 49, min_pages_per_split=1) == 3
+    assert splits(1, 3) == 1 and splits(1, 3, min_pages_per_split=1) == 3
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda index: 1024)
+    assert splits(1, 500, min_pages_per_split=1) == 64
+    with pytest.raises(ValueError, match="min_pages_per_split=0"):
+        splits(1, 49, min_pages_per_split=0)
+    assert triton_decode.decode_num_splits(1, 8, 49, torch.device("cpu")) == 1
 
 
 def test_decode_output_has_no_unwritten_rows():

@@ -170,6 +170,64 @@ def test_compiled_decode_refuses_a_step_past_the_static_cache():
         assert layer.paged.lengths == [48] and layer.paged.seq_lens.tolist() == [48]
 
 
+def test_compiled_decode_checks_the_static_cache_once_per_step(monkeypatch):
+    """The device check that a compiled step fits the static cache (torch._assert_async, two
+    launches) runs once per step, in the first layer's operator, not in every layer's: counted
+    at run time, where the operator's body calls it, over several steps of a 3-layer model."""
+    model, _ = tiny_llama()
+    compile_config, graphs = counting_compile_config()
+    cache = s2hf.S2Cache(model.config, static=True)
+    asserts = []
+    assert_async = torch._assert_async
+
+    def counting_assert(*args):
+        asserts.append(args)
+        return assert_async(*args)
+
+    monkeypatch.setattr(torch, "_assert_async", counting_assert)
+    ids = torch.randint(2, 128, (1, 40), device=DEVICE)
+    torch._dynamo.reset()
+    new_tokens = 8
+    generate(model, ids, torch.ones_like(ids), new_tokens=new_tokens, past_key_values=cache,
+             compile_config=compile_config)  # fmt: skip
+    assert graphs, "the decode step did not compile"
+    assert [layer.checks_room for layer in cache.layers] == [True, False, False]
+    # The prefill runs eagerly (checked on the host); each decode step runs the graph once.
+    assert len(asserts) == new_tokens - 1, f"{len(asserts)} checks for {new_tokens - 1} steps"
+
+
+def test_compiled_decode_past_the_static_cache_fails_before_any_layer_writes():
+    """A compiled decode step past the static cache's end whose host check did not run (a graph
+    replayed as is: here the model's own compiled forward, which checks nothing on the host)
+    fails the first layer's device check, before any layer writes: every layer keeps its pages
+    and lengths. Inductor, which runs the operators in place on the cache's tensors (aot_eager
+    would run them on copies, written back only at the graph's end)."""
+    model, _ = tiny_llama()
+    cache = s2hf.S2Cache(model.config, static=True, max_seq_len=48)
+    ids = torch.randint(2, 128, (1, 46), device=DEVICE)
+    forward = torch.compile(model, backend="inductor", fullgraph=True)
+    torch._dynamo.reset()
+
+    def decode(token, position):
+        at = torch.tensor([position], device=DEVICE)
+        return forward(token, past_key_values=cache, cache_position=at, position_ids=at[None])
+
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)  # eager prefill
+        for position in (46, 47):
+            token = decode(token, position).logits[:, -1:].argmax(-1)
+        held = [
+            (layer.paged.k_pages.clone(), layer.paged.v_pages.clone()) for layer in cache.layers
+        ]
+        with pytest.raises(RuntimeError, match="1 tokens past the static cache's 48"):
+            decode(token, 48)
+    for layer, (k_pages, v_pages) in zip(cache.layers, held):
+        assert layer.paged.seq_lens.tolist() == [48]
+        assert torch.equal(layer.paged.k_pages, k_pages) and torch.equal(
+            layer.paged.v_pages, v_pages
+        )
+
+
 def test_compiled_decode_serves_a_second_request_from_its_graph():
     """One static S2Cache serving two requests (reset between, as a server reuses it): the
     second generate runs the decode graph compiled for the first (no retrace), the reset finds

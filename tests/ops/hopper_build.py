@@ -4,6 +4,7 @@
 
     python tests/ops/hopper_build.py forward-128
     python tests/ops/hopper_build.py decode-128      # the Triton decode kernel, 5 splits, 1 token
+    python tests/ops/hopper_build.py decode_p16-128  # the same, page ids prefetched 16 at a time
     python tests/ops/hopper_build.py --sass dq-128   # its machine code (nvdisasm) instead
 
 Each launcher runs on CPU tensors with its kernel swapped for a recorder, so the build takes
@@ -29,7 +30,12 @@ from s2attn import local_stride_pattern
 from s2attn.inference.cache import PagedKVCache
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops.gluon import backward_sm90, forward_sm90
-from s2attn.ops.options import GluonDkdvConfig, GluonDqConfig, GluonForwardConfig
+from s2attn.ops.options import (
+    GluonDkdvConfig,
+    GluonDqConfig,
+    GluonForwardConfig,
+    TritonDecodeConfig,
+)
 from s2attn.ops.triton import decode as triton_decode
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -47,10 +53,11 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def _decode_launch(dim: int) -> tuple:
+def _decode_launch(dim: int, prefetch: int = 0) -> tuple:
     """The Triton decode kernel's launch for a 7B-shaped layer (32/8 heads, block 64, local 16,
     stride 64; a 2000-token context, one new token, 5 splits): it spilled at 4 warps when this
-    case was added (255 registers; its page loads are 64-bit pointer tensors)."""
+    case was added (255 registers; its page loads are 64-bit pointer tensors). ``prefetch``: its
+    ``prefetch_entries`` (case ``decode_p16-128``: 16)."""
     pattern = local_stride_pattern(
         8, max_seq_len=4096, block_size=64, local_blocks=16, vert_stride=64
     )
@@ -64,6 +71,7 @@ def _decode_launch(dim: int) -> tuple:
         torch.randn(1, 1, 32, dim, dtype=torch.bfloat16), cache.k_pages, cache.v_pages,
         cache.page_table, cache.seq_lens, cache.decode_layout, softmax_scale=0.1, num_splits=5,
         split_counters=torch.zeros(8, dtype=torch.int32),
+        config=TritonDecodeConfig(prefetch_entries=prefetch),
     )  # fmt: skip
     ((args, kwargs),) = recorder.calls
     return recorder.kernel, args, kwargs
@@ -72,8 +80,8 @@ def _decode_launch(dim: int) -> tuple:
 def _launch(case: str) -> tuple:
     """(kernel, args, kwargs) of the launch the case's launcher makes."""
     name, dim = case.rsplit("-", 1)
-    if name == "decode":
-        return _decode_launch(int(dim))
+    if name == "decode" or name.startswith("decode_p"):
+        return _decode_launch(int(dim), int(name.removeprefix("decode").removeprefix("_p") or 0))
     q, k, v, out, grad_out, grad = (
         torch.empty(1, SEQ, HEADS, int(dim), dtype=torch.bfloat16) for _ in range(6)
     )

@@ -42,93 +42,129 @@ MERGE_ROWS_X_SPLITS = 64
 
 
 @triton.jit
-def _attend_pages(
-    acc,
-    l_i,
-    m_i,
-    q,
-    cols_ptr,
-    bits_ptr,
-    start,
-    end,
-    pages_ptr,
-    stride_tj,
-    K,
-    V,
-    stride_kp,
-    stride_kn,
-    stride_kd,
-    stride_vp,
-    stride_vn,
-    stride_vd,
-    row_pos,
-    bitpos,
-    ctx_len,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-    DENSE: tl.constexpr,
+def _attend_page(
+    acc, l_i, m_i, q, j, page, bits, K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn,
+    stride_vd, row_pos, bitpos, ctx_len, qk_scale, offs_n, offs_d, d_ok,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DENSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
+    """Online softmax over KV block ``j``, held in page ``page`` (int64); ``bits`` is the entry's
+    per-head bit matrix (read only for MASKED lists that are not DENSE)."""
+    ACC = acc.dtype
+    k_page = K + page * stride_kp
+    v_page = V + page * stride_vp
+    if MASKED:
+        if DENSE:
+            row_keep = bitpos >= 0
+        else:
+            row_keep = ((bits >> bitpos) & 1) != 0
+    # A page wider than the KV tile is read in BLOCK_N-wide slices.
+    for c in tl.static_range(PAGE_SIZE // BLOCK_N):
+        slots = c * BLOCK_N + offs_n
+        k_ptrs = k_page + slots[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = v_page + slots[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED:
+            k_pos = j * PAGE_SIZE + slots
+            k_ok = k_pos < ctx_len
+            kt = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            kt = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
+        if MASKED:
+            keep = row_keep[:, None] & (k_pos[None, :] <= row_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing visible so far keeps m = -inf; subtract 0 to avoid NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(
+            p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC
+        )
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_pages(
+    acc, l_i, m_i, q, cols_ptr, bits_ptr, start, end, pages_ptr, stride_tj, K, V,
+    stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd, row_pos, bitpos, ctx_len,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DENSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
     """Online softmax over entries ``start..end`` of one list; each entry is one page.
 
     DENSE lists are implicit: entry ``e`` is KV block ``e`` and every bit is set. MASKED entries
     apply their bits and causality, and load nothing past the context (the last page's tail is
     unwritten, and 0 * NaN would poison the row).
+
+    PREFETCH = 0 reads each entry's list item, then its page id, then the page: three dependent
+    round trips per page. PREFETCH = W reads W entries' items (and bits) in one round trip and
+    their page ids in a second, so the per-entry loop waits only on the page's own loads, which
+    the pipeline can issue ahead (a batch-1 program walks a few pages and is latency bound).
     """
-    ACC = acc.dtype
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    for e in range(start, end):
-        if DENSE:
-            j = e
-        else:
-            j = tl.load(cols_ptr + e)
-        page = tl.load(pages_ptr + j * stride_tj).to(tl.int64)
-        k_page = K + page * stride_kp
-        v_page = V + page * stride_vp
-        if MASKED:
+    # ``bits`` is bound in every entry's iteration: a name bound before a loop and rebound in it
+    # is loop-carried and must keep its type.
+    if PREFETCH == 0:
+        for e in range(start, end):
             if DENSE:
-                row_keep = bitpos >= 0
+                j = e
             else:
-                row_keep = ((tl.load(bits_ptr + e) >> bitpos) & 1) != 0
-        # A page wider than the KV tile is read in BLOCK_N-wide slices.
-        for c in tl.static_range(PAGE_SIZE // BLOCK_N):
-            slots = c * BLOCK_N + offs_n
-            k_ptrs = k_page + slots[None, :] * stride_kn + offs_d[:, None] * stride_kd
-            v_ptrs = v_page + slots[:, None] * stride_vn + offs_d[None, :] * stride_vd
-            if MASKED:
-                k_pos = j * PAGE_SIZE + slots
-                k_ok = k_pos < ctx_len
-                kt = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            elif BLOCK_D == HEAD_DIM:
-                kt = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
+                j = tl.load(cols_ptr + e)
+            page = tl.load(pages_ptr + j * stride_tj).to(tl.int64)
+            if MASKED and not DENSE:
+                bits = tl.load(bits_ptr + e)
             else:
-                kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC) * qk_scale
-            if MASKED:
-                keep = row_keep[:, None] & (k_pos[None, :] <= row_pos[:, None])
-                s = tl.where(keep, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                # A row with nothing visible so far keeps m = -inf; subtract 0 to avoid NaN.
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_ref = m_new
-            alpha = tl.math.exp2(m_i - m_ref)
-            p = tl.math.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(
-                p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=ACC
+                bits = 0
+            acc, l_i, m_i = _attend_page(
+                acc, l_i, m_i, q, j, page, bits, K, V, stride_kp, stride_kn, stride_kd,
+                stride_vp, stride_vn, stride_vd, row_pos, bitpos, ctx_len, qk_scale,
+                offs_n, offs_d, d_ok,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, MASKED, DENSE, DOT_PRECISION,
             )
-            m_i = m_new
+    else:
+        lanes = tl.arange(0, PREFETCH)
+        for e0 in range(start, end, PREFETCH):
+            ents = e0 + lanes
+            e_ok = ents < end
+            if DENSE:
+                cols = ents
+            else:
+                cols = tl.load(cols_ptr + ents, mask=e_ok, other=0)
+            if MASKED and not DENSE:
+                all_bits = tl.load(bits_ptr + ents, mask=e_ok, other=0)
+            pages = tl.load(pages_ptr + cols * stride_tj, mask=e_ok, other=0).to(tl.int64)
+            # Triton cannot index a tensor by a run-time lane: a one-hot sum picks it instead.
+            for i in range(0, tl.minimum(end - e0, PREFETCH)):
+                lane = lanes == i
+                page = tl.sum(tl.where(lane, pages, 0))
+                if MASKED and not DENSE:
+                    j = tl.sum(tl.where(lane, cols, 0))
+                    bits = tl.sum(tl.where(lane, all_bits, 0))
+                else:
+                    j = e0 + i  # read only by MASKED, where DENSE entry e is block e
+                    bits = 0
+                acc, l_i, m_i = _attend_page(
+                    acc, l_i, m_i, q, j, page, bits, K, V, stride_kp, stride_kn, stride_kd,
+                    stride_vp, stride_vn, stride_vd, row_pos, bitpos, ctx_len, qk_scale,
+                    offs_n, offs_d, d_ok,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, MASKED, DENSE, DOT_PRECISION,
+                )
     return acc, l_i, m_i
 
 
@@ -187,6 +223,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // NUM_KV_HEADS
@@ -247,13 +284,13 @@ def _decode_kernel(
         acc, l_i, m_i, q, full_cols, partial_bits, full_lo, full_hi, pages_ptr, stride_tj,
         K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
         row_pos, bitpos, ctx_len, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, DENSE, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, DENSE, DOT_PRECISION, PREFETCH,
     )
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, partial_cols, partial_bits, part_lo, part_hi, pages_ptr, stride_tj,
         K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
         row_pos, bitpos, ctx_len, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION, PREFETCH,
     )
 
     # Rows that attend nothing (in this split): output 0 and LSE -inf, never 0/0.
@@ -350,20 +387,26 @@ def _num_sms(index: int | None) -> int:
 
 
 def decode_num_splits(
-    batch: int, num_kv_heads: int, longest_list: int, device: torch.device
+    batch: int,
+    num_kv_heads: int,
+    longest_list: int,
+    device: torch.device,
+    min_pages_per_split: int = 4,
 ) -> int:
     """How many programs share one (sequence, KV head)'s list of pages (split-K).
 
     Aim for 2 programs per SM: a decode program mostly waits on dependent loads (list entry, page
     id, page), and a second resident program hides that latency; more splits cost more in the
     merge than they save (H100 sweep, 128k context, batch 16, 8 KV heads, V64: 2 splits 0.072 ms,
-    5 splits 0.080 ms, CUDA-graph replays). Each split keeps at least 4 pages. Under the
-    interpreter: one split.
+    5 splits 0.080 ms, CUDA-graph replays). Each split keeps at least ``min_pages_per_split``
+    pages (4 by default; batch-1 sweeps try fewer). Under the interpreter: one split.
     """
     if device.type != "cuda":
         return 1
+    if min_pages_per_split < 1:
+        raise ValueError(f"min_pages_per_split={min_pages_per_split} must be at least 1")
     want = triton.cdiv(2 * _num_sms(device.index), batch * num_kv_heads)
-    return max(1, min(want, triton.cdiv(longest_list, 4), 64))
+    return max(1, min(want, triton.cdiv(longest_list, min_pages_per_split), 64))
 
 
 def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> int:
@@ -379,9 +422,12 @@ def default_config(block_size: int) -> TritonDecodeConfig:
     Each iteration is a chain of dependent loads (list entry -> page id -> page): a deep pipeline
     issues the next entries' index loads while this page's K/V arrive. 4 warps suffice for a
     16-row tile. H100 sweep (bench_decode.py --sweep, 128k, batch 16, V64): 4 warps, 4 stages,
-    64-key tiles were best of 120 launches.
+    64-key tiles were best of 120 launches. Prefetching page ids (``prefetch_entries``) stays
+    off until a sweep on a GPU says otherwise.
     """
-    return TritonDecodeConfig(num_warps=4, num_stages=4, block_n=min(block_size, 64))
+    return TritonDecodeConfig(
+        num_warps=4, num_stages=4, block_n=min(block_size, 64), prefetch_entries=0
+    )
 
 
 def decode(
@@ -445,6 +491,9 @@ def decode(
     block_n = config.block_n
     if block_size % block_n:
         raise ValueError(f"block_n={block_n} must divide the page size {block_size}")
+    prefetch = config.prefetch_entries
+    if prefetch < 0 or prefetch & (prefetch - 1):
+        raise ValueError(f"prefetch_entries={prefetch} must be 0 or a power of two")
     block_m = max(16, triton.next_power_of_2(group * num_new))
     block_d = padded_head_dim(head_dim)
     grid = (batch * num_kv_heads, num_splits)
@@ -469,6 +518,7 @@ def decode(
         DOT_PRECISION=dot_precision(q.dtype),
         MAX_SPLITS=triton.next_power_of_2(num_splits),
         MERGE_CHUNK=max(1, MERGE_ROWS_X_SPLITS // block_m),
+        PREFETCH=prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

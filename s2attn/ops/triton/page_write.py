@@ -40,6 +40,7 @@ def _write_kernel(
     stride_tb,
     stride_th,
     stride_tj,
+    max_blocks,
     NUM_NEW: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -59,6 +60,10 @@ def _write_kernel(
     t = r // NUM_KV_HEADS
     h = r % NUM_KV_HEADS
     pos = start + t
+    # A position past the table has no page: reading its entry would take the next head's first
+    # page and write there. The static cache refuses such a step (on the device, in the step's
+    # first layer); here it is skipped so no layer writes outside its own pages meanwhile.
+    live = live & (pos // PAGE_SIZE < max_blocks)
     page = tl.load(
         page_table + b * stride_tb + h * stride_th + (pos // PAGE_SIZE) * stride_tj,
         mask=live,
@@ -105,7 +110,7 @@ def write_pages(
     _WRITE[(batch,)](
         k, v, k_pages, v_pages, page_table, seq_lens,
         *k.stride(), *v.stride(), *k_pages.stride(), *v_pages.stride(), *page_table.stride(),
-        NUM_NEW=num_new, NUM_KV_HEADS=num_kv_heads,
+        page_table.shape[2], NUM_NEW=num_new, NUM_KV_HEADS=num_kv_heads,
         ROWS=triton.next_power_of_2(num_new * num_kv_heads),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_pages.shape[1], ADVANCE=advance,
