@@ -476,6 +476,39 @@ def _chunk_keys(store: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
     return store[:, chunk.gather.view(-1)].view(store.shape[0], keys, kv_heads, -1)
 
 
+def _rank_bytes_received(
+    pattern: BlockPattern,
+    batch: int,
+    seq: int,
+    kv_heads: int,
+    dim: int,
+    itemsize: int,
+    world: int,
+    rank: int,
+) -> int:
+    """Bytes of K and V rank ``rank`` receives in one forward, from its own receive plan."""
+    received = _receive_plan(pattern, seq, world, rank, kv_heads).tokens_received()
+    return 2 * batch * dim * itemsize * received
+
+
+def _rank_kv_bytes(
+    pattern: BlockPattern,
+    batch: int,
+    seq: int,
+    kv_heads: int,
+    dim: int,
+    itemsize: int,
+    world: int,
+    rank: int,
+) -> int:
+    """Bytes of K and V rank ``rank`` holds in one forward, from its own receive plan."""
+    if world == 1:  # sparse_attention on the rank's own K and V
+        return 2 * batch * seq * kv_heads * dim * itemsize
+    plan = _receive_plan(pattern, seq, world, rank, kv_heads)
+    rows = seq // world * kv_heads + plan.tokens_received() + plan.key_rows()
+    return 2 * batch * dim * itemsize * rows
+
+
 def context_parallel_bytes(
     pattern: BlockPattern,
     batch: int,
@@ -489,11 +522,8 @@ def context_parallel_bytes(
     (the backward sends as many back): only the tokens its queries read, per KV head. Compare
     with :func:`communication_bytes`, an all-gather's."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    received = [
-        _receive_plan(pattern, seq, world_size, r, kv_heads).tokens_received()
-        for r in range(world_size)
-    ]
-    return [2 * batch * dim * itemsize * n for n in received]
+    sizes = (pattern, batch, seq, kv_heads, dim, itemsize, world_size)
+    return [_rank_bytes_received(*sizes, r) for r in range(world_size)]
 
 
 def context_parallel_kv_bytes(
@@ -509,13 +539,8 @@ def context_parallel_kv_bytes(
     its shard, the tokens it receives and its two chunks' compact keys (see the module's notes).
     A dense pattern's last chunk needs the whole sequence; an S2 pattern's, the blocks it reads."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if world_size == 1:  # sparse_attention on the rank's own K and V
-        return [2 * batch * seq * kv_heads * dim * itemsize]
-    rows = []
-    for r in range(world_size):
-        plan = _receive_plan(pattern, seq, world_size, r, kv_heads)
-        rows.append(seq // world_size * kv_heads + plan.tokens_received() + plan.key_rows())
-    return [2 * batch * dim * itemsize * n for n in rows]
+    sizes = (pattern, batch, seq, kv_heads, dim, itemsize, world_size)
+    return [_rank_kv_bytes(*sizes, r) for r in range(world_size)]
 
 
 def unshard(
@@ -788,17 +813,19 @@ class _CallCommunication:
             for x in (self.k, self.v)
         )
 
+    def _sizes(self) -> tuple:
+        """The per-rank byte functions' arguments for this rank's call."""
+        world, rank = _world(self.group)
+        batch, local_seq, kv_heads, dim = self.k.shape
+        itemsize = self.k.element_size()
+        return self.pattern, batch, local_seq * world, kv_heads, dim, itemsize, world, rank
+
     def bytes_received(self) -> int:
         """Bytes of K and V this rank receives in a forward (the backward sends as many back):
         its entry of :func:`context_parallel_bytes`, from its own plan alone."""
-        rows = 0 if self.plan is None else sum(self.plan.recv)
-        return 2 * rows * self.k.shape[0] * self.k.shape[3] * self.k.element_size()
+        return 0 if self.plan is None else _rank_bytes_received(*self._sizes())
 
     def kv_bytes_held(self) -> int:
         """Bytes of K and V this rank holds in a forward: its entry of
         :func:`context_parallel_kv_bytes`, from its own plan alone."""
-        batch, local_seq, kv_heads, dim = self.k.shape
-        rows = local_seq * kv_heads
-        if self.plan is not None:
-            rows += sum(self.plan.recv) + sum(c.gather.numel() for c in self.plan.chunks)
-        return 2 * rows * batch * dim * self.k.element_size()
+        return _rank_kv_bytes(*self._sizes())

@@ -67,11 +67,11 @@ def static_decode(
 
 
 def _assert_room(seq_lens: torch.Tensor, num_new: int, capacity: int) -> None:
-    # A step past the cache's end would write through rows the page table does not have (the
-    # page write reads the next head's entries there). The host refuses it first
+    # A step past the cache's end has rows the page table does not have: the page write drops
+    # them, so the step would go on with tokens missing. The host refuses it first
     # (StaticKVCache.check_room); where no host code runs per step (a graph replayed as is),
-    # fail on the device before the write rather than corrupt pages. Two launches (the max, the
-    # assert): a model pays them once per step, not per layer (static_decode_step's check_room).
+    # fail on the device instead. Two launches (the max, the assert): a model pays them once per
+    # step, not per layer (static_decode_step's check_room).
     torch._assert_async(
         seq_lens.max() + num_new <= capacity,
         f"s2attn: a decode step of {num_new} tokens past the static cache's {capacity} "

@@ -100,8 +100,9 @@ def write_pages(
     advance: bool = False,
 ) -> None:
     """Store new tokens' K/V, (batch, num_new, kv_heads, dim), at positions ``seq_lens[b] + t``
-    of each sequence through the page table (blocks with page -1 are skipped); with ``advance``,
-    also add ``num_new`` to ``seq_lens`` in the same launch."""
+    of each sequence through the page table (blocks with page -1, and positions past the table's
+    last block, are skipped); with ``advance``, also add ``num_new`` to ``seq_lens`` in the same
+    launch."""
     batch, num_new, num_kv_heads, head_dim = k.shape
     if k.numel() == 0:
         if advance:
