@@ -75,6 +75,7 @@ from s2attn.distributed import (
     shard,
     unshard,
 )
+from s2attn.reference import key_row_grads
 
 HEADERS = [
     "pass", "ranks", "ms per rank", "slowest / mean rank", "one device ms", "efficiency",
@@ -253,9 +254,8 @@ def sampled_row_errors(out, lse, dq, dk, dv, pattern, positions, args, dtype, de
     want = dict(out=ref_out[: len(local)], lse=ref_lse[: len(local)], dq=ref_dq[: len(local)])
     got = dict(out=out[0, idx], lse=lse[0, :, idx].transpose(0, 1), dq=dq[0, idx])
     if len(key_local):
-        # dK, dV of key s from its readers t, every head h of its KV group g:
-        # p = exp(q_t . k_s * scale - lse_t), dk_s = sum scale * p (dO_t . v_s - delta_t) q_t,
-        # dv_s = sum p dO_t.
+        # dK, dV of key s from its readers t, every head of its KV group, then summed over the
+        # group's heads.
         key_pos = positions[key_local]
         kv_shape, q_shape = (args.kv_heads, args.dim), (args.heads, args.dim)
         ks = seeded_rows("k", key_pos, kv_shape, dtype, device).float()
@@ -267,11 +267,7 @@ def sampled_row_errors(out, lse, dq, dk, dv, pattern, positions, args, dtype, de
             q_t = seeded_rows("q", t, q_shape, dtype, device).float()  # (readers, heads, dim)
             do_t = seeded_rows("grad", t, q_shape, dtype, device).float()
             k_h, v_h = (x[n].repeat_interleave(group, dim=0) for x in (ks, vs))  # (heads, dim)
-            p = torch.exp((q_t * k_h).sum(-1) * scale - ref_lse[part])  # (readers, heads)
-            delta = (do_t * ref_out[part]).sum(-1)
-            ds = p * ((do_t * v_h).sum(-1) - delta)
-            dk_h = scale * (ds[..., None] * q_t).sum(0)  # (heads, dim)
-            dv_h = (p[..., None] * do_t).sum(0)
+            dk_h, dv_h = key_row_grads(q_t, do_t, ref_out[part], ref_lse[part], k_h, v_h, scale)
             want_dk.append(dk_h.view(args.kv_heads, group, -1).sum(1))
             want_dv.append(dv_h.view(args.kv_heads, group, -1).sum(1))
         kidx = key_local.to(device)

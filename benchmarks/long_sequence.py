@@ -37,6 +37,7 @@ import torch
 from run_info import environment, parser, rel_err, result_stem, table, versions_line, write_results
 
 import s2attn
+from s2attn.reference import key_row_grads
 
 READER_CHUNK = 1 << 16
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
@@ -111,12 +112,17 @@ def check_rows(q, k, v, do, out, lse, dq, dk, dv, pattern, args, gen) -> dict:
             # chunks, so the float32 copies stay small next to the inputs filling the GPU.
             dv_part, dk_part = torch.zeros(2, dim, device=q.device)
             for r in readers(coords, s_key, bs, seq).split(READER_CHUNK):
-                qr, dor = f32(q[0, r, h]), f32(do[0, r, h])
-                p = torch.exp((qr @ f32(k[0, s_key, kvh])) * scale - lse[0, h, r].float())
-                delta = (dor * f32(out[0, r, h])).sum(1)
-                ds = p * (dor @ f32(v[0, s_key, kvh]) - delta)
-                dv_part += p @ dor
-                dk_part += scale * ds @ qr
+                dk_r, dv_r = key_row_grads(
+                    f32(q[0, r, h]),
+                    f32(do[0, r, h]),
+                    f32(out[0, r, h]),
+                    lse[0, h, r].float(),
+                    f32(k[0, s_key, kvh]),
+                    f32(v[0, s_key, kvh]),
+                    scale,
+                )
+                dv_part += dv_r
+                dk_part += dk_r
             # dK/dV of a KV head sum over its query heads: collect per query head, add below.
             want["dv"].append((h, s_key, dv_part)), want["dk"].append((h, s_key, dk_part))
     for name in ("dk", "dv"):

@@ -6,6 +6,8 @@
 - :func:`blockwise_forward`, :func:`blockwise_backward`: the same forward and its gradients over
   the kept blocks alone, in bounded memory; the call plan (``s2attn.plan``) runs them where no
   Triton backend (GPU or interpreter) is available.
+- :func:`key_row_grads`: one key row's dK and dV from the query rows that read it, for checks
+  that sample rows of sequences too long for a whole reference.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "attention_reference",
     "blockwise_backward",
     "blockwise_forward",
+    "key_row_grads",
     "paged_attention_reference",
     "write_pages_reference",
 ]
@@ -276,6 +279,25 @@ def blockwise_backward(
 # Decode and any step over a paged KV cache, read through a page table: the ground truth of the
 # decode kernel, the CPU path of the compiled decode operator (``s2attn.inference.decode_step``)
 # and of vLLM's layout (``s2attn.integrations.vllm_paged``, whose (block, KV head) pairs are pages).
+
+
+def key_row_grads(
+    q: torch.Tensor,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK and dV of one key row, summed over the query rows that read it: ``q``, ``grad_out``
+    and ``out`` (readers, ..., dim), those rows' natural-log ``lse`` (readers, ...), and the key's
+    ``k`` and ``v`` (..., dim), where ``...`` is any run of heads. Each reader's probability of
+    the key comes from its LSE, so the other keys it reads need not be at hand:
+    p = exp(q . k * scale - lse), dV = sum p dO, dK = scale * sum p (dO . v - dO . out) q."""
+    p = torch.exp((q * k).sum(-1) * scale - lse)
+    ds = p * ((grad_out * v).sum(-1) - (grad_out * out).sum(-1))
+    return scale * (ds[..., None] * q).sum(0), (p[..., None] * grad_out).sum(0)
 
 
 def write_pages_reference(
