@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +33,24 @@ REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 gpu_only = pytest.mark.gpu
 skip_without_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+
+
+def assert_fails_on_the_device(test_file: str, function: str, timeout: int = 300) -> None:
+    """Run ``function(child=True)`` of the test module ``test_file`` in a fresh Python and check
+    that it ends in a CUDA device assertion after printing "reached the step" and before printing
+    "no assertion". A device assertion leaves the process's CUDA context unusable, so a test of
+    one cannot run in the test process itself."""
+    folder = os.path.dirname(os.path.abspath(test_file))
+    module = os.path.splitext(os.path.basename(test_file))[0]
+    paths = [os.path.dirname(os.path.abspath(__file__)), folder]
+    code = f"import sys; sys.path[:0] = {paths!r}; import {module}; {module}.{function}(child=True)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    tail = f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert "reached the step" in done.stdout, tail
+    assert "no assertion" not in done.stdout and done.returncode != 0, tail
+    assert "device-side assert" in done.stderr, tail
 
 
 def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device=DEVICE) -> torch.Tensor:

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPE_IDS, DTYPES, assert_close, skip_without_gpu
+from helpers import (
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    ON_GPU,
+    assert_close,
+    assert_fails_on_the_device,
+    skip_without_gpu,
+)
 
 import s2attn
 from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
@@ -381,7 +389,15 @@ def test_static_decode_refuses_a_step_past_max_seq_len(kind):
 def test_compiled_static_decode_past_the_end_fails_on_the_device():
     """A compiled step past a static cache's end, its host check skipped (a graph replayed as
     is), fails the operator's device assertion before anything is written. With
-    check_room=False (another cache's call checks the step) the operator asserts nothing."""
+    check_room=False (another cache's call checks the step) the operator asserts nothing. On a
+    GPU the step past the end runs in a child process: a CUDA assertion ends its context."""
+    if ON_GPU:
+        assert_fails_on_the_device(__file__, "_decode_past_the_end_of_a_static_cache")
+    else:
+        _decode_past_the_end_of_a_static_cache()
+
+
+def _decode_past_the_end_of_a_static_cache(child: bool = False):
     from s2attn.inference import decode_op
 
     heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
@@ -409,6 +425,12 @@ def test_compiled_static_decode_past_the_end_fails_on_the_device():
         assert len(asserts) == 1
     assert cache.seq_lens.tolist() == [MAX_LEN, 11]
     pages, lengths = cache.k_pages.clone(), cache.seq_lens.clone()
+    if child:
+        print("reached the step", flush=True)
+        decode(*step(cache, heads, 1, dtype), True)
+        torch.cuda.synchronize()
+        print("no assertion", flush=True)
+        return
     with pytest.raises(RuntimeError, match=f"1 tokens past the static cache's {MAX_LEN}"):
         decode(*step(cache, heads, 1, dtype), True)
     assert torch.equal(cache.k_pages, pages) and torch.equal(cache.seq_lens, lengths)

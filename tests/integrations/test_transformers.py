@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import DEVICE, skip_without_gpu, tiny_llama_config
+from helpers import DEVICE, ON_GPU, assert_fails_on_the_device, skip_without_gpu, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 s2hf = pytest.importorskip("s2attn.integrations.transformers")
@@ -201,7 +201,15 @@ def test_compiled_decode_past_the_static_cache_fails_before_any_layer_writes():
     replayed as is: here the model's own compiled forward, which checks nothing on the host)
     fails the first layer's device check, before any layer writes: every layer keeps its pages
     and lengths. Inductor, which runs the operators in place on the cache's tensors (aot_eager
-    would run them on copies, written back only at the graph's end)."""
+    would run them on copies, written back only at the graph's end). On a GPU the step runs in a
+    child process: a CUDA assertion ends its context."""
+    if ON_GPU:
+        assert_fails_on_the_device(__file__, "_decode_past_the_static_cache")
+    else:
+        _decode_past_the_static_cache()
+
+
+def _decode_past_the_static_cache(child: bool = False):
     model, _ = tiny_llama()
     cache = s2hf.S2Cache(model.config, static=True, max_seq_len=48)
     ids = torch.randint(2, 128, (1, 46), device=DEVICE)
@@ -219,6 +227,12 @@ def test_compiled_decode_past_the_static_cache_fails_before_any_layer_writes():
         held = [
             (layer.paged.k_pages.clone(), layer.paged.v_pages.clone()) for layer in cache.layers
         ]
+        if child:
+            print("reached the step", flush=True)
+            decode(token, 48)
+            torch.cuda.synchronize()
+            print("no assertion", flush=True)
+            return
         with pytest.raises(RuntimeError, match="1 tokens past the static cache's 48"):
             decode(token, 48)
     for layer, (k_pages, v_pages) in zip(cache.layers, held):
