@@ -65,6 +65,7 @@ __all__ = [
     "S2Cache",
     "S2CacheLayer",
     "attention_forward",
+    "compile_layers",
     "configure",
     "layer_pattern",
     "prepare",
@@ -72,6 +73,11 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "s2attn"
+# Where prepare(model) binds each attention module's pattern. The attention reads it there, not
+# through layer_idx: torch.compile guards on what the traced code reads, and all S2 layers share
+# one pattern object, so one layer compiled on its own serves them all; read through layer_idx,
+# each layer would get a graph of its own.
+_PATTERN_ATTR = "s2attn_pattern"
 REFERENCE_IMPLEMENTATION = "s2attn_reference"
 _CONFIG_KEY = "s2attn"
 
@@ -221,12 +227,42 @@ def prepare(model_or_config) -> None:
     reads them (building one is Python work the compiler cannot trace).
 
     :func:`configure` already builds them; a config restored by ``from_pretrained`` gets them on
-    its first forward, or here. Takes a model or its config.
+    its first forward, or here. Takes a model or its config. Given a model, it also binds each
+    attention module of the config's layers to its pattern, which :func:`compile_layers` needs.
     """
     config = getattr(model_or_config, "config", model_or_config)
     text = config.get_text_config(decoder=True)
     for layer in range(len(_settings(text)["layer_types"])):
         _attention_pattern(text, layer)
+    if isinstance(model_or_config, torch.nn.Module):
+        for module in model_or_config.modules():
+            if getattr(module, "config", None) is text and hasattr(module, "layer_idx"):
+                setattr(module, _PATTERN_ATTR, _attention_pattern(text, module.layer_idx))
+
+
+def compile_layers(model: torch.nn.Module, **options) -> None:
+    """Compile each decoder layer of ``model`` on its own, in place (``torch.compile`` options
+    as ``nn.Module.compile`` takes them); the rest of the model stays eager.
+
+    Every S2 layer shares one compiled graph and every dense layer another, so compilation costs
+    two layers' worth of work, not the whole model's: a whole-model graph grows with the depth.
+    The state dict keeps its keys. Calls :func:`prepare` on the model first.
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no decoder layer list to compile")
+    prepare(model)
+    for layer in layers:
+        layer.compile(**options)
+
+
+def _module_pattern(module) -> BlockPattern:
+    """The attention module's pattern: the one :func:`prepare` bound to it, else its layer's."""
+    pattern = getattr(module, _PATTERN_ATTR, None)
+    if pattern is None:
+        pattern = _attention_pattern(module.config, module.layer_idx)
+    return pattern
 
 
 def _attention_pattern(config, layer_idx: int) -> BlockPattern:
@@ -360,7 +396,7 @@ def attention_forward(
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     layer: S2CacheLayer | None = getattr(key, "_s2attn_cache_layer", None)
     if layer is None:
-        pattern = _attention_pattern(module.config, module.layer_idx)
+        pattern = _module_pattern(module)
         return _attend_context(sparse_attention, q, k, v, pattern, attention_mask, scaling), None
     layer.take_step()
     if layer.static and torch.compiler.is_compiling() and q.shape[1] <= MAX_DECODE_TOKENS:

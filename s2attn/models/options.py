@@ -35,6 +35,7 @@ _ADDED_OPTIONS = {
     "rope_scaling": "none",
     "rope_factor": 1.0,
     "compile": False,
+    "compile_layers": False,
 }
 
 
@@ -136,6 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first steps and the first validation include the compilation",
     )
     add(
+        "--compile-layers",
+        action="store_true",
+        help="compile each decoder layer on its own instead of the whole model (one graph for "
+        "the S2 layers, one for the dense ones): a fraction of --compile's compilation time",
+    )
+    add(
         "--seed",
         type=int,
         default=0,
@@ -231,6 +238,7 @@ class TrainOptions:
     precision: str
     gradient_checkpointing: bool
     compile: bool
+    compile_layers: bool
     seed: int
     val_seed: int
     needle_fraction: float
@@ -291,6 +299,7 @@ class TrainOptions:
             precision=precision,
             gradient_checkpointing=bool(args.gradient_checkpointing),
             compile=bool(args.compile),
+            compile_layers=bool(args.compile_layers),
             seed=args.seed,
             val_seed=args.val_seed,
             needle_fraction=float(pick(args.needle_fraction, preset.needle_fraction)),

@@ -72,6 +72,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..integrations import transformers as s2hf
 from . import presets
 from .data import NeedleSample, SourceCorpus, TokenStream, default_roots
 from .evaluate import needle_accuracy, needle_samples, validation_batches, validation_bpb
@@ -874,9 +875,11 @@ def _set_up(plan: _Plan, started: float) -> _State:
     if opts.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    if opts.compile:
-        # In place: the state dict keeps its keys, so checkpoints and saved models are the
-        # uncompiled model's. The S2 layers are custom operators Inductor calls as they are.
+    # In place: the state dict keeps its keys, so checkpoints and saved models are the
+    # uncompiled model's. The S2 layers are custom operators Inductor calls as they are.
+    if opts.compile_layers:
+        s2hf.compile_layers(model)
+    elif opts.compile:
         model.compile()
     optimizer = _optimizer(model, opts.lr, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

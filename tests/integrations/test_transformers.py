@@ -56,6 +56,45 @@ def assert_same_generation(got, want):
     assert torch.equal(tokens, ref_tokens), "greedy tokens differ from the reference attention"
 
 
+def test_compile_layers_compiles_one_graph_per_kind_of_layer():
+    """compile_layers compiles each decoder layer on its own, and the three S2 layers share one
+    graph (the dense layer has its own): the attention reads the pattern prepare bound to its
+    module, not its layer_idx, on which the compiler would specialise each layer. The compiled
+    model's logits and gradients equal the dense-mask reference's (float32, 1e-4)."""
+    model, reference = tiny_llama(dense_layers=(1,), num_layers=4)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    s2hf.compile_layers(model, backend=counting_backend, fullgraph=True)
+    assert [layer.self_attn.s2attn_pattern for layer in model.model.layers] == [
+        s2hf._attention_pattern(model.config, i) for i in range(4)
+    ]
+    ids = torch.randint(2, 128, (2, PROMPT), device=DEVICE)
+    logits = []
+    for m in (model, reference):
+        out = m(ids, use_cache=False).logits
+        out.float().square().mean().backward()
+        logits.append(out.detach())
+    assert len(graphs) == 2, f"{len(graphs)} graphs for 4 layers of two kinds"
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(*logits) < 1e-4
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert rel(p.grad, q.grad) < 1e-4, name
+
+
+def test_compile_layers_needs_a_layer_list():
+    model, _ = tiny_llama()
+    with pytest.raises(ValueError, match="no decoder layer list"):
+        s2hf.compile_layers(torch.nn.Sequential(model.model.embed_tokens))
+
+
 def test_generate_with_s2_cache_matches_reference():
     model, reference = tiny_llama()
     assert model.config.s2attn["layer_types"] == ["dense", "s2", "s2"]

@@ -492,9 +492,16 @@ def test_every_variant_trains(variant, extra, tmp_path, corpus_root):
     assert config.get("s2attn") == getattr(want, "s2attn", None)
 
 
-def test_compiled_model_trains_as_the_eager_one(tmp_path, corpus_root, monkeypatch):
-    """--compile compiles the model in place (its saved weights keep their names) and trains to
-    the eager run's losses; aot_eager stands in for Inductor, which the GPU runs use."""
+@pytest.mark.parametrize(
+    "flag, compiled_modules",
+    [("--compile", ["LlamaForCausalLM"]), ("--compile-layers", ["LlamaDecoderLayer"] * 2)],
+)
+def test_compiled_model_trains_as_the_eager_one(
+    flag, compiled_modules, tmp_path, corpus_root, monkeypatch
+):
+    """--compile compiles the model in place, --compile-layers each decoder layer (their saved
+    weights keep their names), and either trains to the eager run's losses; aot_eager stands in
+    for Inductor, which the GPU runs use."""
     compiled = []
     eager_compile = torch.nn.Module.compile
 
@@ -507,12 +514,13 @@ def test_compiled_model_trains_as_the_eager_one(tmp_path, corpus_root, monkeypat
     eager, comp = tmp_path / "eager", tmp_path / "compiled"
     assert train.run(_args(eager, corpus_root, *opts)) == 0
     assert not compiled
-    assert train.run(_args(comp, corpus_root, *opts, "--compile")) == 0
-    assert len(compiled) == 1
+    assert train.run(_args(comp, corpus_root, *opts, flag)) == 0
+    assert compiled == compiled_modules
     for a, b in zip(_rows(eager), _rows(comp), strict=True):
         assert b["loss_nats"] == pytest.approx(a["loss_nats"], rel=1e-4)
     assert b["val_bpb"] == pytest.approx(a["val_bpb"], rel=1e-4)
-    assert json.loads((comp / "run.json").read_text())["options"]["compile"] is True
+    options = json.loads((comp / "run.json").read_text())["options"]
+    assert options[flag.removeprefix("--").replace("-", "_")] is True
     saved = load_file(comp / "model.safetensors")
     assert set(saved) == set(load_file(eager / "model.safetensors"))
     assert not any("_orig_mod" in name for name in saved)
