@@ -73,13 +73,13 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "s2attn"
+REFERENCE_IMPLEMENTATION = "s2attn_reference"
+_CONFIG_KEY = "s2attn"
 # Where prepare(model) binds each attention module's pattern. The attention reads it there, not
 # through layer_idx: torch.compile guards on what the traced code reads, and all S2 layers share
 # one pattern object, so one layer compiled on its own serves them all; read through layer_idx,
 # each layer would get a graph of its own.
 _PATTERN_ATTR = "s2attn_pattern"
-REFERENCE_IMPLEMENTATION = "s2attn_reference"
-_CONFIG_KEY = "s2attn"
 
 
 # ------------------------------------------------------------------------------- config
@@ -244,9 +244,9 @@ def compile_layers(model: torch.nn.Module, **options) -> None:
     """Compile each decoder layer of ``model`` on its own, in place (``torch.compile`` options
     as ``nn.Module.compile`` takes them); the rest of the model stays eager.
 
-    Every S2 layer shares one compiled graph and every dense layer another, so compilation costs
-    two layers' worth of work, not the whole model's: a whole-model graph grows with the depth.
-    The state dict keeps its keys. Calls :func:`prepare` on the model first.
+    Every S2 layer shares one compiled graph and every dense layer another, so the compiler
+    builds two layer graphs however deep the model is, where a whole-model graph grows with the
+    depth. The state dict keeps its keys. Calls :func:`prepare` on the model first.
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(decoder, "layers", None)
@@ -467,7 +467,7 @@ def reference_attention_forward(
 @autocast_entry("query", "key", "value")
 def _reference_attention(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    pattern = _attention_pattern(module.config, module.layer_idx)
+    pattern = _module_pattern(module)
     return _attend_context(attention_reference, q, k, v, pattern, attention_mask, scaling)
 
 
