@@ -35,11 +35,15 @@ gpu_only = pytest.mark.gpu
 skip_without_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 
 
+# What a child prints before the step that should fail on the device, and after it.
+_REACHED, _NOT_ASSERTED = "reached the step", "no assertion"
+
+
 def assert_fails_on_the_device(test_file: str, function: str, timeout: int = 300) -> None:
     """Run ``function(child=True)`` of the test module ``test_file`` in a fresh Python and check
-    that it ends in a CUDA device assertion after printing "reached the step" and before printing
-    "no assertion". A device assertion leaves the process's CUDA context unusable, so a test of
-    one cannot run in the test process itself."""
+    that it ends in a CUDA device assertion inside :func:`run_to_the_device_assertion`'s step. A
+    device assertion leaves the process's CUDA context unusable, so a test of one cannot run in
+    the test process itself."""
     folder = os.path.dirname(os.path.abspath(test_file))
     module = os.path.splitext(os.path.basename(test_file))[0]
     paths = [os.path.dirname(os.path.abspath(__file__)), folder]
@@ -48,9 +52,18 @@ def assert_fails_on_the_device(test_file: str, function: str, timeout: int = 300
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
     )
     tail = f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
-    assert "reached the step" in done.stdout, tail
-    assert "no assertion" not in done.stdout and done.returncode != 0, tail
+    assert _REACHED in done.stdout, tail
+    assert _NOT_ASSERTED not in done.stdout and done.returncode != 0, tail
     assert "device-side assert" in done.stderr, tail
+
+
+def run_to_the_device_assertion(step) -> None:
+    """The child's side of :func:`assert_fails_on_the_device`: run ``step`` and wait for the
+    device, with a mark before and after that the parent reads."""
+    print(_REACHED, flush=True)
+    step()
+    torch.cuda.synchronize()
+    print(_NOT_ASSERTED, flush=True)
 
 
 def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device=DEVICE) -> torch.Tensor:

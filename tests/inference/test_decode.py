@@ -18,6 +18,7 @@ from helpers import (
     ON_GPU,
     assert_close,
     assert_fails_on_the_device,
+    run_to_the_device_assertion,
     skip_without_gpu,
 )
 
@@ -426,11 +427,7 @@ def _decode_past_the_end_of_a_static_cache(child: bool = False):
     assert cache.seq_lens.tolist() == [MAX_LEN, 11]
     pages, lengths = cache.k_pages.clone(), cache.seq_lens.clone()
     if child:
-        print("reached the step", flush=True)
-        decode(*step(cache, heads, 1, dtype), True)
-        torch.cuda.synchronize()
-        print("no assertion", flush=True)
-        return
+        return run_to_the_device_assertion(lambda: decode(*step(cache, heads, 1, dtype), True))
     with pytest.raises(RuntimeError, match=f"1 tokens past the static cache's {MAX_LEN}"):
         decode(*step(cache, heads, 1, dtype), True)
     assert torch.equal(cache.k_pages, pages) and torch.equal(cache.seq_lens, lengths)

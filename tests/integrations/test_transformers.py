@@ -9,7 +9,14 @@ import copy
 
 import pytest
 import torch
-from helpers import DEVICE, ON_GPU, assert_fails_on_the_device, skip_without_gpu, tiny_llama_config
+from helpers import (
+    DEVICE,
+    ON_GPU,
+    assert_fails_on_the_device,
+    run_to_the_device_assertion,
+    skip_without_gpu,
+    tiny_llama_config,
+)
 
 transformers = pytest.importorskip("transformers")
 s2hf = pytest.importorskip("s2attn.integrations.transformers")
@@ -267,11 +274,7 @@ def _decode_past_the_static_cache(child: bool = False):
             (layer.paged.k_pages.clone(), layer.paged.v_pages.clone()) for layer in cache.layers
         ]
         if child:
-            print("reached the step", flush=True)
-            decode(token, 48)
-            torch.cuda.synchronize()
-            print("no assertion", flush=True)
-            return
+            return run_to_the_device_assertion(lambda: decode(token, 48))
         with pytest.raises(RuntimeError, match="1 tokens past the static cache's 48"):
             decode(token, 48)
     for layer, (k_pages, v_pages) in zip(cache.layers, held):

@@ -423,7 +423,7 @@ def default_config(block_size: int) -> TritonDecodeConfig:
     issues the next entries' index loads while this page's K/V arrive. 4 warps suffice for a
     16-row tile. H100 sweep (bench_decode.py --sweep, 128k, batch 16, V64): 4 warps, 4 stages,
     64-key tiles were best of 120 launches. Prefetching page ids (``prefetch_entries``) stays
-    off until a sweep on a GPU says otherwise.
+    off: at batch 1 it came within 0.2 us of not prefetching (H200 sweep, 32k and 128k).
     """
     return TritonDecodeConfig(
         num_warps=4, num_stages=4, block_n=min(block_size, 64), prefetch_entries=0
