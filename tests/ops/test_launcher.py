@@ -12,7 +12,12 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from s2attn.ops.gluon.common_sm90 import tma_descriptor
-from s2attn.ops.launcher import _arg_key
+from s2attn.ops.launcher import _args_key
+
+
+def _key(arg) -> tuple:
+    """The memo's key of ``arg`` as a call's one argument (tensors and integers keyed inline)."""
+    return _args_key((arg,))
 
 
 def _specialization(arg) -> tuple:
@@ -25,8 +30,8 @@ def _arguments() -> list:
     buf = torch.zeros(4096, dtype=torch.float16)
     rows = torch.zeros(2, 1030, 4, 128, dtype=torch.bfloat16)
     tensors = [buf[:8], buf[8:16], buf[1:9], buf[:8].float()]  # alignment, dtype
-    # Integer width, divisibility by 16, equality to one; floats.
-    scalars = [16, 17, 1, True, 0, 2**31, 0.5, 0.25]
+    # Integer width, divisibility by 16, equality to one; floats, some equal to those integers.
+    scalars = [16, 17, 1, True, 0, 2**31, 0.5, 0.25, 1.0, 16.0]
     gluon_descriptors = [
         tma_descriptor(rows[:, :1024], 64),  # other bases, shapes and strides
         tma_descriptor(rows[:, 2:1026], 64),
@@ -46,14 +51,14 @@ def test_keys_separate_what_triton_specializes():
     # Equal keys would launch one compiled kernel for both: Triton must have compiled them alike.
     args = _arguments()
     for a, b in itertools.combinations(args, 2):
-        if _arg_key(a) == _arg_key(b):
+        if _key(a) == _key(b):
             assert _specialization(a) == _specialization(b), (a, b)
 
 
 def test_keys_match_across_calls_that_triton_compiles_alike():
     # And the memo is of use: calls that differ only in what goes to the launch share a key.
     buf = torch.zeros(64, dtype=torch.float16)
-    assert _arg_key(buf[:8]) == _arg_key(buf[8:16])
+    assert _key(buf[:8]) == _key(buf[8:16])
     rows = torch.zeros(2, 1030, 4, 128, dtype=torch.bfloat16)
     same = [tma_descriptor(t, 64) for t in (rows[:, :1024], rows[:, 2:1026], rows[:1, :512])]
-    assert len({_arg_key(d) for d in same}) == 1
+    assert len({_key(d) for d in same}) == 1

@@ -44,6 +44,7 @@ from ..shapes import (
 )
 from .common import (
     as_batched,
+    cdiv,
     dot_precision,
     entry_keep,
     gathered_lists,
@@ -586,7 +587,7 @@ def row_delta(
     num_heads, head_dim = out.shape[-2], out.shape[-1]
     rows_total = out.shape[0] if packed else out.shape[1]
     l_st = lse_strides(lse, packed)
-    launcher_for(_row_delta_kernel)[(o4.shape[0] * num_heads, triton.cdiv(rows_total, 64))](
+    launcher_for(_row_delta_kernel)[(o4.shape[0] * num_heads, cdiv(rows_total, 64))](
         o4, g4, lse, grad_lse if grad_lse is not None else lse, delta,
         delta if stats is None else stats,
         *o_st, *g_st, *l_st, *(l_st if grad_lse is None else lse_strides(grad_lse, packed)),

@@ -104,5 +104,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype.itemsize > 2 else "tf32"
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two at least ``n`` (1 for ``n <= 1``), for host code run on every
+    launch: ``triton.next_power_of_2`` is a constexpr function, whose calls cost microseconds."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code (``triton.cdiv`` is a constexpr function too)."""
+    return -(-a // b)
+
+
 def padded_head_dim(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))

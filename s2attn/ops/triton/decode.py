@@ -30,7 +30,7 @@ from ..env import POISON_OUTPUTS
 from ..launcher import Launcher
 from ..options import TritonDecodeConfig
 from ..shapes import LOG2E, lse_dtype
-from .common import dot_precision, padded_head_dim
+from .common import cdiv, dot_precision, next_power_of_2, padded_head_dim
 
 __all__ = ["MAX_DECODE_ROWS", "decode", "decode_num_splits", "default_config"]
 
@@ -405,8 +405,8 @@ def decode_num_splits(
         return 1
     if min_pages_per_split < 1:
         raise ValueError(f"min_pages_per_split={min_pages_per_split} must be at least 1")
-    want = triton.cdiv(2 * _num_sms(device.index), batch * num_kv_heads)
-    return max(1, min(want, triton.cdiv(longest_list, min_pages_per_split), 64))
+    want = cdiv(2 * _num_sms(device.index), batch * num_kv_heads)
+    return max(1, min(want, cdiv(longest_list, min_pages_per_split), 64))
 
 
 def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> int:
@@ -416,6 +416,7 @@ def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> in
     return decode_num_splits(batch, layout.num_kv_heads, longest, device)
 
 
+@functools.cache
 def default_config(block_size: int) -> TritonDecodeConfig:
     """The launch for pages of ``block_size`` tokens.
 
@@ -494,7 +495,7 @@ def decode(
     prefetch = config.prefetch_entries
     if prefetch < 0 or prefetch & (prefetch - 1):
         raise ValueError(f"prefetch_entries={prefetch} must be 0 or a power of two")
-    block_m = max(16, triton.next_power_of_2(group * num_new))
+    block_m = max(16, next_power_of_2(group * num_new))
     block_d = padded_head_dim(head_dim)
     grid = (batch * num_kv_heads, num_splits)
     _DECODE[grid](
@@ -516,7 +517,7 @@ def decode(
         PAGE_SIZE=block_size,
         DENSE=layout.dense,
         DOT_PRECISION=dot_precision(q.dtype),
-        MAX_SPLITS=triton.next_power_of_2(num_splits),
+        MAX_SPLITS=next_power_of_2(num_splits),
         MERGE_CHUNK=max(1, MERGE_ROWS_X_SPLITS // block_m),
         PREFETCH=prefetch,
         num_warps=config.num_warps,

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ..launcher import Launcher
+from .common import next_power_of_2
 
 __all__ = ["write_pages"]
 
@@ -112,7 +113,7 @@ def write_pages(
         k, v, k_pages, v_pages, page_table, seq_lens,
         *k.stride(), *v.stride(), *k_pages.stride(), *v_pages.stride(), *page_table.stride(),
         page_table.shape[2], NUM_NEW=num_new, NUM_KV_HEADS=num_kv_heads,
-        ROWS=triton.next_power_of_2(num_new * num_kv_heads),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        ROWS=next_power_of_2(num_new * num_kv_heads),
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=k_pages.shape[1], ADVANCE=advance,
     )
