@@ -96,6 +96,32 @@ def test_compile_layers_compiles_one_graph_per_kind_of_layer():
         assert rel(p.grad, q.grad) < 1e-4, name
 
 
+def test_compile_layers_keeps_shapes_static():
+    """Each layer kind at each length gets a graph of its own, with no symbolic size: automatic
+    dynamic shapes would have made the pattern's key (which differs between the two kinds) and
+    the sequence length symbolic after the first change, and served later lengths from one
+    generic graph per kind."""
+    model, _ = tiny_llama(dense_layers=(1,), num_layers=4)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    s2hf.compile_layers(model, backend=counting_backend, fullgraph=True)
+    with torch.no_grad():
+        for length in (PROMPT, PROMPT - 1, PROMPT - 2):
+            model(torch.randint(2, 128, (2, length), device=DEVICE), use_cache=False)
+    assert len(graphs) == 6, f"{len(graphs)} graphs for two kinds of layer at three lengths"
+    symbolic = [
+        x for inputs in graphs for x in inputs
+        if isinstance(x, torch.SymInt)
+        or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+    ]  # fmt: skip
+    assert not symbolic, symbolic
+
+
 def test_compile_layers_needs_a_layer_list():
     model, _ = tiny_llama()
     with pytest.raises(ValueError, match="no decoder layer list"):
