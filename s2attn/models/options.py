@@ -139,8 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--compile-layers",
         action="store_true",
-        help="compile each decoder layer on its own instead of the whole model (one graph for "
-        "the S2 layers, one for the dense ones): a fraction of --compile's compilation time",
+        help="compile each decoder layer on its own, with static shapes, instead of the whole "
+        "model: the S2 layers share one graph and the dense layers another, however deep the "
+        "model",
     )
     add(
         "--seed",
