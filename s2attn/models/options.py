@@ -333,6 +333,10 @@ class TrainOptions:
         _at_least("checkpoint_every", self.checkpoint_every, 0)
         if not self.answer_weight >= 0 or not math.isfinite(self.answer_weight):
             raise ValueError(f"--answer-weight must be >= 0, got {self.answer_weight}")
+        if self.compile and self.compile_layers:
+            raise ValueError(
+                "--compile and --compile-layers are two ways to compile the model; give one"
+            )
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.seq_len > self.max_seq_len:
