@@ -6,6 +6,7 @@ deadline, then resumed to completion)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -277,19 +278,17 @@ def test_chunked_logits_match_the_whole_logits(base, corpus_root, monkeypatch):
 
 
 # ------------------------------------------------------------------------ the experiment script
-def _script():
+def _script(name: str = "long_context"):
     sys.path.insert(0, str(BENCHMARKS))
-    import long_context
-
-    return long_context
+    return importlib.import_module(name)
 
 
 def test_equal_time_reads_dense_between_its_validations():
-    lc = _script()
+    report = _script("long_context_report")
     timed = [({"val_bpb": 2.0}, 10.0), ({"loss": 1.0}, 15.0), ({"val_loss": 1.0}, 20.0)]
-    assert lc.at_time(timed, 15.0) == pytest.approx(1.5)  # older rows name it val_loss
-    assert lc.at_time(timed, 40.0) == 1.0  # dense finished sooner: its last value
-    assert lc.at_time(timed, 5.0) is None  # before its first validation: unknown
+    assert report.at_time(timed, 15.0) == pytest.approx(1.5)  # older rows name it val_loss
+    assert report.at_time(timed, 40.0) == 1.0  # dense finished sooner: its last value
+    assert report.at_time(timed, 5.0) is None  # before its first validation: unknown
 
 
 def test_scheduler_starts_only_what_fits_before_the_deadline(tmp_path):
@@ -337,15 +336,15 @@ def test_merge_makes_one_report_of_invocations_run_apart(tmp_path):
     """Dense and HHST reported by two invocations: the merged report compares them as one
     invocation would, lists both commands, and refuses reports of other phases or without their
     command."""
-    lc = _script()
+    lc, report = _script(), _script("long_context_report")
     o = lc.parse(["--smoke", "--runs", str(tmp_path / "runs")])
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(o).items()}
     env = dict(device="GPU X", torch="2", triton="3", cuda="13", date="", s2attn="0.1")
     dense = _report_row("128k", "dense", 0.70, 100.0, [(0.0, 1.0), (50.0, 0.8), (102.4, 0.75)])
     hhst = _report_row("128k", "hhst", 0.72, 400.0, [(0.0, 1.0), (25.6, 0.78)])
     for name, row in (("d", dense), ("h", hhst)):
-        rows = lc.compare_with_dense([row])
-        lc.write_report(rows, env, settings, {}, [f"--variants {name}"], tmp_path / name, name)
+        rows = report.compare_with_dense([row])
+        report.write_report(rows, env, settings, {}, [f"--variants {name}"], tmp_path / name, name)
     paths = [next((tmp_path / n).glob("*.json")) for n in "dh"]
     lc.main(["--merge", *map(str, paths), "--out-dir", str(tmp_path / "m"), "--name", "m"])
     merged = json.loads(next((tmp_path / "m").glob("*.json")).read_text())
@@ -362,11 +361,11 @@ def test_merge_makes_one_report_of_invocations_run_apart(tmp_path):
     other["settings"]["phase"]["128k"]["steps"] += 1
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="differs from .* in phase"):
-        lc.merge_reports([paths[0], tmp_path / "other.json"], tmp_path / "x", "x")
+        report.merge_reports([paths[0], tmp_path / "other.json"], tmp_path / "x", "x")
     del other["commands"]
     (tmp_path / "old.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="records no command"):
-        lc.merge_reports([tmp_path / "old.json", paths[0]], tmp_path / "x", "x")
+        report.merge_reports([tmp_path / "old.json", paths[0]], tmp_path / "x", "x")
 
 
 def test_variant_specs_are_formatted_per_phase(tmp_path):
