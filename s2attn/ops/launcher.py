@@ -44,8 +44,8 @@ _DESCRIPTORS = (GluonTensorDescriptor, TensorDescriptor)
 
 
 def _arg_key(arg: Any) -> Any:
-    # `type(...) is` first: plain tensors are the common case, and cheaper to test than isinstance.
-    if type(arg) is torch.Tensor or isinstance(arg, torch.Tensor):
+    # Plain tensors never reach here (_args_key keys them inline); their subclasses do.
+    if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() & 15)
     if isinstance(arg, _DESCRIPTORS):
         # A descriptor's base is 16-byte aligned by construction.
