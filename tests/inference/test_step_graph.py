@@ -1,0 +1,107 @@
+"""Eager decode steps replayed from CUDA graphs (``s2attn/inference/step_graph.py``): every step
+equals the dense-mask reference, whether launched directly, captured or replayed, across block
+boundaries and evictions, after the cache swaps its tensors, and at a new shape; each step's
+output is its own tensor; where graphs cannot apply (the CPU, another capture) the step launches
+directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, ON_GPU, skip_without_gpu
+from test_decode import check_against_reference, filled_cache, make_pattern, step
+
+import s2attn
+from s2attn import sparse_attention_with_kvcache
+from s2attn.inference import step_graph
+
+
+def _graphs(cache) -> list:
+    """The CUDA graphs the cache's steps captured."""
+    return [g.graph for g in cache.step_graphs.values() if g.graph is not None]
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["s2", "per_query_head", "dense"])
+def test_replayed_steps_match_reference(kind, dtype):
+    """40 steps of one token, then 10 of three (another shape: another graph), each against the
+    reference; the first step of each shape launches directly, the second captures, the rest
+    replay. Earlier outputs stay as they were while later steps replay."""
+    torch.manual_seed(11)
+    heads, kv_heads, dim = 4, 2, 64
+    pattern = make_pattern(kind, heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype)
+    kept = []
+    for i, num_new in enumerate([1] * 40 + [3] * 10):
+        q, k, v = step(cache, heads, num_new, dtype)
+        out, lse = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
+        kept.append((out, out.clone()))
+        check_against_reference(cache, ks, vs, (q, k, v), (out, lse), dtype, f"step {i}")
+        assert len(_graphs(cache)) == (i >= 1) + (i >= 41), f"step {i}: graphs {cache.step_graphs}"
+    assert cache.lengths == [44 + 70, 29 + 70] and cache.seq_lens.tolist() == [114, 99]
+    for i, (out, copy) in enumerate(kept):
+        assert torch.equal(out, copy), f"step {i}'s output changed after later steps"
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+def test_a_cache_that_swaps_its_tensors_captures_again():
+    """select_sequences gives the cache a new page table and lengths: the graph captured over the
+    old ones must not replay; the next steps match the reference over the selected sequences."""
+    torch.manual_seed(12)
+    heads, kv_heads, dim, dtype = 4, 2, 64, torch.float16
+    pattern = make_pattern("s2", heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype)
+    for i in range(3):
+        q, k, v = step(cache, heads, 1, dtype)
+        result = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
+        check_against_reference(cache, ks, vs, (q, k, v), result, dtype, f"step {i}")
+    (before,) = _graphs(cache)  # captured over the old page table and lengths
+    cache.select_sequences([1, 0])  # the same batch size: the same step shape
+    ks, vs = [ks[1], ks[0]], [vs[1], vs[0]]
+    for i in range(3):
+        q, k, v = step(cache, heads, 1, dtype)
+        result = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
+        check_against_reference(cache, ks, vs, (q, k, v), result, dtype, f"after select, {i}")
+    assert before not in _graphs(cache)
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+def test_replayed_and_direct_steps_agree(monkeypatch):
+    """Two caches filled alike, one stepping through graphs and one launching directly, give the
+    same outputs to fp16's tolerance at every step (their split counts may differ)."""
+    torch.manual_seed(13)
+    heads, kv_heads, dim, dtype = 8, 2, 64, torch.float16
+    pattern = make_pattern("s2", heads, kv_heads)
+    graphed, ks, vs = filled_cache(pattern, [100, 37], kv_heads, dim, dtype)
+    direct = s2attn.PagedKVCache(
+        pattern, batch_size=2, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=DEVICE,
+        block_size=graphed.block_size, max_seq_len=graphed.max_seq_len,
+    )  # fmt: skip
+    cu = torch.tensor([0, 100, 137], device=DEVICE, dtype=torch.int32)
+    direct.append(torch.cat(ks), torch.cat(vs), cu_seqlens=cu, keep_from=[100, 37])
+    for i in range(20):
+        q, k, v = step(graphed, heads, 1, dtype)
+        monkeypatch.setattr(step_graph, "ENABLED", True)
+        a = sparse_attention_with_kvcache(q, graphed, k, v)
+        monkeypatch.setattr(step_graph, "ENABLED", False)
+        b = sparse_attention_with_kvcache(q, direct, k, v)
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=f"step {i}")
+    assert _graphs(graphed) and not direct.step_graphs
+
+
+def test_no_graphs_where_they_cannot_apply():
+    """On the CPU (and in a capture, covered by capture_decode_step's tests) steps launch
+    directly and the cache keeps no graph."""
+    if ON_GPU:
+        pytest.skip("the CPU's case")
+    torch.manual_seed(14)
+    cache, ks, vs = filled_cache(make_pattern("s2", 4, 2), [20, 9], 2, 16, torch.float32)
+    for i in range(3):
+        q, k, v = step(cache, 4, 1, torch.float32)
+        result = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
+        check_against_reference(cache, ks, vs, (q, k, v), result, torch.float32, f"step {i}")
+    assert cache.step_graphs == {}
