@@ -45,27 +45,38 @@ def test_replayed_steps_match_reference(kind, dtype):
         assert torch.equal(out, copy), f"step {i}'s output changed after later steps"
 
 
+def _steps(cache, ks, vs, heads, dtype, what, count=3):
+    for i in range(count):
+        q, k, v = step(cache, heads, 1, dtype)
+        result = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
+        check_against_reference(cache, ks, vs, (q, k, v), result, dtype, f"{what}, {i}")
+
+
 @pytest.mark.gpu
 @skip_without_gpu
 def test_a_cache_that_swaps_its_tensors_captures_again():
-    """select_sequences gives the cache a new page table and lengths: the graph captured over the
-    old ones must not replay; the next steps match the reference over the selected sequences."""
+    """A reorder at the same batch size rewrites the page table and lengths in place: the graph
+    stays valid and replays. A selection to another batch size gives the cache new tensors, so
+    back at the first batch size the graph captured over the old ones must not replay. Every
+    step matches the reference over the selected sequences."""
     torch.manual_seed(12)
     heads, kv_heads, dim, dtype = 4, 2, 64, torch.float16
     pattern = make_pattern("s2", heads, kv_heads)
     cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype)
-    for i in range(3):
-        q, k, v = step(cache, heads, 1, dtype)
-        result = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
-        check_against_reference(cache, ks, vs, (q, k, v), result, dtype, f"step {i}")
-    (before,) = _graphs(cache)  # captured over the old page table and lengths
-    cache.select_sequences([1, 0])  # the same batch size: the same step shape
+    _steps(cache, ks, vs, heads, dtype, "step")
+    (first,) = _graphs(cache)
+    table = cache.page_table
+    cache.select_sequences([1, 0])
     ks, vs = [ks[1], ks[0]], [vs[1], vs[0]]
-    for i in range(3):
-        q, k, v = step(cache, heads, 1, dtype)
-        result = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
-        check_against_reference(cache, ks, vs, (q, k, v), result, dtype, f"after select, {i}")
-    assert before not in _graphs(cache)
+    _steps(cache, ks, vs, heads, dtype, "after a reorder")
+    assert cache.page_table is table and _graphs(cache) == [first]
+    cache.select_sequences([1])
+    ks, vs = [ks[1]], [vs[1]]
+    _steps(cache, ks, vs, heads, dtype, "one sequence")
+    cache.select_sequences([0, 0])
+    ks, vs = [ks[0], ks[0].clone()], [vs[0], vs[0].clone()]
+    _steps(cache, ks, vs, heads, dtype, "two copies")
+    assert cache.page_table is not table and first not in _graphs(cache)
 
 
 @pytest.mark.gpu
