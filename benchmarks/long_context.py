@@ -68,7 +68,8 @@ interpolated over its training seconds) at the moment this model finished, besid
 own final value on the same batches. Also one needle heat-map PNG
 per phase (rows: variants, columns: seeds; each panel depth x length) and JSON with every number,
 the runs' device and library versions, written as ``<date>_<device>_long_context*`` to
-``--out-dir`` (default benchmarks/results/).
+``--out-dir`` (default benchmarks/results/). Invocations run apart over the same bases (dense on
+one GPU with its own ``--gpus``, HHST on another) make one report with ``--merge A.json B.json``.
 """
 
 from __future__ import annotations
@@ -579,6 +580,12 @@ def summarize(jobs: list[Job]) -> list[dict]:
                 needle_min=min(cells) if cells else None,
             )
         rows.append(row)
+    return compare_with_dense(rows)
+
+
+def compare_with_dense(rows: list[dict]) -> list[dict]:
+    """Each row's gap to, speed-up over and equal-time view of the dense row of its phase and
+    seed (None where there is none)."""
     by_key = {(r["phase"], r["variant"], r["seed"]): r for r in rows}
     for r in rows:
         dense = by_key.get((r["phase"], "dense", r["seed"]))
@@ -614,7 +621,9 @@ def _rope(settings: dict | None) -> str:
     return text
 
 
-def markdown(rows: list[dict], o: argparse.Namespace, env: dict) -> str:
+def markdown(rows: list[dict], o, env: dict, commands: list[str]) -> str:
+    """The report's text; ``o`` holds the settings (parsed options, or a JSON report's)."""
+    ran = " and ".join(f"`python benchmarks/long_context.py {c}`" for c in commands)
     lines = [
         f"# Long context: dense, HHST and controls extended from 4k — {env['device']}",
         "",
@@ -622,9 +631,8 @@ def markdown(rows: list[dict], o: argparse.Namespace, env: dict) -> str:
         "",
         f"Preset `{o.preset}`, base {o.base_short_steps} steps at {o.base_short_len} then "
         f"{o.base_steps} at {o.base_len} tokens (base variant {o.base_variant}), seeds "
-        f"{','.join(map(str, o.seeds))}; `python benchmarks/long_context.py "
-        f"{shlex.join(sys.argv[1:])}`. Bits per byte and needles from `s2attn eval` at the "
-        f"phase length ({o.samples} needles a cell, depths {o.depths}); seconds are training "
+        f"{','.join(map(str, o.seeds))}; {ran}. Bits per byte and needles from `s2attn eval` at "
+        f"the phase length ({o.samples} needles a cell, depths {o.depths}); seconds are training "
         "steps only (validation and checkpoints left out); steady tokens/s: the median of the "
         "logged rows past the first tenth of the steps (compilation and warm-up left out); "
         "equal time: dense's training-time validation at this run's training seconds, beside "
@@ -747,8 +755,53 @@ def report(jobs: list[Job], o: argparse.Namespace) -> None:
     if not rows:
         print("nothing to report yet")
         return
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(o).items()}
+    variants = {v: VARIANTS[v] for v in {*o.variants, *o.variants_128k, o.base_variant}}
+    commands = [shlex.join(sys.argv[1:])]
+    write_report(rows, environment(), settings, variants, commands, o.out_dir, o.name)
+
+
+# Settings that must agree for reports to merge: the same bases, phases and evaluation.
+MERGED_SETTINGS = ("preset", "base_short_len", "base_short_steps", "base_steps", "base_len",
+                   "base_variant", "phase", "samples", "depths")  # fmt: skip
+
+
+def merge_reports(paths: list[Path], out_dir: Path, name: str) -> None:
+    """``--merge``: one report from the JSON reports of invocations that ran apart (say dense on
+    one GPU and HHST on another, each with its own ``--gpus``) over the same bases and phases; a
+    row seen twice keeps the later file's. Refuses reports whose settings differ."""
+    payloads = [json.loads(Path(p).read_text()) for p in paths]
+    first = payloads[0]["settings"]
+    for path, payload in zip(paths, payloads):
+        if "commands" not in payload:
+            raise SystemExit(f"--merge: {path} records no command (written by an older version)")
+        differ = [k for k in MERGED_SETTINGS if payload["settings"].get(k) != first.get(k)]
+        if differ:
+            raise SystemExit(f"--merge: {path} differs from {paths[0]} in {', '.join(differ)}")
+    by_key = {}
+    for payload in payloads:
+        for row in payload["rows"]:
+            by_key[(row["phase"], row["variant"], row["seed"])] = row
+    rows = compare_with_dense(list(by_key.values()))
+    settings = dict(first, seeds=sorted({s for p in payloads for s in p["settings"]["seeds"]}))
+    variants = {k: v for p in payloads for k, v in p["variants"].items()}
+    commands = [c for p in payloads for c in p["commands"]]
+    write_report(rows, payloads[0]["env"], settings, variants, commands, out_dir, name)
+
+
+def write_report(
+    rows: list[dict],
+    env: dict,
+    settings: dict,
+    variants: dict,
+    commands: list[str],
+    out_dir: Path,
+    name: str,
+) -> None:
+    """The markdown table, the JSON with every number and the needle heat maps; ``env`` is the
+    machine's (``run_info.environment``), its device, versions and dates taken from the rows."""
     recorded = next(r for r in rows)
-    env = environment()
+    env = dict(env)
     dates = sorted(r["date"] for r in rows)
     env.update(
         device=recorded["device"],
@@ -757,27 +810,27 @@ def report(jobs: list[Job], o: argparse.Namespace) -> None:
         date=dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}",
     )
     # A CPU's recorded name carries its processor and threads: the file name takes "cpu".
-    stem = result_stem(dict(env, device="cpu") if env["device"].startswith("cpu") else env, o.name)
-    o.out_dir.mkdir(parents=True, exist_ok=True)
-    text = markdown(rows, o, env)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(o).items()}
+    stem = result_stem(dict(env, device="cpu") if env["device"].startswith("cpu") else env, name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(rows, argparse.Namespace(**settings), env, commands)
     payload = dict(
         env=env,
         versions=recorded["versions"],
         settings=settings,
-        variants={v: VARIANTS[v] for v in {*o.variants, *o.variants_128k, o.base_variant}},
+        variants=variants,
+        commands=commands,
         rows=rows,
     )
-    (o.out_dir / f"{stem}.md").write_text(text)
-    (o.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out_dir / f"{stem}.md").write_text(text)
+    (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
     print()
     print(text)
     written = [f"{stem}.md", f"{stem}.json"]
     for phase in PHASES:
-        png = plot_needles(rows, phase, o.out_dir / f"{stem}_needle_{phase}.png")
+        png = plot_needles(rows, phase, out_dir / f"{stem}_needle_{phase}.png")
         if png is not None:
             written.append(png.name)
-    print(f"wrote {', '.join(written)} in {o.out_dir}")
+    print(f"wrote {', '.join(written)} in {out_dir}")
 
 
 # ------------------------------------------------------------------------------ command line
@@ -794,7 +847,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = ap.add_argument
-    add("--runs", type=Path, required=True, help="where the runs and their logs go")
+    add("--runs", type=Path, help="where the runs and their logs go (required but with --merge)")
     add("--gpus", default="0", help="GPUs to use, one job each (default 0)")
     add("--seeds", type=_ints, default=[0], help="comma-separated seeds (default 0)")
     add(
@@ -868,11 +921,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "train) instead of training them here",
     )
     add("--report-only", action="store_true", help="tabulate and plot the runs; run nothing")
+    add(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="one report from these JSON reports of invocations run apart (same bases and "
+        "phases), written to --out-dir; runs nothing",
+    )
     add("--dry-run", action="store_true", help="list the jobs and their commands; run nothing")
     add("--smoke", action="store_true", help="CPU: tiny preset, toy lengths, a few steps")
     add("--out-dir", type=Path, default=RESULTS)
     add("--name", default="long_context", help="result files' name (after date and device)")
     o = ap.parse_args(argv)
+    if o.merge:
+        return o
+    if o.runs is None:
+        ap.error("--runs is required (but with --merge)")
 
     defaults = SMOKE if o.smoke else DEFAULTS
     for key, value in defaults.items():
@@ -958,6 +1023,9 @@ def _terminated(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     o = parse(argv)
+    if o.merge:
+        merge_reports(o.merge, o.out_dir, o.name)
+        return 0
     jobs = plan_jobs(o)
     if o.dry_run:
         for job in jobs:

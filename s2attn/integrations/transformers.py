@@ -251,8 +251,7 @@ def compile_layers(model: torch.nn.Module, **options) -> None:
     Shapes are static (``dynamic=False``) unless ``options`` say otherwise: all layers run one
     ``forward``, so with automatic dynamic shapes the second kind of layer turns its pattern's
     key symbolic, and a validation at another length the sequence dimension, and training then
-    runs those generic graphs (layer-compiled steps that ran so were a third slower than
-    whole-model compilation's at 32k tokens on an H200).
+    runs those generic graphs.
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(decoder, "layers", None)

@@ -139,8 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--compile-layers",
         action="store_true",
-        help="compile each decoder layer on its own instead of the whole model (one graph for "
-        "the S2 layers, one for the dense ones): a fraction of --compile's compilation time",
+        help="compile each decoder layer on its own, with static shapes, instead of the whole "
+        "model: the S2 layers share one graph and the dense layers another, however deep the "
+        "model",
     )
     add(
         "--seed",
@@ -332,6 +333,10 @@ class TrainOptions:
         _at_least("checkpoint_every", self.checkpoint_every, 0)
         if not self.answer_weight >= 0 or not math.isfinite(self.answer_weight):
             raise ValueError(f"--answer-weight must be >= 0, got {self.answer_weight}")
+        if self.compile and self.compile_layers:
+            raise ValueError(
+                "--compile and --compile-layers are two ways to compile the model; give one"
+            )
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.seq_len > self.max_seq_len:

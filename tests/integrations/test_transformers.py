@@ -63,20 +63,27 @@ def assert_same_generation(got, want):
     assert torch.equal(tokens, ref_tokens), "greedy tokens differ from the reference attention"
 
 
+def compile_layers_counted(model) -> list:
+    """``compile_layers(model)`` (fullgraph) with a backend that runs each graph as traced and
+    records it with its example inputs, to count graphs and read their shapes."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    s2hf.compile_layers(model, backend=counting_backend, fullgraph=True)
+    return graphs
+
+
 def test_compile_layers_compiles_one_graph_per_kind_of_layer():
     """compile_layers compiles each decoder layer on its own, and the three S2 layers share one
     graph (the dense layer has its own): the attention reads the pattern prepare bound to its
     module, not its layer_idx, on which the compiler would specialise each layer. The compiled
     model's logits and gradients equal the dense-mask reference's (float32, 1e-4)."""
     model, reference = tiny_llama(dense_layers=(1,), num_layers=4)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    s2hf.compile_layers(model, backend=counting_backend, fullgraph=True)
+    graphs = compile_layers_counted(model)
     assert [layer.self_attn.s2attn_pattern for layer in model.model.layers] == [
         s2hf._attention_pattern(model.config, i) for i in range(4)
     ]
@@ -102,20 +109,13 @@ def test_compile_layers_keeps_shapes_static():
     the sequence length symbolic after the first change, and served later lengths from one
     generic graph per kind."""
     model, _ = tiny_llama(dense_layers=(1,), num_layers=4)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    s2hf.compile_layers(model, backend=counting_backend, fullgraph=True)
+    graphs = compile_layers_counted(model)
     with torch.no_grad():
         for length in (PROMPT, PROMPT - 1, PROMPT - 2):
             model(torch.randint(2, 128, (2, length), device=DEVICE), use_cache=False)
     assert len(graphs) == 6, f"{len(graphs)} graphs for two kinds of layer at three lengths"
     symbolic = [
-        x for inputs in graphs for x in inputs
+        x for _, inputs in graphs for x in inputs
         if isinstance(x, torch.SymInt)
         or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
     ]  # fmt: skip

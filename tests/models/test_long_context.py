@@ -320,6 +320,55 @@ def test_scheduler_starts_only_what_fits_before_the_deadline(tmp_path):
     assert sched.may_start(evaluation)[0] is False  # no speed known: 60 s estimated > 40 - 20
 
 
+def _report_row(phase, variant, val, tokens_per_s, curve):
+    grid = {"1024": {"0": 1.0, "1": 0.9}}
+    return dict(
+        phase=phase, variant=variant, seed=1, done=True, seq_len=1024, steps=10, step=10,
+        tokens=10_240, train_s=10_240 / tokens_per_s, wall_s=None, tokens_per_s=tokens_per_s,
+        steady_tokens_per_s=2 * tokens_per_s, step_s=None, peak_gib=1.0, final_val=curve[-1][1],
+        density=1.0, parameters=1, rope=None, device="GPU X", date="2026-11-27 10:00 UTC",
+        versions={"torch": "2", "triton": "3"}, val_bpb=val, needle=grid, needle_mean=0.95,
+        needle_min=0.9,
+        curve=[{"step": 5 * i, "train_s": t, "val_bpb": v} for i, (t, v) in enumerate(curve)],
+    )  # fmt: skip
+
+
+def test_merge_makes_one_report_of_invocations_run_apart(tmp_path):
+    """Dense and HHST reported by two invocations: the merged report compares them as one
+    invocation would, lists both commands, and refuses reports of other phases or without their
+    command."""
+    lc = _script()
+    o = lc.parse(["--smoke", "--runs", str(tmp_path / "runs")])
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(o).items()}
+    env = dict(device="GPU X", torch="2", triton="3", cuda="13", date="", s2attn="0.1")
+    dense = _report_row("128k", "dense", 0.70, 100.0, [(0.0, 1.0), (50.0, 0.8), (102.4, 0.75)])
+    hhst = _report_row("128k", "hhst", 0.72, 400.0, [(0.0, 1.0), (25.6, 0.78)])
+    for name, row in (("d", dense), ("h", hhst)):
+        rows = lc.compare_with_dense([row])
+        lc.write_report(rows, env, settings, {}, [f"--variants {name}"], tmp_path / name, name)
+    paths = [next((tmp_path / n).glob("*.json")) for n in "dh"]
+    lc.main(["--merge", *map(str, paths), "--out-dir", str(tmp_path / "m"), "--name", "m"])
+    merged = json.loads(next((tmp_path / "m").glob("*.json")).read_text())
+    row = next(r for r in merged["rows"] if r["variant"] == "hhst")
+    assert row["vs_dense"] == pytest.approx(0.72 / 0.70 - 1)
+    assert row["speedup"] == pytest.approx(4.0) and row["steady_speedup"] == pytest.approx(4.0)
+    assert row["dense_at_equal_time"] == pytest.approx(1.0 - 0.2 * 25.6 / 50.0)  # at hhst's 25.6 s
+    assert merged["commands"] == ["--variants d", "--variants h"] and merged["env"]["cuda"] == "13"
+    text = next((tmp_path / "m").glob("*.md")).read_text()
+    assert "+2.86%" in text and "--variants d` and `python" in text
+    assert next((tmp_path / "m").glob("*_needle_128k.png")).stat().st_size > 0
+
+    other = json.loads(paths[1].read_text())
+    other["settings"]["phase"]["128k"]["steps"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="differs from .* in phase"):
+        lc.merge_reports([paths[0], tmp_path / "other.json"], tmp_path / "x", "x")
+    del other["commands"]
+    (tmp_path / "old.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="records no command"):
+        lc.merge_reports([tmp_path / "old.json", paths[0]], tmp_path / "x", "x")
+
+
 def test_variant_specs_are_formatted_per_phase(tmp_path):
     lc = _script()
     o = lc.parse(

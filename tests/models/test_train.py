@@ -405,6 +405,7 @@ def _snapshot(path: Path) -> dict | None:
         ("seq_len", ["--seq-len", "128", "--max-seq-len", "64"], "exceeds --max-seq-len"),
         ("dense_layer", ["--dense-layers", "0,2"], r"--dense-layers: \[2\] out of range"),
         ("preset", ["--preset", "huge"], "unknown preset 'huge'"),
+        ("compile", ["--compile", "--compile-layers"], "two ways to compile the model; give one"),
         ("variant", ["--variant", "sparse"], "unknown variant 'sparse'"),
         ("empty_root", [], "--data-root .* hold no non-empty .py files"),
         ("foreign_dir", [], "holds no run.json"),
