@@ -14,7 +14,8 @@ A graph holds the cache's tensors: when the cache swaps one for another (``selec
 the step's shape or split count changes, the next step captures again.
 
 Graphs are not used where they cannot be: not on a GPU, inside another capture (the user's own
-graph of a step), under ``torch.compile``, or on a device other than the current one.
+graph of a step), under ``torch.compile``, on a device other than the current one, or where the
+step runs the PyTorch reference instead of the kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from ..ops import dispatch
 from .cache import PagedKVCache
-from .decode_step import decode_step
+from .decode_step import decode_step, runs_kernels
 
 __all__ = ["ENABLED", "device_step"]
 
@@ -95,6 +96,8 @@ def _applies(q: torch.Tensor) -> bool:
         and q.device.type == "cuda"
         and q.device.index == torch.cuda.current_device()
         and not torch.cuda.is_current_stream_capturing()
+        # The PyTorch reference reads lengths back on the host: it cannot be captured.
+        and runs_kernels(q.device)
     )
 
 

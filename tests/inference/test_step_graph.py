@@ -116,3 +116,18 @@ def test_no_graphs_where_they_cannot_apply():
         result = sparse_attention_with_kvcache(q, cache, k, v, return_lse=True)
         check_against_reference(cache, ks, vs, (q, k, v), result, torch.float32, f"step {i}")
     assert cache.step_graphs == {}
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+def test_no_graphs_over_the_reference_step(monkeypatch):
+    """Where the step's device half runs the PyTorch reference (it reads lengths back on the
+    host, which a capture forbids), steps launch directly: they match the reference and the cache
+    keeps no graph."""
+    from s2attn.inference import decode_step
+
+    monkeypatch.setattr(decode_step, "supports_triton", lambda device: False)
+    torch.manual_seed(15)
+    cache, ks, vs = filled_cache(make_pattern("s2", 4, 2), [20, 9], 2, 16, torch.float32)
+    _steps(cache, ks, vs, 4, torch.float32, "reference step", count=4)
+    assert cache.step_graphs == {}
