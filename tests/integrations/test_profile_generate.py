@@ -150,9 +150,11 @@ def test_kernel_names_are_s2attns():
     assert hasattr(decode, pg.DECODE_KERNEL) and hasattr(page_write, pg.WRITE_KERNEL)
 
 
-def test_smoke_run(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--skip-guard-eval"]])
+def test_smoke_run(tmp_path, extra):
     """The whole script on the CPU: results written, every step's categories summing to its
-    busy time, both layer types' attention and the lm_head found."""
+    busy time, both layer types' attention and the lm_head found; also with dynamo's guards
+    skipped after the warm-up."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # The script, not the kernels, is under test: the reference decode is faster than the
     # interpreted kernels, and the CPU profile names neither.
@@ -164,6 +166,7 @@ def test_smoke_run(tmp_path):
             "--smoke",
             "--out-dir",
             str(tmp_path),
+            *extra,
         ],
         env=env,
         capture_output=True,
@@ -173,7 +176,8 @@ def test_smoke_run(tmp_path):
     print(done.stdout[-4000:], done.stderr[-3000:])
     assert done.returncode == 0
     (result,) = tmp_path.glob("*_profile_generate_smoke.json")
-    assert result.with_suffix(".md").exists()
+    text = result.with_suffix(".md").read_text()
+    assert ("guards skipped after the warm-up" in text) == bool(extra)
     assert result.with_name(result.stem + ".trace.json.gz").exists()
     payload = json.loads(result.read_text())
     rows = payload["rows"]
