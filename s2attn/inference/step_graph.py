@@ -20,6 +20,8 @@ step runs the PyTorch reference instead of the kernels.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..ops import dispatch
@@ -46,16 +48,29 @@ class StepGraph:
         self.scale, self.num_splits = scale, num_splits
         self.graph: torch.cuda.CUDAGraph | None = None
         self.held: tuple = ()
+        self.direct = False  # a capture failed: this shape's steps launch directly
 
     def __call__(self, cache: PagedKVCache, q, k, v, want_lse: bool):
         # One launch for the three copies (a copy's host cost is a launch's, not its bytes').
         torch._foreach_copy_([self.q, self.k, self.v], [q, k, v])
         held = _held(cache)
-        if not self.held:
+        if self.direct or not self.held:
             self.held = held
             return _launch(cache, self.q, self.k, self.v, self.scale, self.num_splits)
         if self.graph is None or any(a is not b for a, b in zip(self.held, held)):
-            self._capture(cache)
+            try:
+                self._capture(cache)
+            except Exception as exc:  # noqa: BLE001 (whatever failed, the step must still run)
+                # The host's half of this step has run (pages, lengths): the step cannot stop
+                # here without leaving the cache half advanced, so it launches directly.
+                self.graph, self.direct = None, True
+                warnings.warn(
+                    f"s2attn: capturing an eager decode step in a CUDA graph failed ({exc}); "
+                    "this cache's steps of this shape launch directly from now on",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return _launch(cache, self.q, self.k, self.v, self.scale, self.num_splits)
             self.held = held
         self.graph.replay()
         # Fresh tensors: the next replay overwrites the graph's own.

@@ -131,3 +131,29 @@ def test_no_graphs_over_the_reference_step(monkeypatch):
     cache, ks, vs = filled_cache(make_pattern("s2", 4, 2), [20, 9], 2, 16, torch.float32)
     _steps(cache, ks, vs, 4, torch.float32, "reference step", count=4)
     assert cache.step_graphs == {}
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+def test_a_failed_capture_launches_directly(monkeypatch):
+    """A capture that fails (here the launch raises while the stream captures) warns, and that
+    step and every later one of its shape launch directly: all match the reference, and the
+    cache's lengths advance once per step."""
+    torch.manual_seed(16)
+    heads, kv_heads, dim, dtype = 4, 2, 64, torch.float16
+    cache, ks, vs = filled_cache(
+        make_pattern("s2", heads, kv_heads), [44, 29], kv_heads, dim, dtype
+    )
+    launch = step_graph._launch
+
+    def refuse_capture(*args):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("no capture here")
+        return launch(*args)
+
+    monkeypatch.setattr(step_graph, "_launch", refuse_capture)
+    _steps(cache, ks, vs, heads, dtype, "before", count=1)
+    with pytest.warns(RuntimeWarning, match="launch directly from now on"):
+        _steps(cache, ks, vs, heads, dtype, "the failed capture", count=1)
+    _steps(cache, ks, vs, heads, dtype, "after", count=3)
+    assert _graphs(cache) == [] and cache.lengths == [44 + 5, 29 + 5]
