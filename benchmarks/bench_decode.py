@@ -13,7 +13,8 @@ Times (medians of ``triton.testing.do_bench``, ms):
   (split choice, launch) included; ``s2 call again``: the same once more after FlexAttention's
   compile and timing, which come between them.
 * ``s2 step``: a whole decode step, ``sparse_attention_with_kvcache(q, cache, k, v)``: append the
-  token's K/V, evict, attend; mean over 32 consecutive steps (CUDA events).
+  token's K/V, evict, attend, replayed from the cache's step graph; mean over 32 consecutive steps
+  (CUDA events). ``bench_decode_step.py`` times it against launching directly.
 * ``SDPA``: dense SDPA on the dense cache, launched eagerly; ``SDPA graph``: the same call
   replayed from a CUDA graph. ``dense best``: the faster of the two, the row dense is read by
   (``dense path`` says which won).
@@ -78,6 +79,7 @@ from s2attn.ops.triton import decode as dec
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 STEPS = 32
+WARM_STEPS = 3
 MIB = 2**20
 
 
@@ -104,8 +106,10 @@ def fill_cache(pattern, k_dense, v_dense, max_seq_len) -> PagedKVCache:
 
 
 def step_time(cache: PagedKVCache, q, k, v) -> float:
-    """Mean ms of STEPS consecutive decode steps (append + evict + attend)."""
-    sparse_attention_with_kvcache(q, cache, k, v)  # warm
+    """Mean ms of STEPS consecutive decode steps (append + evict + attend), after WARM_STEPS
+    (the first launches directly, the second captures the cache's step graph)."""
+    for _ in range(WARM_STEPS):
+        sparse_attention_with_kvcache(q, cache, k, v)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -239,8 +243,8 @@ def run_stride(
     # At batch 1 the eager timings are host work: the median of `repeats` runs.
     runs = repeats if batch == 1 else 1
     load = host_load() if batch == 1 else None
-    # Room for the new token and every timed run's STEPS + 1 more, a block to spare.
-    max_len = ctx + (2 + (runs * (STEPS + 1)) // BLOCK) * BLOCK
+    # Room for the new token and every timed run's steps, a block to spare.
+    max_len = ctx + (2 + (runs * (STEPS + WARM_STEPS)) // BLOCK) * BLOCK
     pattern = s2attn.local_stride_pattern(
         KV_HEADS,
         max_seq_len=max_len,

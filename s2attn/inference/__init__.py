@@ -12,6 +12,7 @@
                       compiled steps
     decode_step.py    the one decode step's device work (page write, lengths, attention) that
                       every decode path runs
+    step_graph.py     eager decode steps replayed from a CUDA graph per cache and step shape
     attention.py      sparse_attention_with_kvcache: prefill, chunked prefill and decode over a
                       cache; capture_decode_step
     decode_op.py      the decode step as one torch.library operator (s2attn::static_decode) over

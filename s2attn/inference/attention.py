@@ -28,8 +28,9 @@ from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern, shared_dense_pattern
 from ..precision import autocast_entry
 from .cache import PagedKVCache
-from .decode_step import MAX_DECODE_TOKENS, decode_step
+from .decode_step import MAX_DECODE_TOKENS
 from .static_cache import StaticKVCache
+from .step_graph import device_step
 
 __all__ = ["MAX_DECODE_TOKENS", "capture_decode_step", "sparse_attention_with_kvcache"]
 
@@ -129,26 +130,11 @@ def _attend_cache(q, cache: PagedKVCache, scale: float, num_splits: int | None):
     )
 
 
-def _decode_step(q, cache: PagedKVCache, k, v, scale: float, num_splits: int | None):
-    """A decode step: the cache plans its pages on the host, then the one decode step's device
-    work writes, advances and attends."""
+def _decode_step(q, cache: PagedKVCache, k, v, scale: float, num_splits: int | None, want_lse):
+    """A decode step: the cache plans its pages on the host, then the step's device work writes,
+    advances and attends, replayed from a CUDA graph where one applies."""
     cache.prepare_decode_step(k, v)
-    if num_splits is None:
-        num_splits = cache.decode_num_splits(q.shape[1])
-    return decode_step(
-        q,
-        k,
-        v,
-        cache.k_pages,
-        cache.v_pages,
-        cache.page_table,
-        cache.seq_lens,
-        cache.pattern,
-        softmax_scale=scale,
-        num_splits=num_splits,
-        layout=cache.decode_layout,
-        split_counters=cache.split_counters,
-    )
+    return device_step(cache, q, k, v, scale, num_splits, want_lse)
 
 
 def _attend_dense(q, cache, k, v, scale, cu_q, counts, past):
@@ -260,7 +246,7 @@ def sparse_attention_with_kvcache(
         and supports_triton(q.device)
     )
     if is_decode_step:
-        out, lse = _decode_step(q, cache, k, v, scale, num_splits)
+        out, lse = _decode_step(q, cache, k, v, scale, num_splits, return_lse)
         return (out, lse) if return_lse else out
 
     out, lse = _attend_dense(q, cache, k, v, scale, cu_seqlens_q, counts, past)

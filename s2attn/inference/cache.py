@@ -210,6 +210,8 @@ class PagedKVCache:
         self._layout: DecodeLayout | None = None
         self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
         self._split_counters: torch.Tensor | None = None
+        # Eager decode steps captured as CUDA graphs, by step shape (inference/step_graph.py).
+        self.step_graphs: dict = {}
 
     def __new__(cls, *args, static: bool | None = None, **kwargs):
         # PagedKVCache(..., static=...) picks the kind; a kind's own class takes it as it is.

@@ -21,7 +21,7 @@ from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern
 from ..reference import paged_attention_reference, write_pages_reference
 
-__all__ = ["MAX_DECODE_TOKENS", "decode_step", "step_layout"]
+__all__ = ["MAX_DECODE_TOKENS", "decode_step", "runs_kernels", "step_layout"]
 
 # Per pattern: its dense block mask, which the reference path reads (small models only).
 _MASKS: weakref.WeakKeyDictionary[BlockPattern, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -42,6 +42,12 @@ def step_layout(
     if pattern is None:
         return dense_decode_layout(block_size, num_kv_heads, max_blocks, device)
     return decode_layout(pattern, num_kv_heads, device)
+
+
+def runs_kernels(device: torch.device) -> bool:
+    """Whether :func:`decode_step` on ``device`` launches the Triton kernels (else it runs the
+    plain-PyTorch reference, which reads lengths back on the host)."""
+    return supports_triton(device)
 
 
 def decode_step(
@@ -76,7 +82,7 @@ def decode_step(
     """
     kv_heads, max_blocks = page_table.shape[1:]
     block_size = k_pages.shape[1]
-    if not supports_triton(q.device):
+    if not runs_kernels(q.device):
         write_pages_reference(k, v, k_pages, v_pages, page_table, seq_lens)
         seq_lens.add_(q.shape[1])
         if pattern is None:
