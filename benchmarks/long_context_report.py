@@ -303,19 +303,27 @@ def plot_needles(rows: list[dict], phase: str, path: Path) -> Path | None:
 
 # Settings that must agree for reports to merge: the same bases, phases and evaluation.
 MERGED_SETTINGS = ("preset", "base_short_len", "base_short_steps", "base_steps", "base_len",
-                   "base_variant", "phase", "samples", "depths")  # fmt: skip
+                   "base_variant", "samples", "depths")  # fmt: skip
 
 
 def merge_reports(paths: list[Path], out_dir: Path, name: str) -> None:
     """``--merge``: one report from the JSON reports of invocations that ran apart (say dense on
     one GPU and HHST on another, each with its own ``--gpus``) over the same bases and phases; a
-    row seen twice keeps the later file's. Refuses reports whose settings differ."""
+    row seen twice keeps the later file's. Refuses reports whose settings differ, in the phases
+    both have rows of: an invocation run ``--until 32k`` may differ in the 128k phase it never
+    ran."""
     payloads = [json.loads(Path(p).read_text()) for p in paths]
     first = payloads[0]["settings"]
+    phases = {}  # phase -> (the first report with rows in it, its settings of that phase)
     for path, payload in zip(paths, payloads):
         if "commands" not in payload:
             raise SystemExit(f"--merge: {path} records no command (written by an older version)")
         differ = [k for k in MERGED_SETTINGS if payload["settings"].get(k) != first.get(k)]
+        ran = {r["phase"] for r in payload["rows"]} & payload["settings"]["phase"].keys()
+        for phase in sorted(ran):
+            seen, wanted = phases.setdefault(phase, (path, payload["settings"]["phase"][phase]))
+            if payload["settings"]["phase"][phase] != wanted:
+                differ.append(f"the {phase} phase (against {seen})")
         if differ:
             raise SystemExit(f"--merge: {path} differs from {paths[0]} in {', '.join(differ)}")
     by_key = {}
@@ -323,7 +331,11 @@ def merge_reports(paths: list[Path], out_dir: Path, name: str) -> None:
         for row in payload["rows"]:
             by_key[(row["phase"], row["variant"], row["seed"])] = row
     rows = compare_with_dense(list(by_key.values()))
-    settings = dict(first, seeds=sorted({s for p in payloads for s in p["settings"]["seeds"]}))
+    settings = dict(
+        first,
+        seeds=sorted({s for p in payloads for s in p["settings"]["seeds"]}),
+        phase=dict(first["phase"], **{phase: wanted for phase, (_, wanted) in phases.items()}),
+    )
     variants = {k: v for p in payloads for k, v in p["variants"].items()}
     commands = [c for p in payloads for c in p["commands"]]
     write_report(rows, payloads[0]["env"], settings, variants, commands, out_dir, name)
