@@ -57,8 +57,9 @@ profiled call of ``--steps`` decode steps each.
 ``aot_eager``, and the CPU profiler's operators (their self time; an s2attn operator's inner
 operators go to its layer's decode) in place of kernels.
 
-Writes ``<date>_<device>_profile_generate.{md,json}`` and the profiler's trace
-(``.trace.json.gz``, for Perfetto or chrome://tracing) to ``--out-dir``.
+Writes ``<date>_<device>_profile_generate.{md,json}`` (``profile_generate_skip_guard_eval``
+with ``--skip-guard-eval``) and the profiler's trace (``.trace.json.gz``, for Perfetto or
+chrome://tracing) to ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -713,8 +714,9 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-        name = "profile_generate_smoke" if args.smoke else "profile_generate"
-        stem = result_stem(env, f"{name}{args.tag}")
+        # Runs with and without the guards side by side keep their own files.
+        name = "profile_generate" + ("_skip_guard_eval" if args.skip_guard_eval else "")
+        stem = result_stem(env, f"{name}{'_smoke' if args.smoke else ''}{args.tag}")
         args.out_dir.mkdir(parents=True, exist_ok=True)
         with path.open("rb") as src, gzip.open(args.out_dir / f"{stem}.trace.json.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
