@@ -26,7 +26,9 @@ S2 layers are the floor's elementwise op and whose dense layers attend, so that
         --variants dense hhst hhst-floor floor hhst+compile hhst-floor+compile floor+compile
 
 A preset variant ending in ``-V<N>`` has its S2 layers at vertical stride N (``hhst-V32``,
-``hhst-floor-V32+compile``), so one table weighs the preset's stride against sparser ones.
+``hhst-floor-V32+compile``), so one table weighs the preset's stride against sparser ones; one
+ending in ``-L<N>`` (before or after it) has their local window at N blocks
+(``hhst-floor-L8-V64+compile``).
 
 Writes markdown and JSON with the device, versions and date to benchmarks/results/.
 """
@@ -92,11 +94,17 @@ def s2_layers_floor(module, query, key, value, attention_mask, **kwargs):
     return floor_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def split_stride(variant: str) -> tuple[str, int | None]:
-    """A preset variant's name and the S2 vertical stride its ``-V<N>`` suffix asks for (None:
-    the preset's): ``hhst-floor-V32`` -> ``("hhst-floor", 32)``."""
-    match = re.fullmatch(r"(.+)-V(\d+)", variant)
-    return (match[1], int(match[2])) if match else (variant, None)
+def split_s2(variant: str) -> tuple[str, dict[str, int]]:
+    """A preset variant's name and the S2 settings its suffixes ask for (the preset's where
+    absent): ``-L<N>`` the local window in blocks, ``-V<N>`` the vertical stride;
+    ``hhst-floor-L8-V64`` -> ``("hhst-floor", {"vert_stride": 64, "local_blocks": 8})``."""
+    changes: dict[str, int] = {}
+    while match := re.fullmatch(r"(.+)-([LV])(\d+)", variant):
+        key = {"L": "local_blocks", "V": "vert_stride"}[match[2]]
+        if key in changes:  # given twice: left in the name, which then matches no variant
+            break
+        changes[key], variant = int(match[3]), match[1]
+    return variant, changes
 
 
 def build_preset(variant: str, seq: int, args, device: str):
@@ -107,10 +115,8 @@ def build_preset(variant: str, seq: int, args, device: str):
 
     transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
     transformers.AttentionInterface.register(S2_FLOOR_IMPLEMENTATION, s2_layers_floor)
-    variant, stride = split_stride(variant)
-    s2 = presets.PRESETS[args.preset].s2
-    if stride is not None:
-        s2 = dataclasses.replace(s2, vert_stride=stride)
+    variant, changes = split_s2(variant)
+    s2 = dataclasses.replace(presets.PRESETS[args.preset].s2, **changes)
     base = {"floor": "dense", "hhst-floor": "hhst"}.get(variant, variant)
     config = presets.model_config(args.preset, base, seq_len=seq, s2=s2)
     if variant == "floor":
@@ -338,8 +344,8 @@ def main() -> int:
         "--preset",
         default=None,
         help="time an `s2attn train` preset (its shape and S2 settings) with variants of "
-        f"{', '.join(PRESET_VARIANTS)} (each may end in -V<stride>, the S2 layers' vertical "
-        "stride, and in +compile)",
+        f"{', '.join(PRESET_VARIANTS)} (each may end in -L<blocks>, the S2 layers' local "
+        "window, -V<stride>, their vertical stride, and +compile)",
     )
     ap.add_argument(
         "--model", choices=["1b", "small"], default="1b", help="small: 8 layers, hidden 1024"
@@ -369,11 +375,12 @@ def main() -> int:
         if args.preset not in presets.PRESETS:
             ap.error(f"--preset: choose one of {', '.join(presets.PRESETS)}")
         for v in args.variants:
-            name, stride = split_stride(v.removesuffix("+compile"))
-            if name not in PRESET_VARIANTS or stride == 0:
+            name, changes = split_s2(v.removesuffix("+compile"))
+            if name not in PRESET_VARIANTS or 0 in changes.values():
                 ap.error(
                     f"--variants with --preset: {v!r} is not one of {PRESET_VARIANTS}, each "
-                    "optionally with -V<stride> (the S2 layers' vertical stride) and +compile"
+                    "optionally with -L<blocks> (the S2 layers' local window), -V<stride> (their "
+                    "vertical stride) and +compile"
                 )
     if args.smoke:
         args.seqs, args.steps, args.warmup = [256], 2, 1

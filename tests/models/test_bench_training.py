@@ -85,12 +85,19 @@ def test_a_stride_suffix_sets_the_s2_layers_stride_and_pairs_with_its_floor():
     """``hhst-V4`` builds the preset with its S2 layers at vertical stride 4 (the preset's own
     otherwise), and the table sets each HHST row beside the floor twin of the same stride."""
     bt = _bench()
-    assert bt.split_stride("hhst-floor-V32") == ("hhst-floor", 32)
-    assert bt.split_stride("hhst") == ("hhst", None)
+    assert bt.split_s2("hhst-floor-V32") == ("hhst-floor", {"vert_stride": 32})
+    both = {"vert_stride": 32, "local_blocks": 8}
+    assert bt.split_s2("hhst-floor-L8-V32") == ("hhst-floor", both)
+    assert bt.split_s2("hhst-V32-L8") == ("hhst", both)
+    assert bt.split_s2("hhst-V4-V8") == ("hhst-V4", {"vert_stride": 8})  # no variant: refused
+    assert bt.split_s2("hhst") == ("hhst", {})
     own = bt.build_preset("hhst", 64, _args(), "cpu").config.s2attn
     wide = bt.build_preset("hhst-V4", 64, _args(), "cpu").config.s2attn
     assert own["vert_stride"] == presets.PRESETS["tiny"].s2.vert_stride != 4
     assert wide["vert_stride"] == 4 and wide["layer_types"] == own["layer_types"]
+    window = bt.build_preset("hhst-L3-V4", 64, _args(), "cpu").config.s2attn
+    assert own["local_blocks"] == presets.PRESETS["tiny"].s2.local_blocks != 3
+    assert (window["local_blocks"], window["vert_stride"]) == (3, 4)
     rows = [
         dict(variant=v, seq=32768, step_s=t, tokens_per_s=32768 / t, peak_gib=1.0)
         for v, t in (("hhst-V4+compile", 1.0), ("hhst-floor-V4+compile", 0.9), ("dense", 2.0))
