@@ -1,8 +1,8 @@
 """Eager decode steps replayed from a CUDA graph: one launch for a step's device work.
 
 A decode step's device work (page write, length update, attention) takes about 13 µs of an H200 at
-batch 1, but launching its two Triton kernels from Python takes 120-220 µs of host time on the
-H100 and H200 hosts here (2026-11-27): Triton's launch path binds every argument of every launch.
+batch 1, but a step that launches its two Triton kernels from Python takes 0.11-0.19 ms of host
+time on an H100 (``benchmarks/bench_decode_step.py``).
 A cache's steps repeat the same two launches over the same tensors (page pools, page table,
 lengths, the layout's lists), so after a first step of a shape launched directly (which compiles
 the kernels), the next captures both launches in a CUDA graph, and every later step copies its
@@ -13,7 +13,7 @@ before the replay, on the same stream, so a graph captured once serves every ste
 A graph holds the cache's tensors: when the cache swaps one for another (``select_sequences``), or
 the step's shape or split count changes, the next step captures again.
 
-Graphs are not used where they cannot be: not on a GPU, inside another capture (the user's own
+Graphs are not used where they cannot be: off the GPU, inside another capture (the user's own
 graph of a step), under ``torch.compile``, on a device other than the current one, or where the
 step runs the PyTorch reference instead of the kernels.
 """
