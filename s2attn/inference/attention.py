@@ -41,8 +41,10 @@ def _layer_pattern(cache: PagedKVCache) -> BlockPattern:
     return shared_dense_pattern(cache.num_kv_heads, cache.max_seq_len, cache.block_size)
 
 
-def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> tuple[float, list[int]]:
-    """Check every input; return the scale and the new tokens per sequence."""
+def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> float:
+    """Check the inputs a call of any kind reads; return the scale. Whether new tokens fit the
+    cache is checked where they go: by the cache's plan on a decode step, by
+    :func:`_check_room` before a prefill attends."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an s2attn.PagedKVCache, got {type(cache).__name__}")
     check_tensor("q", q)
@@ -86,21 +88,21 @@ def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> tuple[float, list[
             raise ValueError(
                 f"q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same new tokens"
             )
-        counts = _new_counts(q, cache, cu_seqlens_q)
-        for b, (past, n) in enumerate(zip(cache.lengths, counts)):
-            if past + n > cache.max_seq_len:
-                raise ValueError(
-                    f"sequence {b} would hold {past} + {n} tokens, past the cache's max_seq_len "
-                    f"{cache.max_seq_len}"
-                )
-    else:
-        if q.shape[1] > min(cache.lengths):
+    elif q.shape[1] > min(cache.lengths):
+        raise ValueError(
+            f"q holds {q.shape[1]} tokens per sequence, more than the shortest cached "
+            f"sequence ({min(cache.lengths)}); pass k and v to append them"
+        )
+    return check_softmax_scale(softmax_scale, head_dim)
+
+
+def _check_room(cache: PagedKVCache, past: list[int], counts: list[int]) -> None:
+    for b, (n, new) in enumerate(zip(past, counts)):
+        if n + new > cache.max_seq_len:
             raise ValueError(
-                f"q holds {q.shape[1]} tokens per sequence, more than the shortest cached "
-                f"sequence ({min(cache.lengths)}); pass k and v to append them"
+                f"sequence {b} would hold {n} + {new} tokens, past the cache's max_seq_len "
+                f"{cache.max_seq_len}"
             )
-        counts = [0] * cache.batch_size
-    return check_softmax_scale(softmax_scale, head_dim), counts
 
 
 def _new_counts(
@@ -229,7 +231,7 @@ def sparse_attention_with_kvcache(
         >>> for _ in range(steps):  # q_step (2, 1, 32, 128), k/v_step (2, 1, 8, 128)
         ...     out = s2attn.sparse_attention_with_kvcache(q_step, cache, k_step, v_step)
     """
-    scale, counts = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
+    scale = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
     if k is None:
         if not supports_triton(q.device):
             raise RuntimeError("reading new tokens back from the cache needs the Triton kernels")
@@ -237,7 +239,6 @@ def sparse_attention_with_kvcache(
         return (out, lse) if return_lse else out
 
     packed = cu_seqlens_q is not None
-    past = cache.lengths
     group = q.shape[-2] // cache.num_kv_heads
     is_decode_step = (
         not packed
@@ -249,6 +250,8 @@ def sparse_attention_with_kvcache(
         out, lse = _decode_step(q, cache, k, v, scale, num_splits, return_lse)
         return (out, lse) if return_lse else out
 
+    past, counts = cache.lengths, _new_counts(q, cache, cu_seqlens_q)
+    _check_room(cache, past, counts)
     out, lse = _attend_dense(q, cache, k, v, scale, cu_seqlens_q, counts, past)
     # The new tokens' queries are done: store only what later queries read.
     cache.append(k, v, cu_seqlens=cu_seqlens_q, keep_from=[p + n for p, n in zip(past, counts)])

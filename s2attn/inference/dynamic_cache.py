@@ -114,6 +114,8 @@ class DynamicKVCache(PagedKVCache):
             parts.append((seq[rows], heads[cols], blocks[cols], pages[rows, cols]))
         if not parts:
             return _NO_PAGES
+        if len(parts) == 1:  # one move (a batch decoding in step): in sequence order already
+            return parts[0]
         seq, heads, blocks, pages = (torch.cat(t) for t in zip(*parts))
         order = torch.argsort(seq, stable=True)  # the pool's free list takes them in this order
         return seq[order], heads[order], blocks[order], pages[order]
@@ -124,21 +126,22 @@ class DynamicKVCache(PagedKVCache):
         """(sequence, head, block) of every block the new tokens enter that some query from the
         keep block on reads: each needs a page."""
         bs = self.block_size
-        seqs, blocks = [], []
+        seqs: list[int] = []
+        blocks: list[int] = []
         for b, (a, n) in enumerate(zip(old, new)):
             if n == a:
                 continue
             # The block holding position `a` already exists when `a` is inside it.
             first = a // bs if a % bs == 0 else a // bs + 1
             last = (n - 1) // bs
-            if first <= last:
-                seqs.append(torch.full((last - first + 1,), b, dtype=torch.int64))
-                blocks.append(torch.arange(first, last + 1))
+            seqs += [b] * (last - first + 1)
+            blocks += range(first, last + 1)
         if not seqs:
             empty = torch.zeros(0, dtype=torch.int64)
             return empty, empty, empty
-        seq, blk = torch.cat(seqs), torch.cat(blocks)
-        keep = torch.tensor(keep_block, dtype=torch.int64)[seq]
+        # Host lists, one tensor each: a decode step enters a block or two per sequence.
+        seq, blk = torch.tensor(seqs), torch.tensor(blocks)
+        keep = torch.tensor([keep_block[b] for b in seqs])
         want = self.eviction.read_from(keep, blk).T  # (entries, kv_heads)
         want &= self._table[seq, :, blk] < 0
         rows, heads = want.nonzero(as_tuple=True)
@@ -149,7 +152,7 @@ class DynamicKVCache(PagedKVCache):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sequence, head, block) of the shared pages the new tokens write into (the block
         holding each sequence's old end), counted after this append's evictions."""
-        empty = torch.zeros(0, dtype=torch.int64)
+        empty = _NO_PAGES[0]
         if not self.pool.shared:
             return empty, empty, empty
         refs = self.pool.holders_after(released)
