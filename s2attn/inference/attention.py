@@ -43,8 +43,7 @@ def _layer_pattern(cache: PagedKVCache) -> BlockPattern:
 
 def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> float:
     """Check the inputs a call of any kind reads; return the scale. Whether new tokens fit the
-    cache is checked where they go: by the cache's plan on a decode step, by
-    :func:`_check_room` before a prefill attends."""
+    cache is the cache's check: in its plan on a decode step, before attending on a prefill."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an s2attn.PagedKVCache, got {type(cache).__name__}")
     check_tensor("q", q)
@@ -94,15 +93,6 @@ def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> float:
             f"sequence ({min(cache.lengths)}); pass k and v to append them"
         )
     return check_softmax_scale(softmax_scale, head_dim)
-
-
-def _check_room(cache: PagedKVCache, past: list[int], counts: list[int]) -> None:
-    for b, (n, new) in enumerate(zip(past, counts)):
-        if n + new > cache.max_seq_len:
-            raise ValueError(
-                f"sequence {b} would hold {n} + {new} tokens, past the cache's max_seq_len "
-                f"{cache.max_seq_len}"
-            )
 
 
 def _new_counts(
@@ -251,10 +241,11 @@ def sparse_attention_with_kvcache(
         return (out, lse) if return_lse else out
 
     past, counts = cache.lengths, _new_counts(q, cache, cu_seqlens_q)
-    _check_room(cache, past, counts)
+    new = [p + n for p, n in zip(past, counts)]
+    cache._check_fits(new)  # before attending, not only in the append after it
     out, lse = _attend_dense(q, cache, k, v, scale, cu_seqlens_q, counts, past)
     # The new tokens' queries are done: store only what later queries read.
-    cache.append(k, v, cu_seqlens=cu_seqlens_q, keep_from=[p + n for p, n in zip(past, counts)])
+    cache.append(k, v, cu_seqlens=cu_seqlens_q, keep_from=new)
     if not packed:
         out = out.view(q.shape)
         lse = lse.view(q.shape[-2], cache.batch_size, q.shape[1]).transpose(0, 1)
