@@ -256,7 +256,8 @@ def preset_line(args) -> str:
         f"{p.num_heads}/{p.num_kv_heads} heads of {p.hidden_size // p.num_heads}, MLP "
         f"{p.intermediate_size}, vocab {p.vocab_size}; HHST: dense layers "
         f"{','.join(map(str, s2.dense_layers))}, S2 block {s2.block_size}, local "
-        f"{s2.local_blocks} blocks, stride {s2.vert_stride}. Float32 weights under bf16 autocast "
+        f"{s2.local_blocks} blocks, stride {s2.vert_stride} (a variant's `-L<N>` sets the local "
+        "window to N blocks, `-V<N>` the stride to N). Float32 weights under bf16 autocast "
         "(as `s2attn train`), batch 1, "
         + ("gradient checkpointing, " if args.checkpointing else "")
         + "fused AdamW; `+compile`: `model.compile()`, its compilation in the warm-up steps; "
