@@ -57,7 +57,7 @@ def steps_ms(cache, q, k, v, steps: int) -> float:
 
 
 def run(ctx: int, batch: int, stride: int, steps: int, repeats: int) -> dict:
-    # Room for every step both ways times, a block to spare.
+    # Room for every step of both ways (warm-up and timed runs), a block to spare.
     max_len = ctx + (2 + 2 * (WARMUP + repeats * steps) // BLOCK) * BLOCK
     pattern = s2attn.local_stride_pattern(
         KV_HEADS, max_seq_len=max_len, block_size=BLOCK, local_blocks=LOCAL_BLOCKS,
