@@ -62,6 +62,7 @@ from run_info import (
     median_ms,
     median_run,
     parser,
+    read_rate_gbs,
     rel_err,
     repeats_argument,
     result_stem,
@@ -156,8 +157,11 @@ def flex_fn(pattern, q, k_full, v_full, scale: float):
 def kernel_fn(
     cache: PagedKVCache, q, scale: float, splits: int, config: TritonDecodeConfig | None = None
 ):
-    """The decode kernel (and split merge) alone, on the cache's pages."""
+    """The decode kernel (and split merge) alone, on the cache's pages, with a split counter kept
+    from call to call as a cache keeps one (left out, each call would zero one of its own: a
+    second launch in every timing)."""
     layout = cache.decode_layout
+    counters = torch.zeros(q.shape[0] * KV_HEADS, dtype=torch.int32, device=q.device)
     return functools.partial(
         dec.decode,
         q,
@@ -168,6 +172,7 @@ def kernel_fn(
         layout,
         softmax_scale=scale,
         num_splits=splits,
+        split_counters=counters,
         config=config,
     )
 
@@ -182,9 +187,12 @@ SWEEP_SPACE = dict(
     splits=(1, 2, 4, 8, 16, 32, 64),
 )
 # --sweep-batch1: a single sequence's few programs wait on dependent loads, not bandwidth, so its
-# sweep is over split counts and prefetching, at the 64-key tiles and deep pipelines the batch-16
-# sweep chose: a third of the compiles, so that two contexts and two strides take minutes.
-SWEEP_BATCH1_SPACE = dict(SWEEP_SPACE, stages=(3, 4), block_n=(64,))
+# sweep is over split counts (finer, and past 2 programs per SM) and prefetching, at the 64-key
+# tiles and deep pipelines the batch-16 sweep chose, so that three contexts and two strides take
+# minutes.
+SWEEP_BATCH1_SPACE = dict(
+    SWEEP_SPACE, stages=(3, 4), block_n=(64,), splits=(4, 8, 12, 16, 24, 32, 48, 64)
+)
 
 
 def sweep(
@@ -192,12 +200,8 @@ def sweep(
 ) -> dict:
     """Times every launch of ``space`` on the case (CUDA-graph replays) and returns the best.
     ``default_ms``: the launcher's default launch, timed the same way."""
-    # The split counts the heuristic would choose if a split could hold fewer pages than 4.
-    heuristic = {
-        m: dec.decode_num_splits(q.shape[0], KV_HEADS, blocks, q.device, min_pages_per_split=m)
-        for m in (1, 2, 4)
-    }
-    print(f"    heuristic splits by min_pages_per_split: {heuristic}", flush=True)
+    heuristic = dec.decode_num_splits(q.shape[0], KV_HEADS, blocks, q.device)
+    print(f"    the heuristic's splits: {heuristic}", flush=True)
     best = None
     launches = itertools.product(
         space["warps"], space["stages"], space["block_n"], space["prefetch"], space["splits"]
@@ -324,17 +328,15 @@ def run_stride(
 
 
 def device_limits() -> dict:
-    """What a captured decode step is read against: the GPU's copy rate (a 1 GiB copy, replayed
-    from a CUDA graph; bytes read plus bytes written per second) and one launch (a one-element
-    add replayed the same way: the kernel and the gap between kernels in a graph)."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    copy_ms = graph_ms(lambda: dst.copy_(src)) or median_ms(lambda: dst.copy_(src))
+    """What a captured decode step is read against: the GPU's read rate (``torch.sum`` over 1 GiB,
+    which writes nothing back: a copy rate counts writes the kernel does not make, and the kernel
+    beats it) and one launch (a one-element add replayed from a CUDA graph: the kernel and the gap
+    between kernels in a graph)."""
+    read_gbps = read_rate_gbs(1, 5, DEVICE)
     one = torch.zeros(1, device=DEVICE)
     launch_ms = graph_ms(lambda: one.add_(1)) or median_ms(lambda: one.add_(1))
-    limits = dict(copy_gbps=2 * n / copy_ms / 1e6, launch_ms=launch_ms)
-    print(f"  copy {limits['copy_gbps']:.0f} GB/s, one launch {launch_ms * 1e3:.1f} us", flush=True)
+    limits = dict(read_gbps=read_gbps, launch_ms=launch_ms)
+    print(f"  read {read_gbps:.0f} GB/s, one launch {launch_ms * 1e3:.1f} us", flush=True)
     return limits
 
 
@@ -438,9 +440,10 @@ def markdown(rows: list[dict], env: dict, limits: dict) -> str:
         f"(load average; cores other processes kept busy); {host_line(env)}. `graph` columns: "
         "the same call replayed from a CUDA graph "
         "(`do_bench_cudagraph`), i.e. GPU time without Python's launch overhead. `bound ms`: the "
-        f"bytes the kernel must read at the measured copy rate ({limits['copy_gbps']:.0f} GB/s, "
-        f"bytes read and written by a 1 GiB copy) plus one launch ({limits['launch_ms'] * 1e3:.1f} "
-        "us, a one-element add), both replayed from a CUDA graph; `graph / bound`: the captured "
+        f"bytes the kernel must read at the measured read rate ({limits['read_gbps']:.0f} GB/s, "
+        "`torch.sum` over 1 GiB, best of 5) plus one launch "
+        f"({limits['launch_ms'] * 1e3:.1f} us, a one-element add replayed from a CUDA graph); "
+        "`graph / bound`: the captured "
         "kernel against it. Replays of a small case read pages that stay in L2.",
     )
     lines += table([name for name, _ in COLUMNS], ([c(r) for _, c in COLUMNS] for r in rows))
@@ -491,8 +494,8 @@ def main() -> int:
         print(f"[{i}/{len(cases)}] context {ctx}, batch {batch}", flush=True)
         rows += run(ctx, batch, strides, sweep_space, args.repeats)
         torch.cuda.empty_cache()
-    for row in rows:  # the captured kernel against its bytes at the copy rate, plus one launch
-        row["bound_ms"] = row["read_bytes"] / (limits["copy_gbps"] * 1e6) + limits["launch_ms"]
+    for row in rows:  # the captured kernel against its bytes at the read rate, plus one launch
+        row["bound_ms"] = row["read_bytes"] / (limits["read_gbps"] * 1e6) + limits["launch_ms"]
     finish(env)
     stem = result_stem(env, f"decode{args.tag}")
     write_results(args.out_dir, stem, markdown(rows, env, limits),

@@ -89,6 +89,7 @@ from run_info import (
     heading,
     host_line,
     parser,
+    read_rate_gbs,
     result_stem,
     start,
     table,
@@ -404,34 +405,6 @@ def analyse(trace: dict, layer_types: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------- the floor
-def read_rate_gbs(gib: float, repeats: int, device: str) -> float:
-    """The device's read rate, GB/s: ``torch.sum`` over ``gib`` GiB of bf16 (float32 on the CPU),
-    best of ``repeats``. A read rate, not a copy rate: the reduction writes nothing back."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    n = int(gib * 2**30) // (torch.finfo(dtype).bits // 8)
-    buf = torch.ones(n, dtype=dtype, device=device)
-    buf.sum()  # first-call costs
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            buf.sum()
-            end.record()
-            end.synchronize()
-            seconds = begin.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            buf.sum()
-            seconds = time.perf_counter() - t0
-        best = min(best, seconds)
-    nbytes = buf.numel() * buf.element_size()
-    del buf
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the model's weights go where the buffer was
-    return nbytes / best / 1e9
-
-
 def weight_bytes(model) -> tuple[int, int]:
     """(bytes of every parameter, bytes a decode step reads: all but the token embedding table,
     of which it reads one row, unless the lm_head shares it)."""

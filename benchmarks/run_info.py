@@ -135,6 +135,34 @@ def graph_ms(fn: Callable[[], object]) -> float | None:
         return None
 
 
+def read_rate_gbs(gib: float, repeats: int, device: str) -> float:
+    """The device's read rate, GB/s: ``torch.sum`` over ``gib`` GiB of bf16 (float32 on the CPU),
+    best of ``repeats``. A read rate, not a copy rate: the reduction writes nothing back."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = int(gib * 2**30) // (torch.finfo(dtype).bits // 8)
+    buf = torch.ones(n, dtype=dtype, device=device)
+    buf.sum()  # first-call costs
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            buf.sum()
+            end.record()
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            buf.sum()
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds)
+    nbytes = buf.numel() * buf.element_size()
+    del buf
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the model's weights go where the buffer was
+    return nbytes / best / 1e9
+
+
 def median_run(measure: Callable[[], float], repeats: int) -> tuple[float, list[float]]:
     """The median of ``repeats`` runs of ``measure`` (one timing each), and every run's value:
     host-bound figures move between runs with what else the host does, so one run is not a

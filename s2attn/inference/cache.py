@@ -209,7 +209,12 @@ class PagedKVCache:
         self._keep_block = [0] * batch_size
         self._layout: DecodeLayout | None = None
         self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
-        self._split_counters: torch.Tensor | None = None
+        # The decode kernel's count of finished splits per (sequence, KV head), zero between
+        # launches. One per cache: its steps launch in order on one stream, so they can share
+        # it. Made here, not on first use, so that a compiled step only reads it.
+        self.split_counters = torch.zeros(
+            batch_size * num_kv_heads, dtype=torch.int32, device=self.device
+        )
         # Eager decode steps captured as CUDA graphs, by step shape (inference/step_graph.py).
         self.step_graphs: dict = {}
 
@@ -373,15 +378,6 @@ class PagedKVCache:
             self._list_lengths = layout.list_lengths.tolist()
             self._layout = layout
         return self._layout
-
-    @property
-    def split_counters(self) -> torch.Tensor:
-        """The decode kernel's count of finished splits per (sequence, KV head), zero between
-        launches. One per cache: its steps launch in order on one stream, so they can share it."""
-        if self._split_counters is None:
-            n = self.batch_size * self.num_kv_heads
-            self._split_counters = torch.zeros(n, dtype=torch.int32, device=self.device)
-        return self._split_counters
 
     @_host_synced
     def decode_num_splits(self, num_new: int) -> int:

@@ -1,9 +1,10 @@
 """A static cache's decode step as one ``torch.library`` operator, for compiled graphs.
 
-``s2attn::static_decode(q, k, v, k_pages, v_pages, page_table, seq_lens, pattern_key,
-softmax_scale, check_room) -> out`` writes the new tokens' keys and values into their pages,
-advances ``seq_lens`` and attends the new queries to the pages the pattern keeps, all in device
-work on the cache's tensors (it mutates ``k_pages``, ``v_pages`` and ``seq_lens``). With
+``s2attn::static_decode(q, k, v, k_pages, v_pages, page_table, seq_lens, split_counters,
+pattern_key, softmax_scale, check_room) -> out`` writes the new tokens' keys and values into their
+pages, advances ``seq_lens`` and attends the new queries to the pages the pattern keeps, all in
+device work on the cache's tensors (it mutates ``k_pages``, ``v_pages`` and ``seq_lens``; the
+kernel counts its finished splits in ``split_counters`` and leaves them at zero). With
 ``check_room`` it first asserts on the device that the step fits the cache. Nothing in it
 reads or changes host state, so a compiled graph that holds it, replayed from a CUDA graph or run
 by Inductor, serves every step; the cache's host bookkeeping (lengths, keep blocks) catches up
@@ -32,7 +33,9 @@ __all__ = ["static_decode_step"]
 _DENSE = -1  # the pattern key of a dense layer's cache (no pattern)
 
 
-@torch.library.custom_op("s2attn::static_decode", mutates_args=("k_pages", "v_pages", "seq_lens"))
+@torch.library.custom_op(
+    "s2attn::static_decode", mutates_args=("k_pages", "v_pages", "seq_lens", "split_counters")
+)
 def static_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -41,6 +44,7 @@ def static_decode(
     v_pages: torch.Tensor,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    split_counters: torch.Tensor,
     pattern_key: int,
     softmax_scale: float,
     check_room: bool,
@@ -62,6 +66,8 @@ def static_decode(
         softmax_scale=softmax_scale,
         num_splits=_run_num_splits(layout, pattern_key, q.shape[0], q.device),
         layout=layout,
+        # The cache's own: without it each call would zero one of its own, a launch per layer.
+        split_counters=split_counters,
     )
     return out.contiguous()
 
@@ -92,7 +98,19 @@ def _run_num_splits(layout, key: int, batch: int, device: torch.device) -> int:
 
 
 @static_decode.register_fake
-def _(q, k, v, k_pages, v_pages, page_table, seq_lens, pattern_key, softmax_scale, check_room):
+def _(
+    q,
+    k,
+    v,
+    k_pages,
+    v_pages,
+    page_table,
+    seq_lens,
+    split_counters,
+    pattern_key,
+    softmax_scale,
+    check_room,
+):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -173,6 +191,7 @@ def static_decode_step(
         cache.v_pages,
         cache.page_table,
         cache.seq_lens,
+        cache.split_counters,
         key,
         float(softmax_scale),
         bool(check_room),

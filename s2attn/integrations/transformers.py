@@ -617,8 +617,10 @@ class S2CacheLayer(CacheLayerMixin):
         self.checks_room = self._room_check[0] is self
         if self.static and not torch.compiler.is_compiling():
             # Fixed addresses, mutated in place: CUDA graphs of compiled decode steps keep them.
+            # Every tensor the step's operator mutates must be here: Inductor runs a graph that
+            # mutates any other input without CUDA graphs, a step several times slower.
             for t in (self.paged.k_pages, self.paged.v_pages, self.paged.seq_lens,
-                      self.paged.page_table):  # fmt: skip
+                      self.paged.page_table, self.paged.split_counters):  # fmt: skip
                 torch._dynamo.mark_static_address(t)
 
     def update(

@@ -313,7 +313,7 @@ def test_static_decode_opcheck(path, check_room, monkeypatch):
     cache, *_ = filled_cache(pattern, [44, 29], 2, 16, torch.float32, static=True)
     q, k, v = step(cache, 4, 2, torch.float32)
     args = (q, k, v, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens,
-            pattern_key(pattern), 0.25, check_room)  # fmt: skip
+            cache.split_counters, pattern_key(pattern), 0.25, check_room)  # fmt: skip
     torch.library.opcheck(torch.ops.s2attn.static_decode.default, args)
 
 
@@ -522,9 +522,10 @@ def direct_step(cache, ks, vs, heads, num_new, dtype, num_splits, config, what):
 
 
 # (prefetch_entries, num_splits). Lists here hold 3-4 full entries (s2), 10-14 partial ones with
-# per-head bits (per_query_head) or 9-13 implicit ones (dense): one split of width 2 takes them
-# in several chunks, the last partly empty; 3 splits of width 4 chunk only the partial lists; 16
-# splits hold one page or none each (min_pages_per_split=1 at batch 1), with prefetch and without.
+# per-head bits (per_query_head) or 9-13 implicit ones (dense): one split of width 2 walks the
+# full entries unmasked and the partial ones masked, each in several chunks, the last partly
+# empty; 3 splits of width 4 walk both lists as one, a split's share crossing from full entries
+# to partial ones; 16 splits hold one page or none each, with prefetch and without.
 PREFETCH_CASES = [(2, 1), (4, 3), (16, 16), (0, 16)]
 
 
@@ -555,24 +556,24 @@ def test_prefetch_width_must_be_a_power_of_two():
 
 
 def test_split_heuristic_pages_per_split(monkeypatch):
-    """decode_num_splits on a (pretend) 132-SM GPU: 2 programs per SM, at least
-    ``min_pages_per_split`` pages a split (4 unless told), at most 64 splits."""
+    """decode_num_splits on a (pretend) 132-SM GPU. Many (sequence, KV head) pairs: 2 programs
+    per SM, at least 4 pages a split. Few pairs and at most 192 pages: 16 splits, or 3 pages a
+    split where 16 would hold more. Never more splits than pages, nor more than 64."""
     monkeypatch.setattr(triton_decode, "_num_sms", lambda index: 132)
     gpu = torch.device("cuda", 0)
 
-    def splits(batch, pages, **kwargs):
-        return triton_decode.decode_num_splits(batch, 8, pages, gpu, **kwargs)
+    def splits(batch, pages):
+        return triton_decode.decode_num_splits(batch, 8, pages, gpu)
 
-    assert splits(1, 49) == 13  # 128k, stride 64: 49 pages, 4 a split
-    assert splits(1, 49, min_pages_per_split=2) == 25
-    assert splits(1, 49, min_pages_per_split=1) == 33  # 264 programs / 8 KV heads
-    assert splits(1, 200, min_pages_per_split=1) == 33
-    assert splits(16, 49) == 3 and splits(16, 49, min_pages_per_split=1) == 3
-    assert splits(1, 3) == 1 and splits(1, 3, min_pages_per_split=1) == 3
-    monkeypatch.setattr(triton_decode, "_num_sms", lambda index: 1024)
-    assert splits(1, 500, min_pages_per_split=1) == 64
-    with pytest.raises(ValueError, match="min_pages_per_split=0"):
-        splits(1, 49, min_pages_per_split=0)
+    assert splits(1, 18) == 16  # 4k, stride 64
+    assert splits(1, 49) == 17  # 128k, stride 64: 3 pages a split
+    assert splits(1, 145) == 49  # 128k, stride 16
+    assert splits(1, 10) == 10 and splits(1, 1) == 1
+    assert splits(1, 192) == 64
+    assert splits(1, 193) == 33 and splits(1, 2048) == 33  # a dense layer at 128k: bandwidth
+    assert splits(2, 49) == 17  # 16 pairs: 264 programs would take 17 splits each
+    assert splits(4, 49) == 9  # 32 pairs: 2 programs per SM
+    assert splits(16, 49) == 3 and splits(16, 4) == 1
     assert triton_decode.decode_num_splits(1, 8, 49, torch.device("cpu")) == 1
 
 

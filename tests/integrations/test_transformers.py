@@ -420,6 +420,25 @@ def test_bfloat16_generation_on_gpu():
     assert tokens.shape == ref_tokens.shape
 
 
+def test_static_cache_fixes_the_address_of_what_the_decode_step_writes():
+    """Inductor runs a compiled graph that mutates an input without a fixed address without CUDA
+    graphs (reduce-overhead then silently gives a step several times slower): every tensor that
+    s2attn::static_decode writes must be marked static by each layer of a static S2Cache."""
+    from s2attn.inference import decode_op  # noqa: F401 (registers the operator)
+
+    model, _ = tiny_llama()
+    cache = s2hf.S2Cache(model.config, static=True)
+    with torch.no_grad():
+        model(torch.randint(2, 128, (1, PROMPT), device=DEVICE), past_key_values=cache)
+    schema = torch.ops.s2attn.static_decode.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    assert set(written) == {"k_pages", "v_pages", "seq_lens", "split_counters"}
+    for i, layer in enumerate(cache.layers):
+        for name in written:
+            marked = getattr(getattr(layer.paged, name), "_dynamo_static_input_type", None)
+            assert marked is not None, f"layer {i}: {name} is not marked static"
+
+
 def test_misuse_is_reported():
     model, _ = tiny_llama(num_layers=2)
     ids = torch.randint(2, 128, (1, 20), device=DEVICE)

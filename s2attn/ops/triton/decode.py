@@ -3,10 +3,10 @@
 One program serves one (sequence, KV head, split). Its rows are the query heads of the KV head's
 GQA group times the new tokens (row ``r`` is token ``r // group``, head ``r % group`` of the group),
 so every K/V page it loads serves the whole group. It walks its share (split-K) of the decode
-layout's list for the query block of the sequence's first new token: the full entries with no
-mask at all, then the partial ones with the entry's per-head bits and the causal rule (which also
-hides the unwritten end of the last page). A KV block is one page of ``block_size`` tokens, found
-through the page table.
+layout's list for the query block of the sequence's first new token, in one loop: the full
+entries (every head keeps all of the block), then the partial ones with the entry's per-head bits
+and the causal rule (which also hides the unwritten end of the last page). A KV block is one page
+of ``block_size`` tokens, found through the page table.
 
 With one split, the program writes the output directly. With more, each writes its normalised
 partial output and natural-log LSE, and the last of a (sequence, KV head)'s programs to finish
@@ -36,8 +36,8 @@ __all__ = ["MAX_DECODE_ROWS", "decode", "decode_num_splits", "default_config"]
 
 # Rows of one program (query heads of a GQA group x new tokens): more would spill registers.
 MAX_DECODE_ROWS = 128
-# Rows x splits of partial outputs the merge loads per step: (16 rows, 4 splits, 128) float32
-# is 64 registers a thread at 4 warps.
+# Rows x splits of partial outputs the merge loads per step: (4 rows of a GQA group of 4, 16
+# splits, 128) float32 is 64 registers a thread at 4 warps.
 MERGE_ROWS_X_SPLITS = 64
 
 
@@ -169,6 +169,93 @@ def _attend_pages(
 
 
 @triton.jit
+def _entry(full_cols, partial_cols, partial_bits, full_start, num_full, part_start, e, ok,
+           DENSE: tl.constexpr):  # fmt: skip
+    """KV block and bits of entries ``e`` (scalar or vector) of a split's walk: the full list's
+    ``num_full`` entries, then the partial ones. A full entry's bits are all set (every head
+    keeps it, and it lies wholly before the new tokens, so the causal rule keeps every key)."""
+    if DENSE:
+        # Implicit lists: full entries are blocks 0 .. q_block - 1, partial ones the rest.
+        col = e
+        bits = e * 0 - 1
+    else:
+        is_full = e < num_full
+        at = part_start + e - num_full
+        col_f = tl.load(full_cols + full_start + e, mask=ok & is_full, other=0)
+        col_p = tl.load(partial_cols + at, mask=ok & (e >= num_full), other=0)
+        bits_p = tl.load(partial_bits + at, mask=ok & (e >= num_full), other=0)
+        col = tl.where(is_full, col_f, col_p)
+        bits = tl.where(is_full, -1, bits_p)
+    return col, bits
+
+
+@triton.jit
+def _attend_entries(
+    acc, l_i, m_i, q, full_cols, partial_cols, partial_bits, full_start, num_full, part_start,
+    lo, hi, pages_ptr, stride_tj, K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn,
+    stride_vd, row_pos, bitpos, ctx_len, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over entries ``lo..hi`` of a split's walk (full entries, then partial ones;
+    see :func:`_entry`), each one page, masked by its bits and causality.
+
+    A split walks its share of both lists in one loop: at batch 1 a split holds one to a few
+    pages, and a loop of its own for each list (:func:`_attend_pages`) cost a second chain of
+    dependent loads (list entry -> page id -> page) in the splits that hold both kinds. A full
+    entry goes through the masks, which keep all of it. One program for all of a list (large
+    batches) walks each list on its own instead: there the masks on every page and the choice
+    of list per entry cost about a tenth of the time (H100, 32k, batch 64). The two walks share
+    their shape but not their code: folding them into one function with a constexpr choice of
+    lists compiled to more spills in the one-program walk.
+
+    PREFETCH = 0 reads each entry's list item, then its page id, then the page: three dependent
+    round trips per page. PREFETCH = W reads W entries' items (and bits) in one round trip and
+    their page ids in a second, so the per-entry loop waits only on the page's own loads.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if PREFETCH == 0:
+        for e in range(lo, hi):
+            j, bits = _entry(
+                full_cols, partial_cols, partial_bits, full_start, num_full, part_start, e, True,
+                DENSE,
+            )  # fmt: skip
+            page = tl.load(pages_ptr + j * stride_tj).to(tl.int64)
+            acc, l_i, m_i = _attend_page(
+                acc, l_i, m_i, q, j, page, bits, K, V, stride_kp, stride_kn, stride_kd,
+                stride_vp, stride_vn, stride_vd, row_pos, bitpos, ctx_len, qk_scale,
+                offs_n, offs_d, d_ok,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION,
+            )
+    else:
+        lanes = tl.arange(0, PREFETCH)
+        for e0 in range(lo, hi, PREFETCH):
+            ents = e0 + lanes
+            e_ok = ents < hi
+            cols, all_bits = _entry(
+                full_cols, partial_cols, partial_bits, full_start, num_full, part_start, ents,
+                e_ok, DENSE,
+            )  # fmt: skip
+            pages = tl.load(pages_ptr + cols * stride_tj, mask=e_ok, other=0).to(tl.int64)
+            # Triton cannot index a tensor by a run-time lane: a one-hot sum picks it instead.
+            for i in range(0, tl.minimum(hi - e0, PREFETCH)):
+                lane = lanes == i
+                page = tl.sum(tl.where(lane, pages, 0))
+                j = tl.sum(tl.where(lane, cols, 0))
+                bits = tl.sum(tl.where(lane, all_bits, 0))
+                acc, l_i, m_i = _attend_page(
+                    acc, l_i, m_i, q, j, page, bits, K, V, stride_kp, stride_kn, stride_kd,
+                    stride_vp, stride_vn, stride_vd, row_pos, bitpos, ctx_len, qk_scale,
+                    offs_n, offs_d, d_ok,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION,
+                )
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _decode_kernel(
     Q,
     K,
@@ -222,6 +309,7 @@ def _decode_kernel(
     DENSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    MERGE_M: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
@@ -268,44 +356,48 @@ def _decode_kernel(
         part_end = tl.where(
             straddle, tl.load(partial_offsets + key + 1), tl.load(partial_mid + key)
         )
-    # This split's share of either list.
-    full_chunk = tl.cdiv(full_end - full_start, num_splits)
-    full_lo = full_start + split * full_chunk
-    full_hi = tl.minimum(full_lo + full_chunk, full_end)
-    part_chunk = tl.cdiv(part_end - part_start, num_splits)
-    part_lo = part_start + split * part_chunk
-    part_hi = tl.minimum(part_lo + part_chunk, part_end)
-
     pages_ptr = page_table + b.to(tl.int64) * stride_tb + g.to(tl.int64) * stride_th
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _attend_pages(
-        acc, l_i, m_i, q, full_cols, partial_bits, full_lo, full_hi, pages_ptr, stride_tj,
-        K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
-        row_pos, bitpos, ctx_len, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, DENSE, DOT_PRECISION, PREFETCH,
-    )
-    acc, l_i, m_i = _attend_pages(
-        acc, l_i, m_i, q, partial_cols, partial_bits, part_lo, part_hi, pages_ptr, stride_tj,
-        K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
-        row_pos, bitpos, ctx_len, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION, PREFETCH,
-    )
+    if SPLIT:  # this split's share of the walk: the full list, then the partial one
+        num_full = full_end - full_start
+        num_entries = num_full + part_end - part_start
+        chunk = tl.cdiv(num_entries, num_splits)
+        lo = split * chunk
+        acc, l_i, m_i = _attend_entries(
+            acc, l_i, m_i, q, full_cols, partial_cols, partial_bits, full_start, num_full,
+            part_start, lo, tl.minimum(lo + chunk, num_entries), pages_ptr, stride_tj, K, V,
+            stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd, row_pos, bitpos,
+            ctx_len, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DENSE, DOT_PRECISION, PREFETCH,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _attend_pages(
+            acc, l_i, m_i, q, full_cols, partial_bits, full_start, full_end, pages_ptr,
+            stride_tj, K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
+            row_pos, bitpos, ctx_len, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, DENSE, DOT_PRECISION, PREFETCH,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend_pages(
+            acc, l_i, m_i, q, partial_cols, partial_bits, part_start, part_end, pages_ptr,
+            stride_tj, K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
+            row_pos, bitpos, ctx_len, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION, PREFETCH,
+        )  # fmt: skip
 
     # Rows that attend nothing (in this split): output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
     lse = tl.where(empty, float("-inf"), lse)
-    out_ptrs = (
-        Out + b.to(tl.int64) * stride_ob + t[:, None] * stride_os + h[:, None] * stride_oh
-        + offs_d[None, :] * stride_od
-    )  # fmt: skip
-    lse_ptrs = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_ls
     if not SPLIT:
+        out_ptrs = (
+            Out + b.to(tl.int64) * stride_ob + t[:, None] * stride_os + h[:, None] * stride_oh
+            + offs_d[None, :] * stride_od
+        )  # fmt: skip
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ptrs, lse, mask=row_ok)
+        tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_ls, lse, mask=row_ok)
     else:
         # Scratch (batch, new, heads, splits, dim), contiguous: a row's splits lie in one run.
         row = (b.to(tl.int64) * NUM_NEW + t) * (NUM_KV_HEADS * GQA_GROUP) + h
@@ -322,14 +414,27 @@ def _decode_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
+            # The merge has no dot, so it takes only the group's real rows (BLOCK_M pads them
+            # to the dot's 16): more splits per round trip to L2.
+            m_rows = tl.arange(0, MERGE_M)
+            m_t = m_rows // GQA_GROUP
+            m_h = g * GQA_GROUP + m_rows % GQA_GROUP
+            m_ok = m_t < NUM_NEW
+            m_row = (b.to(tl.int64) * NUM_NEW + m_t) * (NUM_KV_HEADS * GQA_GROUP) + m_h
             merged, merged_lse = _merge_splits(
-                OutSplit, LseSplit, row, row_ok, offs_d, d_ok, num_splits, HEAD_DIM, BLOCK_M,
+                OutSplit, LseSplit, m_row, m_ok, offs_d, d_ok, num_splits, HEAD_DIM, MERGE_M,
                 BLOCK_D, MAX_SPLITS, MERGE_CHUNK,
             )
+            m_out = (
+                Out + b.to(tl.int64) * stride_ob + m_t[:, None] * stride_os
+                + m_h[:, None] * stride_oh + offs_d[None, :] * stride_od
+            )  # fmt: skip
+            tl.store(m_out, merged.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
             tl.store(
-                out_ptrs, merged.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :]
+                Lse + b.to(tl.int64) * stride_lb + m_h * stride_lh + m_t * stride_ls,
+                merged_lse,
+                mask=m_ok,
             )
-            tl.store(lse_ptrs, merged_lse, mask=row_ok)
             tl.store(Counters + pid, 0)  # every split has arrived: ready for the next launch
 
 
@@ -386,27 +491,41 @@ def _num_sms(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Few (sequence, KV head) pairs (batch 1 or 2 of a GQA model) and lists that MAX_SPLITS splits of
+# FEW_PAIRS_PAGES pages hold: FEW_PAIRS_SPLITS splits, more where those would hold more than
+# FEW_PAIRS_PAGES pages. H100, batch 1, 8 KV heads, CUDA-graph replays: lists of 18-49 pages
+# were fastest at 12-17 splits, 145 pages at 48 (14.0 us; 33 splits 15.5). A dense layer's 2048
+# pages at 128k, in a compiled 7B step, took 0.18 ms at 33 splits and 0.21 at 64: bandwidth.
+FEW_PAIRS_SPLITS = 16
+FEW_PAIRS_PAGES = 3
+MAX_SPLITS = 64
+
+
 def decode_num_splits(
-    batch: int,
-    num_kv_heads: int,
-    longest_list: int,
-    device: torch.device,
-    min_pages_per_split: int = 4,
+    batch: int, num_kv_heads: int, longest_list: int, device: torch.device
 ) -> int:
     """How many programs share one (sequence, KV head)'s list of pages (split-K).
 
-    Aim for 2 programs per SM: a decode program mostly waits on dependent loads (list entry, page
-    id, page), and a second resident program hides that latency; more splits cost more in the
-    merge than they save (H100 sweep, 128k context, batch 16, 8 KV heads, V64: 2 splits 0.072 ms,
-    5 splits 0.080 ms, CUDA-graph replays). Each split keeps at least ``min_pages_per_split``
-    pages (4 by default; batch-1 sweeps try fewer). Under the interpreter: one split.
+    Many pairs: aim for 2 programs per SM, each split holding at least 4 pages. A decode program
+    mostly waits on dependent loads (list entry, page id, page), and a second resident program
+    hides that latency; more splits cost more in the merge than they save (H100 sweep, 128k
+    context, batch 16, 8 KV heads, V64: 2 splits 0.072 ms, 5 splits 0.080 ms, CUDA-graph
+    replays).
+
+    Few pairs (when 2 programs per SM would take ``FEW_PAIRS_SPLITS`` splits or more) and a list
+    of at most ``MAX_SPLITS * FEW_PAIRS_PAGES`` pages: a program is then a chain of dependent
+    loads per page, not bandwidth, so splits hold 1-3 pages: ``FEW_PAIRS_SPLITS`` of them, or
+    more where those would hold over ``FEW_PAIRS_PAGES``. Never more splits than pages or
+    ``MAX_SPLITS``. Under the interpreter: one split.
     """
     if device.type != "cuda":
         return 1
-    if min_pages_per_split < 1:
-        raise ValueError(f"min_pages_per_split={min_pages_per_split} must be at least 1")
     want = cdiv(2 * _num_sms(device.index), batch * num_kv_heads)
-    return max(1, min(want, cdiv(longest_list, min_pages_per_split), 64))
+    if want >= FEW_PAIRS_SPLITS and longest_list <= MAX_SPLITS * FEW_PAIRS_PAGES:
+        splits = max(FEW_PAIRS_SPLITS, cdiv(longest_list, FEW_PAIRS_PAGES))
+    else:
+        splits = min(want, cdiv(longest_list, 4))
+    return max(1, min(splits, longest_list, MAX_SPLITS))
 
 
 def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> int:
@@ -496,6 +615,7 @@ def decode(
     if prefetch < 0 or prefetch & (prefetch - 1):
         raise ValueError(f"prefetch_entries={prefetch} must be 0 or a power of two")
     block_m = max(16, next_power_of_2(group * num_new))
+    merge_m = next_power_of_2(group * num_new)
     block_d = padded_head_dim(head_dim)
     grid = (batch * num_kv_heads, num_splits)
     _DECODE[grid](
@@ -518,7 +638,8 @@ def decode(
         DENSE=layout.dense,
         DOT_PRECISION=dot_precision(q.dtype),
         MAX_SPLITS=next_power_of_2(num_splits),
-        MERGE_CHUNK=max(1, MERGE_ROWS_X_SPLITS // block_m),
+        MERGE_M=merge_m,
+        MERGE_CHUNK=min(next_power_of_2(num_splits), max(1, MERGE_ROWS_X_SPLITS // merge_m)),
         PREFETCH=prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
