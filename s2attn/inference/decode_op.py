@@ -98,19 +98,8 @@ def _run_num_splits(layout, key: int, batch: int, device: torch.device) -> int:
 
 
 @static_decode.register_fake
-def _(
-    q,
-    k,
-    v,
-    k_pages,
-    v_pages,
-    page_table,
-    seq_lens,
-    split_counters,
-    pattern_key,
-    softmax_scale,
-    check_room,
-):
+def _(q, k, v, k_pages, v_pages, page_table, seq_lens, split_counters, pattern_key, softmax_scale,
+      check_room):  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
