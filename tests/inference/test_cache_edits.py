@@ -285,9 +285,16 @@ def test_reordered_sequences_share_pages_and_copy_on_write():
     req.qkv = [req.qkv[0], req.qkv[0]]
     req.step(1, "decode after repeating it")
     assert_counts_match(cache)
+    # More sequences than the cache was built with: the decode kernel's split counters (one per
+    # sequence and KV head, indexed by its atomics) follow the batch.
+    cache.select_sequences([1, 0, 1, 0])
+    req.qkv = [req.qkv[i] for i in (1, 0, 1, 0)]
+    assert cache.split_counters.shape == (4 * KV_HEADS,) and not cache.split_counters.any()
+    req.step(1, "decode after growing the batch")
+    assert_counts_match(cache)
     before = state(cache)
     with pytest.raises(ValueError, match="indices"):
-        cache.select_sequences([0, 2])
+        cache.select_sequences([0, 4])
     with pytest.raises(ValueError, match="indices"):
         cache.select_sequences(torch.zeros(2))
     assert_unchanged(cache, before)
