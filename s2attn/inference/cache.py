@@ -209,12 +209,8 @@ class PagedKVCache:
         self._keep_block = [0] * batch_size
         self._layout: DecodeLayout | None = None
         self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
-        # The decode kernel's count of finished splits per (sequence, KV head), zero between
-        # launches. One per cache: its steps launch in order on one stream, so they can share
-        # it. Made here, not on first use, so that a compiled step only reads it.
-        self.split_counters = torch.zeros(
-            batch_size * num_kv_heads, dtype=torch.int32, device=self.device
-        )
+        # Made here, not on first use, so that a compiled step only reads it.
+        self.split_counters = self._new_split_counters()
         # Eager decode steps captured as CUDA graphs, by step shape (inference/step_graph.py).
         self.step_graphs: dict = {}
 
@@ -378,6 +374,13 @@ class PagedKVCache:
             self._list_lengths = layout.list_lengths.tolist()
             self._layout = layout
         return self._layout
+
+    def _new_split_counters(self) -> torch.Tensor:
+        """The decode kernel's count of finished splits per (sequence, KV head), zero between
+        launches; its atomics index it, so it follows the batch size. One per cache: its steps
+        launch in order on one stream, so they can share it."""
+        n = self.batch_size * self.num_kv_heads
+        return torch.zeros(n, dtype=torch.int32, device=self.device)
 
     @_host_synced
     def decode_num_splits(self, num_new: int) -> int:

@@ -28,14 +28,17 @@ from .cache import PagedKVCache
 from .decode_step import MAX_DECODE_TOKENS, decode_step, step_layout
 from .static_cache import StaticKVCache
 
-__all__ = ["static_decode_step"]
+__all__ = ["STEP_WRITES", "static_decode_step"]
 
 _DENSE = -1  # the pattern key of a dense layer's cache (no pattern)
 
+# The cache tensors the operator writes, by their names as arguments and as cache attributes: a
+# caller that captures the step in CUDA graphs fixes their addresses (the transformers
+# integration marks each one static).
+STEP_WRITES = ("k_pages", "v_pages", "seq_lens", "split_counters")
 
-@torch.library.custom_op(
-    "s2attn::static_decode", mutates_args=("k_pages", "v_pages", "seq_lens", "split_counters")
-)
+
+@torch.library.custom_op("s2attn::static_decode", mutates_args=STEP_WRITES)
 def static_decode(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -207,10 +207,7 @@ class DynamicKVCache(PagedKVCache):
             self.batch_size = len(indices)
             self.page_table = table.to(self.device)
             self.seq_lens = lengths.to(self.device)
-            # One counter per (sequence, KV head): the decode kernel's atomics index them.
-            self.split_counters = torch.zeros(
-                self.batch_size * self.num_kv_heads, dtype=torch.int32, device=self.device
-            )
+            self.split_counters = self._new_split_counters()
 
     def _reset_pages(self) -> None:
         self._table.fill_(-1)

@@ -614,8 +614,8 @@ def decode(
     prefetch = config.prefetch_entries
     if prefetch < 0 or prefetch & (prefetch - 1):
         raise ValueError(f"prefetch_entries={prefetch} must be 0 or a power of two")
-    block_m = max(16, next_power_of_2(group * num_new))
     merge_m = next_power_of_2(group * num_new)
+    block_m = max(16, merge_m)  # a dot's rows: at least 16
     block_d = padded_head_dim(head_dim)
     grid = (batch * num_kv_heads, num_splits)
     _DECODE[grid](
