@@ -151,6 +151,14 @@ def decode(model, batch: int, ctx: int, new: int, fill) -> dict:
                 kv_gib=kv_bytes / GIB, peak_gib=peak / GIB)  # fmt: skip
 
 
+def cudagraph_skips() -> int:
+    """Graphs Inductor has compiled to run without CUDA graphs so far. It counts a graph once,
+    when it compiles it: the rows that reuse it run without graphs too, uncounted."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def decode_one(model, ctx: int, new: int, fill, repeats: int) -> dict:
     """Batch-1 decode, host-bound: the run of median tokens/s among ``repeats`` (each over a
     fresh cache), with every run's tokens/s and the host's load before them."""
@@ -227,14 +235,24 @@ def greedy_check(model, s2hf, args, dtype: torch.dtype) -> dict:
     return row
 
 
+def warn_skips(row: dict) -> None:
+    if row["cudagraph_skips"]:
+        print(f"    WARNING: Inductor compiled {row['cudagraph_skips']} graph(s) of this row "
+              "without CUDA graphs (its log says why): its compiled figures are not "
+              "reduce-overhead's", flush=True)  # fmt: skip
+
+
 def dense_best_one(model, ctx: int, args, eager: dict) -> tuple[dict, dict]:
     """Dense's batch 1 by its best path: ``eager`` (DynamicCache) or generate's compiled decode
     step over a StaticCache, whichever decodes faster; returns it and the row's note of both."""
     static = lambda b: dense_cache(model, b, ctx, ctx + ROOM)  # noqa: E731
+    skips = cudagraph_skips()
     compiled = decode_one(model, ctx, args.new, static, args.repeats)
     print(f"    batch 1 compiled (StaticCache): {compiled['tok_s']:.1f} tok/s", flush=True)
     won = "compiled" if compiled["tok_s"] > eager["tok_s"] else "eager"
-    note = dict(one_path=won, one_eager=eager, one_compiled=compiled)
+    note = dict(one_path=won, one_eager=eager, one_compiled=compiled,
+                cudagraph_skips=cudagraph_skips() - skips)  # fmt: skip
+    warn_skips(note)
     return (compiled if won == "compiled" else eager), note
 
 
@@ -275,7 +293,10 @@ def markdown(rows: list[dict], checks: list[dict], env: dict, args, params: int)
         return f"{r['max']['tok_s'] / d['max']['tok_s']:.1f}" if d else "—"
 
     def batch_one_path(r):
-        return r.get("one_path") or ("compiled" if kind(r)[1] else "eager")
+        path = r.get("one_path") or ("compiled" if kind(r)[1] else "eager")
+        # A compiled graph of the row ran without CUDA graphs: not the path it names.
+        skipped = path == "compiled" and r.get("cudagraph_skips")
+        return path + (" (CUDA graphs skipped)" if skipped else "")
 
     # Batch 1 against dense's best path at the same prompt (eager or compiled, whichever won).
     dense_one = {r["prompt"]: r for r in rows if r["config"] == "dense SDPA"}
@@ -394,6 +415,7 @@ def main() -> int:
         for ctx in [int(p) for p in args.compiled_prompts.split(",")]:
             eager = next(r for r in rows if (r["config"], r["prompt"]) == (name, ctx))
             print(f"[{name}, static, compiled] prompt {ctx}", flush=True)
+            skips = cudagraph_skips()
             one = decode_one(model, ctx, args.new, lambda b, ctx=ctx: fill(b, ctx), args.repeats)
             print(f"    batch 1: {one['tok_s']:.1f} tok/s (median of {args.repeats})", flush=True)
             most = fitting_batch(model, ctx, args.new, lambda b, ctx=ctx: fill(b, ctx),
@@ -401,7 +423,8 @@ def main() -> int:
             most["per_seq_gib"] = most["kv_gib"] / most["batch"]
             print(f"    batch {most['batch']}: {most['tok_s']:.0f} tok/s", flush=True)
             rows.append(dict(config=f"{name} static+compiled", prompt=ctx, ttft_s=None, one=one,
-                             max=most))  # fmt: skip
+                             max=most, cudagraph_skips=cudagraph_skips() - skips))  # fmt: skip
+            warn_skips(rows[-1])
             torch.cuda.empty_cache()
 
     finish(env)
