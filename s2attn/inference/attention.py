@@ -129,6 +129,28 @@ def _decode_step(q, cache: PagedKVCache, k, v, scale: float, num_splits: int | N
     return device_step(cache, q, k, v, scale, num_splits, want_lse)
 
 
+def _step_inputs(q, cache: PagedKVCache, k, v, softmax_scale) -> tuple:
+    """What a decode step's checks read of its inputs. Each value's type comes before it, so
+    comparing two of these never compares a tensor with a number (an error, not False)."""
+    return (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, type(softmax_scale), softmax_scale,
+            cache.batch_size)  # fmt: skip
+
+
+def _checked_scale(q, cache, k, v, softmax_scale, cu_seqlens_q) -> float | None:
+    """The scale of a decode step whose inputs match the cache's last checked step's (their
+    shapes, dtypes, devices, the scale given and the batch), else None. At batch 1 an eager
+    step is host work: the checks cost about as much as the page planning."""
+    checked = cache._checked_step if isinstance(cache, PagedKVCache) else None
+    if checked is None or cu_seqlens_q is not None:
+        return None
+    try:
+        inputs = _step_inputs(q, cache, k, v, softmax_scale)
+    except AttributeError:  # not tensors: the checks name what is wrong
+        return None
+    return checked[1] if inputs == checked[0] else None
+
+
 def _attend_dense(q, cache, k, v, scale, cu_q, counts, past):
     """Forward kernel over each sequence's past (gathered) and new keys, packed."""
     batch = cache.batch_size
@@ -221,6 +243,11 @@ def sparse_attention_with_kvcache(
         >>> for _ in range(steps):  # q_step (2, 1, 32, 128), k/v_step (2, 1, 8, 128)
         ...     out = s2attn.sparse_attention_with_kvcache(q_step, cache, k_step, v_step)
     """
+    scale = _checked_scale(q, cache, k, v, softmax_scale, cu_seqlens_q)
+    if scale is not None:
+        cache._prepare_checked_decode_step(q.shape[1])
+        out, lse = device_step(cache, q, k, v, scale, num_splits, return_lse)
+        return (out, lse) if return_lse else out
     scale = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
     if k is None:
         if not supports_triton(q.device):
@@ -238,6 +265,7 @@ def sparse_attention_with_kvcache(
     )
     if is_decode_step:
         out, lse = _decode_step(q, cache, k, v, scale, num_splits, return_lse)
+        cache._checked_step = (_step_inputs(q, cache, k, v, softmax_scale), scale)
         return (out, lse) if return_lse else out
 
     past, counts = cache.lengths, _new_counts(q, cache, cu_seqlens_q)

@@ -213,6 +213,9 @@ class PagedKVCache:
         self.split_counters = self._new_split_counters()
         # Eager decode steps captured as CUDA graphs, by step shape (inference/step_graph.py).
         self.step_graphs: dict = {}
+        # The last eager decode step's inputs, as they passed their checks, and its scale: a step
+        # of the same inputs skips the checks (inference/attention.py).
+        self._checked_step: tuple | None = None
 
     def __new__(cls, *args, static: bool | None = None, **kwargs):
         # PagedKVCache(..., static=...) picks the kind; a kind's own class takes it as it is.
@@ -469,6 +472,14 @@ class PagedKVCache:
             )
         _, self._lengths, self._keep_block = self._plan_append(k, v, None, None)
 
+    @_host_synced
+    def _prepare_checked_decode_step(self, num_new: int) -> None:
+        """:meth:`prepare_decode_step` for ``num_new`` new tokens per sequence whose k and v
+        passed its checks in an earlier step of the same shape, dtype and device: the eager
+        step's common case, where the checks cost about as much as the planning."""
+        counts = [num_new] * self.batch_size
+        _, self._lengths, self._keep_block = self._plan(counts, None)
+
     def _plan_append(
         self,
         k: torch.Tensor,
@@ -478,7 +489,13 @@ class PagedKVCache:
     ) -> tuple[list[int], list[int], list[int]]:
         """Check an append, make room for it; return the new tokens, lengths and keep blocks
         per sequence."""
-        counts = self._new_token_counts(k, v, cu_seqlens)
+        return self._plan(self._new_token_counts(k, v, cu_seqlens), keep_from)
+
+    def _plan(
+        self, counts: list[int], keep_from: Sequence[int] | None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Make room for ``counts`` new tokens per sequence (checked k and v); return them, the
+        new lengths and keep blocks per sequence."""
         old = self._lengths
         new = [a + n for a, n in zip(old, counts)]
         self._check_fits(new)

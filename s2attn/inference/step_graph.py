@@ -20,6 +20,7 @@ step runs the PyTorch reference instead of the kernels.
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -57,7 +58,7 @@ class StepGraph:
         if self.direct or not self.held:
             self.held = held
             return _launch(cache, self.q, self.k, self.v, self.scale, self.num_splits)
-        if self.graph is None or any(a is not b for a, b in zip(self.held, held)):
+        if self.graph is None or not all(map(operator.is_, self.held, held)):
             try:
                 self._capture(cache)
             except Exception as exc:  # noqa: BLE001 (whatever failed, the step must still run)

@@ -222,6 +222,51 @@ def test_full_cache_refuses_the_next_step_and_changes_nothing():
     req.step(1, "decode after crop of a full cache")
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_steps_after_a_checked_step_still_refuse_bad_inputs(static, monkeypatch):
+    """A decode step whose inputs match the last checked step's skips the checks (host time):
+    every other input still goes through them, raises by name and changes nothing, also after
+    steps that skipped them and after the batch changed under the same shapes."""
+    from s2attn.inference import attention
+
+    torch.manual_seed(6)
+    pattern = s2_pattern()
+    req = Request(make_cache(pattern, 2, static=static), pattern)
+    req.prefill([37, 20])
+    checks = []
+    validate = attention._validate
+    monkeypatch.setattr(attention, "_validate", lambda *a: checks.append(1) or validate(*a))
+    for _ in range(3):
+        req.step(1, "steps of one shape")
+    assert len(checks) == 1, "steps of the first step's inputs check them again"
+    cache = req.cache
+    before = state(cache)
+    q = torch.randn(2, 1, HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(2, 1, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    bad = [
+        (TypeError, "k has dtype", (q, k.double(), k.double(), None)),
+        (TypeError, "q has dtype", (q.double(), k, k, None)),
+        (ValueError, "kv_heads", (q, k[:, :, :1], k[:, :, :1], None)),
+        (ValueError, "differ in shape", (q, k, k[:1], None)),
+        (ValueError, "softmax_scale", (q, k, k, torch.tensor([0.5, 0.25]))),
+        (ValueError, "softmax_scale", (q, k, k, float("nan"))),
+        (TypeError, "q must be a torch.Tensor", (q.tolist(), k, k, None)),
+        (ValueError, r"q must be \(batch=2", (q[:1], k[:1], k[:1], None)),
+    ]
+    for error, match, (qb, kb, vb, scale) in bad:
+        with pytest.raises(error, match=match):
+            sparse_attention_with_kvcache(qb, cache, kb, vb, softmax_scale=scale)
+        assert_unchanged(cache, before)
+    req.step(1, "a step after the refusals")
+    if not static:
+        # One sequence left: the last step's shapes now name the wrong batch.
+        cache.select_sequences([1])
+        req.qkv = req.qkv[1:]
+        with pytest.raises(ValueError, match=r"q must be \(batch=1"):
+            sparse_attention_with_kvcache(q, cache, k, k)
+        req.step(1, "a step after the batch changed")
+
+
 def test_reset_between_requests_and_two_caches_alternately():
     torch.manual_seed(5)
     pattern = s2_pattern()
