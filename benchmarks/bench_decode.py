@@ -157,11 +157,9 @@ def flex_fn(pattern, q, k_full, v_full, scale: float):
 def kernel_fn(
     cache: PagedKVCache, q, scale: float, splits: int, config: TritonDecodeConfig | None = None
 ):
-    """The decode kernel (and split merge) alone, on the cache's pages, with a split counter kept
-    from call to call as a cache keeps one (left out, each call would zero one of its own: a
-    second launch in every timing)."""
+    """The decode kernel (and split merge) alone, on the cache's pages, with the cache's split
+    counter (left out, each call would zero one of its own: a second launch in every timing)."""
     layout = cache.decode_layout
-    counters = torch.zeros(q.shape[0] * KV_HEADS, dtype=torch.int32, device=q.device)
     return functools.partial(
         dec.decode,
         q,
@@ -172,7 +170,7 @@ def kernel_fn(
         layout,
         softmax_scale=scale,
         num_splits=splits,
-        split_counters=counters,
+        split_counters=cache.split_counters,
         config=config,
     )
 
