@@ -403,7 +403,7 @@ def main() -> int:
         old = json.loads(args.update.read_text())
         if old["env"]["device"] != env["device"]:
             raise SystemExit(f"{args.update} was measured on {old['env']['device']}, not here")
-        key = lambda r: (r["case"], r["seq"], r["pass_"], r["provider"])  # noqa: E731
+        key = lambda r: (r["case"], r["seq"], r["pass_"], r["provider"])
         new_keys = {key(r) for r in rows}
         rows = [r for r in old["rows"] if key(r) not in new_keys] + rows
         env["date"] = f"{old['env']['date']}, updated {env['date']}"

@@ -245,7 +245,7 @@ def warn_skips(row: dict) -> None:
 def dense_best_one(model, ctx: int, args, eager: dict) -> tuple[dict, dict]:
     """Dense's batch 1 by its best path: ``eager`` (DynamicCache) or generate's compiled decode
     step over a StaticCache, whichever decodes faster; returns it and the row's note of both."""
-    static = lambda b: dense_cache(model, b, ctx, ctx + ROOM)  # noqa: E731
+    static = lambda b: dense_cache(model, b, ctx, ctx + ROOM)
     skips = cudagraph_skips()
     compiled = decode_one(model, ctx, args.new, static, args.repeats)
     print(f"    batch 1 compiled (StaticCache): {compiled['tok_s']:.1f} tok/s", flush=True)
@@ -376,13 +376,13 @@ def main() -> int:
     for name, implementation in configs:
         model.set_attn_implementation(implementation)
         if implementation == "sdpa":
-            fill = lambda batch, ctx: dense_cache(model, batch, ctx)  # noqa: E731
-            make_cache = lambda ctx: None  # noqa: E731  (generate's DynamicCache)
+            fill = lambda batch, ctx: dense_cache(model, batch, ctx)
+            make_cache = lambda ctx: None  # generate's DynamicCache
         else:
             # Each prompt's caches sized for it (the prompt, the new tokens, a margin): the page
             # pools hold what the patterns keep for that length, not for the longest prompt.
-            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + ROOM)  # noqa: E731
-            make_cache = lambda ctx: s2hf.S2Cache(model.config, max_seq_len=ctx + ROOM)  # noqa: E731
+            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + ROOM)
+            make_cache = lambda ctx: s2hf.S2Cache(model.config, max_seq_len=ctx + ROOM)
         ttft(model, min(2048, *prompts), make_cache)  # compiles what the prefill launches
         for ctx in prompts:
             print(f"[{name}] prompt {ctx}", flush=True)
@@ -409,9 +409,9 @@ def main() -> int:
     for name, implementation in configs if args.compiled else []:
         model.set_attn_implementation(implementation)
         if implementation == "sdpa":
-            fill = lambda batch, ctx: dense_cache(model, batch, ctx, ctx + ROOM)  # noqa: E731
+            fill = lambda batch, ctx: dense_cache(model, batch, ctx, ctx + ROOM)
         else:
-            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + ROOM, True)  # noqa: E731
+            fill = lambda batch, ctx: s2_cache(model, batch, ctx, ctx + ROOM, True)
         for ctx in [int(p) for p in args.compiled_prompts.split(",")]:
             eager = next(r for r in rows if (r["config"], r["prompt"]) == (name, ctx))
             print(f"[{name}, static, compiled] prompt {ctx}", flush=True)

@@ -135,7 +135,7 @@ def markdown(rows, env, limits, args) -> str:
         "| measured | of ceiling | of schedule ceiling |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    pct = lambda x: "—" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+    pct = lambda x: "—" if x is None else f"{100 * x:.0f}%"
     for r in rows:
         measured = r.get("measured_ms")
         lines.append(

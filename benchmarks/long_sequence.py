@@ -91,7 +91,7 @@ def check_rows(q, k, v, do, out, lse, dq, dk, dv, pattern, args, gen) -> dict:
     keys = [0, seq - 1, *torch.randint(1, seq - 1, (extra,), generator=gen).tolist()]
     got = {"out": [], "lse": [], "dq": [], "dk": [], "dv": []}
     want = {name: [] for name in got}
-    f32 = lambda t: t.float()  # noqa: E731
+    f32 = lambda t: t.float()
     for h in range(heads):
         coords = pattern.block_coordinates(heads=slice(h, h + 1), device=q.device)
         kvh = h // group

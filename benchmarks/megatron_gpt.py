@@ -63,10 +63,10 @@ import torch.distributed as dist
 if not torch.cuda.is_available():  # CPU: the kernels under the Triton interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from run_info import environment, parser, result_stem, table, versions_line, write_results  # noqa: E402
+from run_info import environment, parser, result_stem, table, versions_line, write_results
 
-import s2attn  # noqa: E402
-from s2attn.distributed import shard, unshard  # noqa: E402
+import s2attn
+from s2attn.distributed import shard, unshard
 
 with warnings.catch_warnings():  # megatron warns at import that Apex and TE are missing
     warnings.simplefilter("ignore")

@@ -474,7 +474,7 @@ def markdown(result: dict, env: dict, args) -> str:
             for r in steps
         ),
     )
-    med = lambda key: statistics.median(r[key] for r in steps) if steps else None  # noqa: E731
+    med = lambda key: statistics.median(r[key] for r in steps) if steps else None
     lines += [
         "",
         f"Median: wall {cell(med('wall_ms'))} ms profiled, {cell(result['unprofiled_ms'])} ms "

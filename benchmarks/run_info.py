@@ -23,7 +23,7 @@ import triton
 # PYTHONPATH that carries other packages (wheels unpacked on a GPU machine) leaves it out.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import s2attn  # noqa: E402
+import s2attn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,7 +37,7 @@ def environment() -> dict:
         cuda=torch.version.cuda,
         s2attn=s2attn.__version__,
         host=host(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     )
 
 
@@ -215,7 +215,7 @@ def heading(title: str, env: dict, description: str, versions: str | None = None
 
 def table(header: list[str], rows: Iterable[list]) -> list[str]:
     """A markdown table's lines; every row has one cell per header column."""
-    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
+    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"
     return [line(header), "|" + " --- |" * len(header), *(line(r) for r in rows)]
 
 

@@ -22,7 +22,7 @@ import s2attn
 from s2attn import local_stride_pattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from run_info import host_ms  # noqa: E402
+from run_info import host_ms
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--backward", action="store_true")

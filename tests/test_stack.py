@@ -6,12 +6,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
+from transformers import LlamaConfig
 
-from s2attn import dense_pattern, local_stride_pattern  # noqa: E402
-from s2attn.integrations import transformers as s2hf  # noqa: E402
-from s2attn.models import presets  # noqa: E402
-from s2attn.stack import S2Settings  # noqa: E402
+from s2attn import dense_pattern, local_stride_pattern
+from s2attn.integrations import transformers as s2hf
+from s2attn.models import presets
+from s2attn.stack import S2Settings
 
 
 def _same_pattern(got, want) -> None:

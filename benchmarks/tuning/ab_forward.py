@@ -31,8 +31,8 @@ except ImportError:  # said after --help has had its say
     s2attn_base = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
-from bench_attention import Case, cases  # noqa: E402
-from run_info import host_ms  # noqa: E402
+from bench_attention import Case, cases
+from run_info import host_ms
 
 ap = argparse.ArgumentParser()
 ap.add_argument(

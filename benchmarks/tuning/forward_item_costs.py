@@ -24,8 +24,8 @@ import s2attn
 from s2attn.layout import forward_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
-from run_info import median_ms  # noqa: E402
-from shapes import BLOCK, DIM, HEADS, LOCAL_BLOCKS  # noqa: E402
+from run_info import median_ms
+from shapes import BLOCK, DIM, HEADS, LOCAL_BLOCKS
 
 TILE_M, TILE_N = 128, 64
 

@@ -24,7 +24,7 @@ from s2attn.ops import dispatch
 from s2attn.ops.options import GluonDkdvConfig, KernelOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for shapes
-from shapes import BLOCK, DIM, HEADS, KV_HEADS, LOCAL_BLOCKS  # noqa: E402
+from shapes import BLOCK, DIM, HEADS, KV_HEADS, LOCAL_BLOCKS
 
 
 def time_groupings(seq: int, group_pattern: bool, groupings: list[int | None]) -> None:

@@ -27,7 +27,7 @@ from s2attn.ops import dispatch
 from s2attn.ops.options import GluonDkdvConfig, GluonDqConfig, GluonForwardConfig, KernelOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for shapes
-from shapes import BLOCK, HEADS, LOCAL_BLOCKS  # noqa: E402
+from shapes import BLOCK, HEADS, LOCAL_BLOCKS
 
 KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel")
 

@@ -38,7 +38,7 @@ from s2attn.ops.options import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
-from run_info import sweep_arguments  # noqa: E402
+from run_info import sweep_arguments
 
 # A variant: (block_m, block_n, the KernelOptions of its pass). Gluon variants run where the
 # Gluon kernel supports the call (sm_90, 128x64 forward and dQ tiles, 64x64 dK/dV tiles); Triton

@@ -29,7 +29,7 @@ from s2attn.ops import dispatch
 from s2attn.ops.options import KernelOptions, TritonBackwardConfig, TritonForwardConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
-from run_info import sweep_arguments  # noqa: E402
+from run_info import sweep_arguments
 
 # Per pass: the (block_m, block_n) tiles, warps and stages to try.
 SPACE = {

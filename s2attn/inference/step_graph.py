@@ -61,7 +61,7 @@ class StepGraph:
         if self.graph is None or not all(map(operator.is_, self.held, held)):
             try:
                 self._capture(cache)
-            except Exception as exc:  # noqa: BLE001 (whatever failed, the step must still run)
+            except Exception as exc:  # whatever failed, the step must still run
                 # The host's half of this step has run (pages, lengths): the step cannot stop
                 # here without leaving the cache half advanced, so it launches directly.
                 self.graph, self.direct = None, True

@@ -674,7 +674,7 @@ def run(args: argparse.Namespace) -> int:
         "preset": record.get("preset"),
         "seed": seed,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

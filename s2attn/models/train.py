@@ -436,7 +436,7 @@ def _run_record(plan: _Plan) -> dict:
             "transformers": transformers.__version__,
             "triton": triton.__version__,
         },
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "git_commit": _git_commit(),
         "command": command,
     }

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from s2attn.integrations import transformers as s2hf  # noqa: E402
-from s2attn.models import presets  # noqa: E402
+from s2attn.integrations import transformers as s2hf
+from s2attn.models import presets
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -20,10 +20,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from helpers import DEVICE, assert_close  # noqa: E402
+from helpers import DEVICE, assert_close
 
-from s2attn.models import evaluate, presets  # noqa: E402
-from s2attn.models.data import VOCAB_SIZE, SourceCorpus  # noqa: E402
+from s2attn.models import evaluate, presets
+from s2attn.models.data import VOCAB_SIZE, SourceCorpus
 
 # Small enough that the grid cells of the CLI test cost little, long enough for a needle.
 LENGTH = 48

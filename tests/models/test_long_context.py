@@ -21,12 +21,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from helpers import s2_layers_on_reference, tiny_train_argv, train_args  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from helpers import s2_layers_on_reference, tiny_train_argv, train_args
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from s2attn.integrations import transformers as s2hf  # noqa: E402
-from s2attn.models import data, evaluate, presets, train  # noqa: E402
+from s2attn.integrations import transformers as s2hf
+from s2attn.models import data, evaluate, presets, train
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"

@@ -22,11 +22,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from helpers import s2_layers_on_reference, tiny_train_argv, train_args  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from helpers import s2_layers_on_reference, tiny_train_argv, train_args
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 
-from s2attn.models import data, presets, train  # noqa: E402
+from s2attn.models import data, presets, train
 
 SMALL = tiny_train_argv(batch_size=4)
 # Everything but time varies with the weights; time fields differ run to run.

@@ -119,7 +119,7 @@ def test_default_kernels_match_reference(case: Case):
     )
     cu_seqlens, max_seqlens = {}, {}
     if case.q_lens is not None:
-        cu = lambda lens: torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)  # noqa: E731
+        cu = lambda lens: torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
         cu_seqlens = dict(cu_seqlens_q=cu(case.q_lens), cu_seqlens_k=cu(case.k_lens))
         max_seqlens = dict(max_seqlen_q=max(case.q_lens), max_seqlen_k=max(case.k_lens))
     pattern = case.pattern()

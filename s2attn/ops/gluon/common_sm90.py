@@ -114,7 +114,7 @@ def store_rows(base, rows, values, stride_s, seqlen, layout: gl.constexpr):
 
 @gluon.jit
 def store_rows_by_copy(desc, tile_smem, ROW_START: gl.constexpr, b, h, first_row, values, base,
-                       stride_s, seqlen, layout: gl.constexpr):  # fmt: skip
+                       stride_s, seqlen, layout: gl.constexpr):
     """Store (rows, dim) ``values`` as rows ``first_row``.. of (batch b, head h) by one bulk copy
     through rows ROW_START.. of ``tile_smem``, a (1, tile rows, 1, dim) buffer that no copy is
     reading; rows past ``seqlen`` are clipped by ``desc``. 64 rows of stores from registers took

@@ -48,7 +48,7 @@ def _attend_page(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DENSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """Online softmax over KV block ``j``, held in page ``page`` (int64); ``bits`` is the entry's
     per-head bit matrix (read only for MASKED lists that are not DENSE)."""
     ACC = acc.dtype
@@ -103,7 +103,7 @@ def _attend_pages(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DENSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-):  # fmt: skip
+):
     """Online softmax over entries ``start..end`` of one list; each entry is one page.
 
     DENSE lists are implicit: entry ``e`` is KV block ``e`` and every bit is set. MASKED entries
@@ -170,7 +170,7 @@ def _attend_pages(
 
 @triton.jit
 def _entry(full_cols, partial_cols, partial_bits, full_start, num_full, part_start, e, ok,
-           DENSE: tl.constexpr):  # fmt: skip
+           DENSE: tl.constexpr):
     """KV block and bits of entries ``e`` (scalar or vector) of a split's walk: the full list's
     ``num_full`` entries, then the partial ones. A full entry's bits are all set (every head
     keeps it, and it lies wholly before the new tokens, so the causal rule keeps every key)."""
@@ -197,7 +197,7 @@ def _attend_entries(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
-):  # fmt: skip
+):
     """Online softmax over entries ``lo..hi`` of a split's walk (full entries, then partial ones;
     see :func:`_entry`), each one page, masked by its bits and causality.
 
@@ -223,7 +223,7 @@ def _attend_entries(
             j, bits = _entry(
                 full_cols, partial_cols, partial_bits, full_start, num_full, part_start, e, True,
                 DENSE,
-            )  # fmt: skip
+            )
             page = tl.load(pages_ptr + j * stride_tj).to(tl.int64)
             acc, l_i, m_i = _attend_page(
                 acc, l_i, m_i, q, j, page, bits, K, V, stride_kp, stride_kn, stride_kd,
@@ -239,7 +239,7 @@ def _attend_entries(
             cols, all_bits = _entry(
                 full_cols, partial_cols, partial_bits, full_start, num_full, part_start, ents,
                 e_ok, DENSE,
-            )  # fmt: skip
+            )
             pages = tl.load(pages_ptr + cols * stride_tj, mask=e_ok, other=0).to(tl.int64)
             # Triton cannot index a tensor by a run-time lane: a one-hot sum picks it instead.
             for i in range(0, tl.minimum(hi - e0, PREFETCH)):
@@ -372,20 +372,20 @@ def _decode_kernel(
             stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd, row_pos, bitpos,
             ctx_len, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DENSE, DOT_PRECISION, PREFETCH,
-        )  # fmt: skip
+        )
     else:
         acc, l_i, m_i = _attend_pages(
             acc, l_i, m_i, q, full_cols, partial_bits, full_start, full_end, pages_ptr,
             stride_tj, K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
             row_pos, bitpos, ctx_len, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, DENSE, DOT_PRECISION, PREFETCH,
-        )  # fmt: skip
+        )
         acc, l_i, m_i = _attend_pages(
             acc, l_i, m_i, q, partial_cols, partial_bits, part_start, part_end, pages_ptr,
             stride_tj, K, V, stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,
             row_pos, bitpos, ctx_len, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, DENSE, DOT_PRECISION, PREFETCH,
-        )  # fmt: skip
+        )
 
     # Rows that attend nothing (in this split): output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
@@ -396,7 +396,7 @@ def _decode_kernel(
         out_ptrs = (
             Out + b.to(tl.int64) * stride_ob + t[:, None] * stride_os + h[:, None] * stride_oh
             + offs_d[None, :] * stride_od
-        )  # fmt: skip
+        )
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_ls, lse, mask=row_ok)
     else:
@@ -429,7 +429,7 @@ def _decode_kernel(
             m_out = (
                 Out + b.to(tl.int64) * stride_ob + m_t[:, None] * stride_os
                 + m_h[:, None] * stride_oh + offs_d[None, :] * stride_od
-            )  # fmt: skip
+            )
             tl.store(m_out, merged.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
             tl.store(
                 Lse + b.to(tl.int64) * stride_lb + m_h * stride_lh + m_t * stride_ls,
@@ -444,7 +444,7 @@ def _merge_splits(
     OutSplit, LseSplit, row, row_ok, offs_d, d_ok, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     MAX_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-):  # fmt: skip
+):
     """The exact LSE-weighted sum of ``row``'s splits, in a fixed order (deterministic whichever
     program merges): (out float32 (BLOCK_M, BLOCK_D), natural-log lse (BLOCK_M,)).
 
@@ -456,7 +456,7 @@ def _merge_splits(
     lse_all = tl.load(
         LseSplit + row[:, None] * num_splits + offs_s[None, :],
         mask=row_ok2 & (offs_s < num_splits)[None, :], other=float("-inf"), cache_modifier=".cg",
-    )  # fmt: skip
+    )
     m = tl.max(lse_all, 1)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -472,7 +472,7 @@ def _merge_splits(
         o = tl.load(
             OutSplit + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
             mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
+        )
         w = tl.exp(lse_c - m_ref[:, None])
         acc += tl.sum(w[:, :, None] * o, 1)
         denom += tl.sum(w, 1)
