@@ -473,6 +473,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated needle depths in [0, 1] (0 = start, 1 = end)",
     )
     parser.add_argument("--samples", type=int, default=20, help="samples per grid cell")
+    from . import tasks
+
+    tasks.add_arguments(parser)
     parser.add_argument(
         "--out",
         type=Path,
@@ -610,7 +613,7 @@ def run(args: argparse.Namespace) -> int:
     roots = args.data_root or record.get("data_root") or record.get("data_roots") or None
     lengths = args.lengths or [seq_len]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    longest = max([seq_len, *lengths]) if args.needle else seq_len
+    longest = max([seq_len, *lengths]) if args.needle or args.tasks else seq_len
     batch_size = args.batch_size or max(
         1, min(int(record.get("batch_size", 8)), _BATCH_TOKENS // longest)
     )
@@ -631,6 +634,11 @@ def run(args: argparse.Namespace) -> int:
                     "patterns' / position table's length; train with a larger --max-seq-len)"
                 )
         depths = _check_depths(args.depths)
+    from . import tasks
+
+    task_plan = tasks.plan(
+        args.tasks, lengths, args.task_samples, limit=limit, roots=roots, val_fraction=val_fraction
+    )
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     if args.out is not None and args.out.suffix != ".json":
@@ -711,6 +719,17 @@ def run(args: argparse.Namespace) -> int:
             ),
         )
         _print_grid(result["accuracy"])
+    result.update(
+        task_plan.run(
+            model,
+            corpus,
+            seed=seed,
+            device=device,
+            autocast_dtype=autocast_dtype,
+            batch_size=batch_size,
+            progress=progress,
+        )
+    )
     result.update(
         batch_size=batch_size,
         memory_estimate_gib=needed / 2**30,
