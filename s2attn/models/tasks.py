@@ -1,7 +1,7 @@
 """Long-context evaluations harder than one needle: synthetic tasks, and bits per byte by position.
 
 **Synthetic tasks**, in the manner of RULER. Each is a frozen dataclass holding its shape, whose
-:meth:`~_Task.sample` plants its items at uniform random depths in filler text (a chain's
+:meth:`~Task.sample` plants its items at uniform random depths in filler text (a chain's
 assignments in chain order) and ends with a question and its answer:
 
 - :class:`MultiKey` (``multikey``): ``keys`` needles ``KEY k VALUE v`` with distinct keys and
@@ -61,6 +61,7 @@ __all__ = [
     "Aggregation",
     "MultiKey",
     "MultiValue",
+    "Task",
     "TaskPlan",
     "TaskSample",
     "VariableTracking",
@@ -164,7 +165,7 @@ def _context(
 
 
 @dataclass(frozen=True)
-class _Task:
+class Task:
     """What every task shares: key and value lengths, the length check and the sample's
     assembly. A task defines ``name``, ``_items_len`` (tokens of its items, question and answer)
     and ``_sample``."""
@@ -179,6 +180,13 @@ class _Task:
         for f in fields(self):
             least = 0 if f.name in self._may_be_zero else 1
             _check_int(f"{type(self).__name__}.{f.name}", getattr(self, f.name), least)
+        keys, values = self._distinct()
+        if keys > len(_LETTERS) ** self.key_len or values > len(_DIGITS) ** self.value_len:
+            raise ValueError(
+                f"{type(self).__name__} needs {keys} distinct keys of key_len={self.key_len} "
+                f"letters and {values} distinct values of value_len={self.value_len} digits: "
+                "raise key_len or value_len"
+            )
 
     def min_length(self) -> int:
         """The shortest sample: the leading ``BOS``, the items, the question and the answer,
@@ -230,6 +238,10 @@ class _Task:
     def _items_len(self) -> int:
         raise NotImplementedError
 
+    def _distinct(self) -> tuple[int, int]:
+        """How many distinct keys and values a sample draws."""
+        raise NotImplementedError
+
     def _shape(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
@@ -240,7 +252,7 @@ class _Task:
 
 
 @dataclass(frozen=True)
-class MultiKey(_Task):
+class MultiKey(Task):
     """One key asked for among ``keys`` needles (see the module docstring)."""
 
     name: ClassVar[str] = "multikey"
@@ -259,6 +271,9 @@ class MultiKey(_Task):
     def _items_len(self) -> int:
         return self.keys * self._needle_len() + 2 + self.key_len + self.value_len
 
+    def _distinct(self) -> tuple[int, int]:
+        return self.keys, self.keys
+
     def chance(self) -> float:
         return 1 / self.keys
 
@@ -274,7 +289,7 @@ class MultiKey(_Task):
 
 
 @dataclass(frozen=True)
-class MultiValue(_Task):
+class MultiValue(Task):
     """Every value of one key, in order (see the module docstring)."""
 
     name: ClassVar[str] = "multivalue"
@@ -285,6 +300,9 @@ class MultiValue(_Task):
     def _items_len(self) -> int:
         answer = self.values * self.value_len + self.values - 1
         return (self.values + self.distractors) * self._needle_len() + 2 + self.key_len + answer
+
+    def _distinct(self) -> tuple[int, int]:
+        return 1 + self.distractors, self.values + self.distractors
 
     def _sample(self, rng):
         taken: set = set()
@@ -303,7 +321,7 @@ class MultiValue(_Task):
 
 
 @dataclass(frozen=True)
-class VariableTracking(_Task):
+class VariableTracking(Task):
     """The value at the end of one chain of assignments (see the module docstring)."""
 
     name: ClassVar[str] = "vartrack"
@@ -313,6 +331,9 @@ class VariableTracking(_Task):
     def _items_len(self) -> int:
         chain = self._needle_len() + (self.hops - 1) * (2 + 2 * self.key_len)
         return self.chains * chain + 2 + self.key_len + self.value_len
+
+    def _distinct(self) -> tuple[int, int]:
+        return self.chains * self.hops, self.chains
 
     def chance(self) -> float:
         return 1 / self.chains
@@ -335,7 +356,7 @@ class VariableTracking(_Task):
 
 
 @dataclass(frozen=True)
-class Aggregation(_Task):
+class Aggregation(Task):
     """The most frequent of several keys (see the module docstring)."""
 
     name: ClassVar[str] = "aggregate"
@@ -356,6 +377,9 @@ class Aggregation(_Task):
     def _items_len(self) -> int:
         return self._mentions() * (1 + self.key_len) + 2 + self.key_len
 
+    def _distinct(self) -> tuple[int, int]:
+        return self.keys, 0
+
     def chance(self) -> float:
         return 1 / self.keys
 
@@ -367,7 +391,7 @@ class Aggregation(_Task):
         return items, depths, list(range(self.top)), _ids(VALUE, KEY), _ids(words[0])
 
 
-TASKS: dict[str, _Task] = {
+TASKS: dict[str, Task] = {
     t.name: t for t in (MultiKey(), MultiValue(), VariableTracking(), Aggregation())
 }
 POSITIONS = "positions"
@@ -375,7 +399,7 @@ TASK_NAMES = (*TASKS, POSITIONS)
 
 
 def task_samples(
-    corpus: SourceCorpus, task: _Task, length: int, count: int, seed: int
+    corpus: SourceCorpus, task: Task, length: int, count: int, seed: int
 ) -> list[TaskSample]:
     """``count`` deterministic samples of ``task``, each ``length`` tokens.
 
@@ -389,7 +413,7 @@ def task_samples(
         samples = task_samples(SourceCorpus(split="val"), MultiKey(), 32768, 100, seed=0)
         result = task_accuracy(model, samples, device="cuda", autocast_dtype=torch.bfloat16)
     """
-    if not isinstance(task, _Task):
+    if not isinstance(task, Task):
         raise TypeError(f"task must be one of the tasks of {__name__}, got {type(task).__name__}")
     task.check_length(length)
     _check_int("count", count, 1)

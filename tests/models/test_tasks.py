@@ -166,8 +166,10 @@ def test_task_shapes_are_checked():
         lambda: tasks.Aggregation(top=3, runner_up=3),
         lambda: tasks.VariableTracking(hops=0),
         lambda: tasks.MultiValue(distractors=-1),
+        lambda: tasks.VariableTracking(key_len=1, chains=7, hops=4),  # 28 names of 26 letters
+        lambda: tasks.MultiKey(keys=11, value_len=1),  # 11 values of 10 digits
     ):
-        with pytest.raises(ValueError, match="must be"):
+        with pytest.raises(ValueError, match="must be|needs .* distinct"):
             bad()
     # Distractors may be absent; the shape changes the length needed.
     assert tasks.MultiValue(distractors=0).min_length() < tasks.MultiValue().min_length()
