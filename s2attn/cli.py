@@ -6,13 +6,17 @@ KV-efficiency, union completeness), runs the Triton kernel on one S2 layer and c
 the dense-mask reference; on a GPU it also times the kernel against dense SDPA. Without a GPU the
 kernel runs under the Triton interpreter, on a small shape.
 
-Bad option values are usage errors (exit status 2) that name the option.
+Bad option values are usage errors (exit status 2) that name the option. The model commands
+check the packages they need (the ``models`` extra) before anything else, and name the extra when
+one is missing (exit status 1). Output cut short by its reader (``s2attn draw | head``) ends the
+command quietly, as SIGPIPE ends other command-line tools.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -346,7 +350,26 @@ def _add_draw(sub) -> argparse.ArgumentParser:
     return p
 
 
+# The exit status of a command whose reader went away (128 + SIGPIPE), as shells report it.
+_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        # Flushed here, so that a reader gone by now raises below and not at interpreter exit.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's own exit-time flush would fail again and print "Exception ignored": whatever
+        # is still buffered goes nowhere instead.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _BROKEN_PIPE
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    from .models.dependencies import missing_required
+
     parser = argparse.ArgumentParser(
         prog="s2attn",
         description=_DESCRIPTION,
@@ -368,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
             name, help=help_text, description=help_text[:1].upper() + help_text[1:] + "."
         )
         if argv[:1] == [name]:
+            # Before the command's module is imported: it imports transformers.
+            problem = missing_required(name)
+            if problem is not None:
+                print(f"s2attn {name}: error: {problem}", file=sys.stderr)
+                return 1
             _lazy_command(command, module)
     args = parser.parse_args(argv)
     # Checks across options, after parsing, so each error still names the option at fault.

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +180,58 @@ def test_demo_reruns_its_own_arguments_under_the_interpreter(monkeypatch):
         cli.main(argv)
     assert info.value.args == (sys.executable, [sys.executable, "-m", "s2attn", *argv])
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("absent", [["transformers"], ["tqdm"], ["transformers", "tqdm"]])
+def test_model_commands_name_the_extra_they_need(command, absent, tmp_path, monkeypatch, capsys):
+    """Without transformers or tqdm, `train` and `eval` stop before any work (no output
+    directory made) with one line naming each missing package and the extra that brings it."""
+    for name in absent:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out)] if command == "train" else ["eval", str(out)]
+    code, stdout, err = _run(argv, capsys)
+    assert code == 1, (stdout, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"s2attn {command}: error: `s2attn {command}` needs "), err
+    for name in absent:
+        assert f"{name} (not installed)" in err, err
+    assert err.rstrip().endswith("pip install 's2attn[models]'"), err
+    assert not out.exists()
+
+
+def test_the_models_extra_holds_what_the_commands_check():
+    import tomllib
+
+    from s2attn.models import dependencies
+
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    extra = pyproject["project"]["optional-dependencies"][dependencies.INSTALL.split("[")[1][:-2]]
+    names = {re.match(r"[\w-]+", requirement).group() for requirement in extra}
+    assert names == {name for name, _ in dependencies.REQUIRED + dependencies.OPTIONAL}
+    for name, major in dependencies.REQUIRED:
+        if major is not None:
+            assert f"{name}>={major}" in extra
+
+
+def test_draw_into_a_pipe_closed_early_ends_quietly():
+    """`s2attn draw | head`: the reader goes away while the command still writes; the command
+    ends without a BrokenPipeError traceback (or an "Exception ignored" line at exit)."""
+    # 32 heads of 64 rows: far more than a pipe's buffer, so the writes outlast the reader.
+    argv = ["draw", "--heads", "32", "--show-heads", "32", "--seq", "4096"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s2attn", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    try:
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert first.startswith(b"BlockPattern"), first
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert code == cli._BROKEN_PIPE

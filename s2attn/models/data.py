@@ -1,10 +1,16 @@
 """Offline byte-level training data: the Python source files installed on this machine.
 
 What it reads, exactly: the files ending in ``.py`` (``suffixes``) under the ``roots`` (by default
-the standard library and the site-packages directories that ``sysconfig`` names), walked without
-following symlinks. Not read: symlinked files, hard links to a file already listed, empty files,
-files over ``max_file_bytes``, ``__pycache__`` directories, and ``site-packages`` /
-``dist-packages`` directories below a root (they are roots of their own). Nothing is downloaded.
+the standard library directory that ``sysconfig`` names), walked without following symlinks. Not
+read: symlinked files, hard links to a file already listed, empty files, files over
+``max_file_bytes``, ``__pycache__`` directories, and ``site-packages`` / ``dist-packages``
+directories below a root (installed packages, which a root of their own can name). Nothing is
+downloaded.
+
+The default leaves installed packages out so that installing or upgrading one never changes the
+data, and a run can always resume on the data it started with (its corpus fingerprint is checked
+on resume). Roots that hold installed packages (``--data-root`` pointed at site-packages) move
+with every ``pip install``.
 ``SourceCorpus.describe()`` reports the roots, the counts of files and bytes, what was skipped and
 a fingerprint of the file list, for a run to record.
 
@@ -18,7 +24,7 @@ planted in the stream's own text after a ``BOS``, asked for at the end).
 
 Determinism: the same corpus and seed give the same batches, and ``state_dict`` /
 ``load_state_dict`` resume a stream exactly, on one machine. Two machines with different Python
-versions or packages list different files, so their batches differ; nothing here tries to make
+versions (or roots) list different files, so their batches differ; nothing here tries to make
 them agree. Files that differ in content but not in path (or are copies under different paths) are
 not detected: a vendored copy of a module can sit in the other split.
 
@@ -68,8 +74,8 @@ VOCAB_SIZE = 260
 
 _SPECIAL_NAMES = {BOS: "<BOS>", PAD: "<PAD>", KEY: "<KEY>", VALUE: "<VALUE>"}
 _SPLITS = ("train", "val")
-# Third-party packages under a stdlib directory (a non-venv interpreter keeps its site-packages
-# there) belong to the site-packages roots, not to the standard library.
+# Installed packages under a root (a non-venv interpreter keeps its site-packages inside the stdlib
+# directory) are not walked with it: they change with every install.
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
 _KEY_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 _VALUE_ALPHABET = b"0123456789"
@@ -133,21 +139,12 @@ def split_of(relpath: str, val_fraction: float) -> str:
 
 
 def default_roots() -> list[Path]:
-    """The standard library directory and the site-packages directories of this interpreter
-    (``sysconfig`` paths ``stdlib``, ``purelib``, ``platlib``): resolved, existing, deduplicated.
-
-    A root may lie inside another (site-packages inside the stdlib directory outside a venv);
-    ``SourceCorpus`` walks each file under exactly one root, so nothing is listed twice.
-    """
-    paths = sysconfig.get_paths()
-    roots: list[Path] = []
-    for name in ("stdlib", "purelib", "platlib"):
-        if name not in paths:
-            continue
-        root = Path(paths[name]).resolve()
-        if root.is_dir() and root not in roots:
-            roots.append(root)
-    return roots
+    """The standard library directory of this interpreter (``sysconfig``'s ``stdlib`` path),
+    resolved: a list of one. Outside a virtual environment the site-packages directory lies
+    inside it, and is not walked (see the module docstring): ``pip install`` changes no file of
+    the default corpus."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    return [root] if root.is_dir() else []
 
 
 @dataclass(frozen=True)
@@ -164,8 +161,8 @@ _LISTING_CACHE: dict[tuple, _Listing] = {}
 def _list_files(
     roots: tuple[Path, ...], suffixes: tuple[str, ...], max_file_bytes: int
 ) -> _Listing:
-    """Walk ``roots`` (resolved, distinct) once; cached per arguments for the process, since the
-    site-packages of a torch install hold tens of thousands of files."""
+    """Walk ``roots`` (resolved, distinct) once; cached per arguments for the process, since a
+    root can hold tens of thousands of files (the site-packages of a torch install)."""
     key = (roots, suffixes, max_file_bytes)
     if key in _LISTING_CACHE:
         return _LISTING_CACHE[key]

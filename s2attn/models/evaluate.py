@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -45,11 +46,13 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .data import NeedleSample, SourceCorpus, TokenStream, make_needle_sample, needle_filler
-from .presets import parameter_count
+from .dependencies import INSTALL, OPTIONAL, missing
+from .presets import check_weights_file, parameter_count
 
 __all__ = [
     "add_arguments",
     "forward_memory",
+    "free_memory",
     "needle_accuracy",
     "needle_samples",
     "plot_needle_heatmaps",
@@ -277,10 +280,20 @@ def forward_memory(config, tokens: int, *, weight_bytes: int = 4, activation_byt
     return int(1.25 * (weights + tokens * per_token + logits))
 
 
-def _free_memory(device: str) -> int | None:
-    """Bytes free for a new allocation on ``device``; None where that is unknown."""
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
+def free_memory(device: str | torch.device) -> int | None:
+    """Bytes free for a new allocation on ``device``; None where that is unknown. On the CPU,
+    Linux's ``MemAvailable`` (free pages and the page cache the kernel can drop), else the free
+    pages alone."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -515,7 +528,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         help="directory of the data (repeatable; default: run.json's roots, "
-        "else the standard library and site-packages)",
+        "else the standard library)",
     )
     parser.add_argument(
         "--val-fraction",
@@ -563,6 +576,45 @@ def _run_record(model_dir: Path) -> dict:
     return flat
 
 
+# Options that end a training process early: the command that finishes a run leaves them out.
+_STOP_OPTIONS = ("--stop-at", "--time-limit")
+
+
+def _unfinished_run(model_dir: Path, record: dict) -> str:
+    """What to say about a training run's directory that holds no model yet, and the command
+    that finishes it: the run's own, recorded in ``run.json``, with ``--resume``."""
+    started = record.get("command")
+    if isinstance(started, str) and started:
+        words = shlex.split(started)
+        kept: list[str] = []
+        skip = False
+        for word in words:
+            if skip:
+                skip = False
+            elif word in _STOP_OPTIONS:
+                skip = True
+            elif not word.startswith(tuple(f"{o}=" for o in _STOP_OPTIONS)):
+                kept.append(word)
+        command = shlex.join(kept + ([] if "--resume" in kept else ["--resume"]))
+    else:
+        command = (
+            f"python -m s2attn train --out {shlex.quote(str(model_dir))} --resume and the "
+            "options it started with (run.json's)"
+        )
+    checkpoints = ("checkpoint", "checkpoint.old")
+    if any((model_dir / name / "state.pt").is_file() for name in checkpoints):
+        return (
+            f"model_dir {str(model_dir)!r} is an interrupted `s2attn train` run: it holds a "
+            "checkpoint but no model yet (a run saves its model after its last step); finish "
+            f"it with `{command}`, then evaluate it"
+        )
+    return (
+        f"model_dir {str(model_dir)!r} is an `s2attn train` run that has saved no model and no "
+        "checkpoint: it is still starting, or stopped before its first checkpoint (then delete "
+        "it and train again)"
+    )
+
+
 def _context_limit(config) -> int:
     """The longest input the model covers: its S2 patterns' length, else its RoPE table's."""
     text = config.get_text_config(decoder=True)
@@ -588,16 +640,26 @@ def run(args: argparse.Namespace) -> int:
 
     import s2attn
 
-    from . import presets  # noqa: F401  (registers the s2attn attention, so S2 layers load as S2)
-
     model_dir = Path(args.model_dir)
+    record = _run_record(model_dir)
     if not (model_dir / "config.json").is_file():
+        if record:
+            raise ValueError(_unfinished_run(model_dir, record))
         raise ValueError(
             f"model_dir {str(model_dir)!r} holds no config.json: pass a directory "
             "written by `s2attn train` or save_pretrained"
         )
-    record = _run_record(model_dir)
-    config = LlamaConfig.from_pretrained(model_dir)
+    try:
+        config = LlamaConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{model_dir / 'config.json'} is not a readable config: {exc}") from None
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights and not any(model_dir.glob("*.bin")):
+        raise ValueError(
+            f"model_dir {str(model_dir)!r} holds a config.json but no weights (model.safetensors)"
+        )
+    for path in weights:
+        check_weights_file(path, "model_dir")
     limit = _context_limit(config)
 
     seq_len = args.seq_len or record.get("seq_len") or limit
@@ -648,12 +710,21 @@ def run(args: argparse.Namespace) -> int:
     needed = forward_memory(
         config, batch_size * longest, weight_bytes=4, activation_bytes=4 if device == "cpu" else 2
     )
-    free = _free_memory(device)
+    free = free_memory(device)
     if free is not None and needed > free:
         raise ValueError(
             f"evaluating {batch_size} x {longest} tokens a forward pass needs about "
             f"{needed / 2**30:.2f} GiB on {device}, and {free / 2**30:.2f} GiB is free: lower "
             "--batch-size (1 reads one sequence a pass), --seq-len or --lengths"
+        )
+    draw_heatmap = args.needle and args.out is not None
+    absent = missing(OPTIONAL) if draw_heatmap else []
+    if absent:
+        draw_heatmap = False
+        print(
+            f"s2attn eval: warning: {' and '.join(absent)}: the results go to {args.out}, but "
+            f"no heat map next to it ({INSTALL})",
+            file=sys.stderr,
         )
     corpus = SourceCorpus(roots, split="val", val_fraction=val_fraction)
     # Bars in a log file are lines of carriage returns: only on a terminal.
@@ -747,7 +818,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
-        if args.needle:
+        if draw_heatmap:
             png = plot_needle_heatmaps({title: result}, args.out.with_suffix(".png"))
             print(f"wrote {png}")
     return 0

@@ -177,8 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-root",
         action="append",
         type=Path,
-        help="directory of source files to train on (repeatable; default: the standard library "
-        "and site-packages)",
+        help="directory of source files to train on (repeatable; default: the standard library, "
+        "which no package install changes)",
     )
     add(
         "--val-fraction",

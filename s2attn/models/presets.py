@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -317,6 +318,22 @@ def rope_settings(config) -> dict:
         "rope_scaling": "linear" if kind == "linear" else "none",
         "rope_factor": float(scheme.get("factor", 1.0)) if kind == "linear" else 1.0,
     }
+
+
+def check_weights_file(path: Path, what: str) -> None:
+    """Raise ``ValueError`` naming ``path`` (and ``what`` asked for it) unless it is a whole
+    safetensors file: its header readable and its tensors covering the file exactly, which a
+    truncated or partly written file fails. Reads the header only."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(
+            f"{what}: {path} is not a whole safetensors file ({exc}): damaged, or cut short "
+            "while it was written or copied"
+        ) from None
 
 
 def parameter_count(config) -> int:

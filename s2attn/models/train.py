@@ -21,7 +21,8 @@ One run trains one variant (:data:`~s2attn.models.presets.VARIANTS`) of one pres
 - ``checkpoint/``: model, optimizer, schedule, data stream and RNG states, for ``--resume``.
 - ``train.lock``: locked by the process training in the directory, and holding its pid.
 - at the end, the model (``save_pretrained``: ``config.json`` with the S2 settings and
-  ``model.safetensors``) and ``curves.png``.
+  ``model.safetensors``), then ``curves.png`` (drawn last, and only with matplotlib installed: a
+  run without it says so at its start, and ends well without the picture).
 
 Recipe: AdamW (fused on CUDA; betas 0.9, 0.95; weight decay 0.1 on matrices only), linear
 warm-up then cosine decay to 10% of the peak learning rate, gradients clipped to norm 1.0. On
@@ -57,6 +58,7 @@ import datetime
 import json
 import math
 import os
+import pickle
 import platform
 import random
 import shlex
@@ -75,7 +77,14 @@ import torch.nn.functional as F
 from ..integrations import transformers as s2hf
 from . import presets
 from .data import NeedleSample, SourceCorpus, TokenStream, default_roots
-from .evaluate import needle_accuracy, needle_samples, validation_batches, validation_bpb
+from .dependencies import INSTALL, OPTIONAL, missing
+from .evaluate import (
+    free_memory,
+    needle_accuracy,
+    needle_samples,
+    validation_batches,
+    validation_bpb,
+)
 from .options import TrainOptions, add_arguments, comparable, source_config
 
 try:
@@ -95,6 +104,7 @@ _RUN_FILE = "run.json"
 _METRICS_FILE = "metrics.jsonl"
 _CHECKPOINT = "checkpoint"
 _LOCK_FILE = "train.lock"
+_CURVES_FILE = "curves.png"
 # The exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
 _INTERRUPTED = 130
 
@@ -156,9 +166,12 @@ def _check_out_dir(out: Path, options: TrainOptions, resume: bool) -> tuple[Path
             for k in keys
             if mine.get(k) != theirs.get(k)
         )
-        raise ValueError(
-            f"--out {str(out)!r} holds a different run ({diff}); choose another directory"
-        )
+        hint = "choose another directory"
+        if mine.get("data_root") != theirs.get("data_root") and theirs.get("data_root"):
+            # Runs of earlier versions read site-packages by default.
+            roots = " ".join(f"--data-root {shlex.quote(str(r))}" for r in theirs["data_root"])
+            hint = f"to resume on its data, pass {roots}; or choose another directory"
+        raise ValueError(f"--out {str(out)!r} holds a different run ({diff}); {hint}")
     checkpoint = _find_checkpoint(out)
     if checkpoint is None:
         # Starting over in place would discard the metrics it logged: the user decides.
@@ -188,6 +201,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
                 f"0..{num_layers - 1}"
             )
     config = options.model_config()
+    _check_step_fits(options, config)
     train_corpus, val_corpus = _corpora(args.data_root, options.val_fraction)
     options = options.replace(data_root=tuple(str(r) for r in train_corpus.roots))
     try:
@@ -216,6 +230,35 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         time_limit=args.time_limit,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
+
+
+def _step_memory_floor(options: TrainOptions, config) -> int:
+    """Bytes that one training step of ``options`` certainly needs on its device (a lower bound,
+    so that no run that fits is refused): the weights with their gradients and AdamW's two
+    moments, the float32 logits of a micro-batch and their gradient, and each layer's input,
+    which the backward pass keeps (with gradient checkpointing too)."""
+    text = config.get_text_config(decoder=True)
+    tokens = options.batch_size * options.seq_len
+    weight_bytes = 2 if options.precision == "bf16" else 4
+    activation_bytes = 4 if options.precision == "fp32" else 2
+    weights = 4 * weight_bytes * presets.parameter_count(config)
+    logits = 2 * 4 * tokens * text.vocab_size
+    kept = activation_bytes * tokens * text.hidden_size * text.num_hidden_layers
+    return weights + logits + kept
+
+
+def _check_step_fits(options: TrainOptions, config) -> None:
+    """Refuse, before the data or the model are allocated, a step that cannot fit its device."""
+    needed = _step_memory_floor(options, config)
+    free = free_memory(options.device)
+    if free is not None and needed > free:
+        raise ValueError(
+            f"--seq-len {options.seq_len} x --batch-size {options.batch_size}: a training step "
+            f"needs at least {needed / 2**30:.3g} GiB on {options.device} (weights, gradients "
+            f"and optimizer state, the logits, each layer's activations), and "
+            f"{free / 2**30:.3g} GiB is free; lower --seq-len or --batch-size (--grad-accum "
+            "keeps the tokens per step)"
+        )
 
 
 def _corpora(data_root: list[Path] | None, val_fraction: float):
@@ -344,6 +387,7 @@ def _initial_weights(path: str, config) -> dict:
             f"--init-from {path!r}: no model.safetensors there (a directory this command saved "
             "its final model into)"
         )
+    presets.check_weights_file(weights, f"--init-from {path!r}")
     state = load_file(str(weights))
     with torch.device("meta"):
         expected = {k: v.shape for k, v in presets.build_model(config).state_dict().items()}
@@ -533,20 +577,44 @@ def _save_checkpoint(
 def _load_checkpoint(
     path: Path, model, optimizer, scheduler, stream: TokenStream, device: torch.device
 ) -> _Progress:
-    state = torch.load(path / "state.pt", map_location=device, weights_only=True)
-    saved = json.loads((path / "progress.json").read_text())
+    state_file, progress_file = path / "state.pt", path / "progress.json"
+    try:
+        state = torch.load(state_file, map_location=device, weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+        raise ValueError(_damaged(state_file, exc)) from None
+    if not isinstance(state, dict) or not {"model", "optimizer", "scheduler", "rng"} <= set(state):
+        raise ValueError(_damaged(state_file, "no model, optimizer, schedule and RNG states"))
+    try:
+        saved = json.loads(progress_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(_damaged(progress_file, exc)) from None
+    if not isinstance(saved, dict) or not {"progress", "stream"} <= set(saved):
+        raise ValueError(_damaged(progress_file, "no progress and data stream states"))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     try:
         stream.load_state_dict(saved["stream"])
     except ValueError as exc:
-        raise ValueError(f"cannot resume from {path}: the training data changed ({exc})") from None
+        roots = ", ".join(str(r) for r in stream.corpus.roots)
+        raise ValueError(
+            f"cannot resume from {path}: the training data changed ({exc}): files under "
+            f"{roots} were added, removed or resized since the run started, so it cannot go on "
+            "as it began; restore them, or start a new run"
+        ) from None
     torch.set_rng_state(state["rng"]["torch"].cpu())
     random.setstate(_as_tuple(state["rng"]["python"]))
     if device.type == "cuda" and "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), device)
     return _Progress(**saved["progress"])
+
+
+def _damaged(file: Path, exc: BaseException | str) -> str:
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (
+        f"cannot resume from {file}: the file is damaged or truncated ({reason}); the run "
+        "cannot go on from this checkpoint"
+    )
 
 
 def _as_tuple(value):
@@ -762,6 +830,13 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\ns2attn train: interrupted; nothing was written", file=sys.stderr)
         return _INTERRUPTED
+    absent = missing(OPTIONAL)
+    if absent:
+        print(
+            f"s2attn train: warning: {' and '.join(absent)}: the run trains and saves its model, "
+            f"but draws no {_CURVES_FILE} ({INSTALL})",
+            file=sys.stderr,
+        )
     lock = None
     try:
         plan.out.mkdir(parents=True, exist_ok=True)
@@ -1042,13 +1117,19 @@ def _checkpoint(plan: _Plan, state: _State) -> None:
 
 
 def _finish(plan: _Plan, state: _State, stop: _Stop) -> int:
-    """The summary and curves; the model when the run is complete, else how to finish it."""
+    """The summary, the model when the run is complete, then the curves (optional: they come
+    after everything a run cannot do without); else how to finish the run."""
     opts, out, progress = plan.options, plan.out, state.progress
     metrics_path = out / _METRICS_FILE
     print(_run_summary(metrics_path, progress, plan.device), flush=True)
-    title = f"{opts.variant} ({opts.preset}, seq {opts.seq_len}, seed {opts.seed})"
-    _plot_curves(metrics_path, out / "curves.png", title, opts.needle_fraction > 0)
-    if progress.step < opts.steps:
+    complete = progress.step >= opts.steps
+    if complete:
+        _save_model(state.model, out)
+    drawn = not missing(OPTIONAL)
+    if drawn:
+        title = f"{opts.variant} ({opts.preset}, seq {opts.seq_len}, seed {opts.seed})"
+        _plot_curves(metrics_path, out / _CURVES_FILE, title, opts.needle_fraction > 0)
+    if not complete:
         reason = stop.reason or f"--stop-at {plan.stop_at}"
         print(
             f"stopped at step {progress.step} of {opts.steps} ({reason}); checkpoint in "
@@ -1056,6 +1137,6 @@ def _finish(plan: _Plan, state: _State, stop: _Stop) -> int:
             flush=True,
         )
         return _INTERRUPTED if reason == "Ctrl-C" else 0
-    _save_model(state.model, out)
-    print(f"done: {opts.steps} steps, {progress.tokens} tokens; model, metrics and curves in {out}")
+    made = "model, metrics and curves" if drawn else f"model and metrics (no {_CURVES_FILE})"
+    print(f"done: {opts.steps} steps, {progress.tokens} tokens; {made} in {out}")
     return 0

@@ -412,6 +412,42 @@ def test_default_roots_list_and_stream():
         assert x.shape == (2, 1024) and int(x.max()) < D.VOCAB_SIZE
 
 
+def test_installing_a_package_leaves_the_default_corpus_as_it_was(tmp_path, monkeypatch):
+    """The default corpus is the standard library alone: a package installed into site-packages
+    (the venv's, or the one inside the stdlib directory of an interpreter without a venv) adds
+    no file to it, so a run's data, and its fingerprint, stay put."""
+    stdlib, venv = tmp_path / "lib" / "python3.x", tmp_path / "venv" / "site-packages"
+    for i in range(30):
+        (stdlib / f"mod_{i}.py").parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / f"mod_{i}.py").write_text(f"x = {i}\n" * (i + 1))
+    inner = stdlib / "site-packages"
+    for site in (inner, venv):
+        (site / "old_pkg").mkdir(parents=True)
+        (site / "old_pkg" / "__init__.py").write_text("y = 1\n")
+    paths = {"stdlib": str(stdlib), "purelib": str(venv), "platlib": str(venv)}
+    monkeypatch.setattr(D.sysconfig, "get_paths", lambda: dict(paths))
+    assert D.default_roots() == [stdlib.resolve()]
+
+    def fresh(split):
+        monkeypatch.setattr(D, "_LISTING_CACHE", {})  # a new process lists the files again
+        return D.SourceCorpus(split=split, val_fraction=0.2)
+
+    before = {split: fresh(split) for split in ("train", "val")}
+    assert all(rel.startswith("mod_") for c in before.values() for _, rel in c.files)
+    for site in (inner, venv):
+        (site / "new_pkg").mkdir()
+        (site / "new_pkg" / "__init__.py").write_text("z = 2\n" * 100)
+        (site / "old_pkg" / "__init__.py").write_text("y = 2  # upgraded\n")
+    for split, corpus in before.items():
+        after = fresh(split)
+        assert (after.files, after.sizes) == (corpus.files, corpus.sizes)
+        assert after.fingerprint == corpus.fingerprint
+    # The check can fail: a file added to the standard library directory itself is seen.
+    (stdlib / "mod_new.py").write_text("w = 3\n")
+    both = [fresh(split) for split in ("train", "val")]
+    assert sum(map(len, both)) == sum(map(len, before.values())) + 1
+
+
 def test_stream_marks_exactly_the_answers(corpus_root):
     root, _ = corpus_root
     corpus = D.SourceCorpus([root], val_fraction=0.0)

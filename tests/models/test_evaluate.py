@@ -270,6 +270,71 @@ def test_eval_rejects_a_directory_without_a_model(tmp_path):
         evaluate.run(_eval_args([str(tmp_path), "--device", "cpu"]))
 
 
+def _saved_model(model_dir: Path, corpus_root: Path) -> Path:
+    presets.build_model(_tiny_config(), seed=0).save_pretrained(model_dir)
+    options = {"variant": "hhst", "preset": "tiny", "seq_len": LENGTH, "batch_size": 2}
+    record = {"options": {**options, "data_root": [str(corpus_root)], "val_fraction": 0.5}}
+    (model_dir / "run.json").write_text(json.dumps(record))
+    return model_dir
+
+
+def test_eval_names_a_truncated_weights_file(tmp_path, corpus_root, monkeypatch):
+    """A model.safetensors cut short (a copy stopped halfway) is named, before anything loads."""
+    model_dir = _saved_model(tmp_path / "model", corpus_root)
+    weights = model_dir / "model.safetensors"
+    whole = weights.read_bytes()
+    loaded = []
+    monkeypatch.setattr(
+        presets.LlamaForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a)
+    )
+    for cut in (len(whole) - 100, 100, 4):
+        weights.write_bytes(whole[:cut])
+        with pytest.raises(ValueError) as info:
+            evaluate.run(_eval_args([str(model_dir), "--device", "cpu", "--no-progress"]))
+        print(info.value)
+        assert f"model_dir: {weights} is not a whole safetensors file" in str(info.value)
+    assert not loaded
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_eval_on_an_unfinished_run_says_how_to_finish_it(checkpoint, tmp_path):
+    """A run stopped early holds run.json and a checkpoint, no model: eval says it is an
+    interrupted run and gives the command that finishes it (the run's own, with --resume and
+    without the option that stopped it); with no checkpoint, that there is nothing to resume."""
+    run = tmp_path / "run dir"
+    run.mkdir()
+    started = f"python -m s2attn train --out '{run}' --steps 9 --stop-at 3 --time-limit=60"
+    (run / "run.json").write_text(json.dumps({"options": {"steps": 9}, "command": started}))
+    if checkpoint:
+        (run / "checkpoint").mkdir()
+        (run / "checkpoint" / "state.pt").write_bytes(b"")
+    with pytest.raises(ValueError) as info:
+        evaluate.run(_eval_args([str(run), "--device", "cpu"]))
+    message = str(info.value)
+    print(message)
+    if checkpoint:
+        assert "is an interrupted `s2attn train` run" in message
+        assert f"`python -m s2attn train --out '{run}' --steps 9 --resume`" in message
+    else:
+        assert "saved no model and no checkpoint" in message and "--resume" not in message
+
+
+def test_eval_without_matplotlib_writes_the_results_and_no_heat_map(
+    tmp_path, corpus_root, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    model_dir = _saved_model(tmp_path / "model", corpus_root)
+    out = tmp_path / "needle.json"
+    argv = [str(model_dir), "--needle", "--depths", "0", "--samples", "1", "--val-batches", "0"]
+    capsys.readouterr()
+    assert evaluate.run(_eval_args([*argv, "--device", "cpu", "--out", str(out)])) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("s2attn eval: warning: matplotlib (not installed)"), err
+    assert "pip install 's2attn[models]'" in err
+    assert set(json.loads(out.read_text())["accuracy"]) == {str(LENGTH)}
+    assert not out.with_suffix(".png").exists()
+
+
 def test_plot_needle_heatmaps_draws_one_panel_per_model(tmp_path):
     results = {
         "dense": {"accuracy": {"64": {"0": 1.0, "1": 1.0}, "128": {"0": 1.0, "1": 0.9}}},

@@ -203,7 +203,7 @@ def test_eval_refuses_a_pass_that_cannot_fit(tmp_path, corpus_root, base, monkey
     parser = argparse.ArgumentParser()
     evaluate.add_arguments(parser)
     needed = evaluate.forward_memory(LlamaConfig.from_pretrained(base), 16 * 64, activation_bytes=4)
-    monkeypatch.setattr(evaluate, "_free_memory", lambda device: needed - 1)
+    monkeypatch.setattr(evaluate, "free_memory", lambda device: needed - 1)
     loaded = []
     monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))
     out = tmp_path / "eval.json"
@@ -215,7 +215,7 @@ def test_eval_refuses_a_pass_that_cannot_fit(tmp_path, corpus_root, base, monkey
         evaluate.run(args)
     assert not loaded and not out.exists()
     # One sequence a pass fits.
-    monkeypatch.setattr(evaluate, "_free_memory", lambda device: needed)
+    monkeypatch.setattr(evaluate, "free_memory", lambda device: needed)
     small = evaluate.forward_memory(LlamaConfig.from_pretrained(base), 64, activation_bytes=4)
     assert small < needed
 

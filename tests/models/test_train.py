@@ -8,7 +8,9 @@ import io
 import json
 import math
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from helpers import s2_layers_on_reference, tiny_train_argv, train_args
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from s2attn import cli
 from s2attn.models import data, presets, train
 
 SMALL = tiny_train_argv(batch_size=4)
@@ -224,6 +227,85 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, corpus_root, monkeypatch
         assert torch.equal(tensor, weights[1][name]) and torch.equal(tensor, weights[2][name])
 
 
+def test_resume_after_a_package_install_repeats_the_run(tmp_path, corpus_root, monkeypatch):
+    """On the default data (no --data-root), a package installed between a stop and its resume
+    changes nothing: the resumed run's losses and weights are the uninterrupted run's."""
+    stdlib, site = tmp_path / "lib" / "python3.x", tmp_path / "venv" / "site-packages"
+    shutil.copytree(corpus_root, stdlib)
+    site.mkdir(parents=True)
+    paths = {"stdlib": str(stdlib), "purelib": str(site), "platlib": str(site)}
+    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: dict(paths))
+    monkeypatch.setattr(data, "_LISTING_CACHE", {})
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    opts = [*SMALL, "--steps", "4", "--log-every", "1", "--val-every", "2"]
+
+    def args(out: Path, *extra: str) -> argparse.Namespace:
+        return parser.parse_args([*opts, "--out", str(out), *extra])
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert train.run(args(whole)) == 0
+    assert json.loads((whole / "run.json").read_text())["options"]["data_root"] == [
+        str(stdlib.resolve())
+    ]
+    assert train.run(args(stopped, "--stop-at", "2")) == 0
+    for where in (site, stdlib / "site-packages"):  # a venv's, and a system interpreter's
+        (where / "new_pkg").mkdir(parents=True)
+        (where / "new_pkg" / "__init__.py").write_text("def g(x):\n    return x\n" * 50)
+    monkeypatch.setattr(data, "_LISTING_CACHE", {})  # as a new process would list the files
+    assert train.run(args(stopped, "--resume")) == 0
+    assert _untimed(_rows(stopped)) == _untimed(_rows(whole))
+    weights = [load_file(d / "model.safetensors") for d in (whole, stopped)]
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), name
+
+
+@pytest.mark.parametrize("damaged", ["state.pt", "progress.json"])
+def test_resume_from_a_damaged_checkpoint_names_the_file(damaged, tmp_path, corpus_root, capsys):
+    """A checkpoint file cut short (a full disk, a copy stopped halfway): one line that names
+    it, no torch traceback, and the run's files as they were."""
+    out = tmp_path / "run"
+    assert train.run(_args(out, corpus_root, "--steps", "4", "--stop-at", "2")) == 0
+    path = out / "checkpoint" / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = {p: _snapshot(out)[p] for p in _snapshot(out) if p != "train.lock"}
+    capsys.readouterr()
+    argv = ["train", *SMALL, "--data-root", str(corpus_root), "--out", str(out)]
+    assert cli.main([*argv, "--steps", "4", "--resume"]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert err.startswith(f"s2attn train: error: cannot resume from {path}: the file is damaged")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert {p: _snapshot(out)[p] for p in _snapshot(out) if p != "train.lock"} == before
+
+
+def test_without_matplotlib_a_run_saves_its_model_and_draws_no_curves(
+    tmp_path, corpus_root, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    out = tmp_path / "run"
+    assert train.run(_args(out, corpus_root, "--steps", "2")) == 0
+    captured = capsys.readouterr()
+    start = captured.err.splitlines()[0]
+    assert start.startswith("s2attn train: warning: matplotlib (not installed)"), start
+    assert "pip install 's2attn[models]'" in start
+    assert "model and metrics (no curves.png)" in captured.out
+    assert (out / "model.safetensors").is_file() and not (out / "curves.png").exists()
+
+
+def test_the_model_is_saved_before_the_curves_are_drawn(tmp_path, corpus_root, monkeypatch):
+    out = tmp_path / "run"
+
+    def plot(*args):
+        assert (out / "model.safetensors").is_file(), "the curves came before the model"
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(train, "_plot_curves", plot)
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        train.run(_args(out, corpus_root, "--steps", "2"))
+    assert (out / "model.safetensors").is_file()
+
+
 # `s2attn train` in another process with every batch slowed down, so that a signal lands mid-run.
 _SLOW_TRAIN = """
 import sys, time
@@ -419,6 +501,13 @@ def _snapshot(path: Path) -> dict | None:
         ("again_no_checkpoint", [], "holds this run but no checkpoint"),
         ("init_nothing", ["--init-from", "."], "no model.safetensors there"),
         ("init_other_shape", ["--init-from", "TRAINED", "--variant", "dense"], None),
+        ("init_truncated", [], "not a whole safetensors file"),
+        (
+            "seq_len_huge",
+            ["--seq-len", "1000000000"],
+            r"--seq-len 1000000000 x --batch-size 4: a training step needs at least [\d.e+]+ "
+            r"GiB on cpu .* GiB is free",
+        ),
     ],
 )
 def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_root, trained):
@@ -456,6 +545,15 @@ def test_bad_input_fails_before_writing(case, extra, message, tmp_path, corpus_r
             "1",
         ]
         message = "holds another architecture: num_hidden_layers 2 there, 6 here; hidden_size"
+    elif case == "init_truncated":
+        # A model cut short while it was copied: the file is named, before anything is read.
+        source = tmp_path / "copied"
+        source.mkdir()
+        (source / "config.json").write_bytes((trained / "config.json").read_bytes())
+        weights = (trained / "model.safetensors").read_bytes()
+        (source / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+        extra = ["--init-from", str(source)]
+        message = f"{re.escape(str(source / 'model.safetensors'))} is {message}"
     before = _snapshot(out)
     with pytest.raises(ValueError, match=message) as info:
         train.run(_args(out, root, *extra))
