@@ -4,11 +4,12 @@ interpreter): the call plan's forward and backward over the kept blocks
 attention over a paged KV cache (:func:`write_pages`, :func:`paged_attention`), which vLLM's
 layout shares. ``s2attn.reference`` holds the ground truth they are tested against.
 
-The blockwise passes walk the query blocks a tile at a time. One tile's work for every batch
-entry and every head whose kept blocks number the same is one batched matmul over those blocks'
-keys, gathered into one tensor: few, large operations, which keep a CPU's cores busy (each torch
-operation is one OpenMP region, and a host whose other processes hold a core stalls at every
-region's end) and keep Python's overhead small next to the arithmetic.
+The blockwise passes walk the query blocks a tile of rows at a time. A tile's work for every
+batch entry and every head is one batched matmul over the KV blocks the tile keeps, gathered
+into one tensor (heads that keep fewer blocks padded with masked ones): few, large operations.
+Many small ones would leave Python's overhead large next to the arithmetic, and each torch
+operation is one OpenMP region: on a host where another process holds a core, every region
+waits at its end for the thread that shares that core.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ _TILE_ROWS = 128
 # exp2 runs at about twice exp's speed on a CPU: scores are kept in base 2, log2(e) folded into
 # the queries' scale.
 _LOG2E = 1.0 / math.log(2.0)
-# Scores held by one tile of a run of heads (elements): caps the passes' working memory, a few
-# buffers of this size, at about 64 MiB each in float32, whatever the batch and head counts.
+# Scores one tile holds at once (elements): beyond it the tile's heads go in chunks, which bounds
+# the work buffers (64 MiB each in float32) whatever the batch and head counts.
 _TILE_SCORES = 1 << 24
 
 
@@ -132,9 +133,11 @@ def _tile(cols, kept, i0, offset, seq_k, bs, causal, device) -> _Tile:
 
 # ------------------------------------------------------------------------- one sequence run
 class _Run:
-    """The tensors of one pass over sequences of equal lengths, laid out for batched matmuls:
-    (batch, pattern heads, query heads per pattern head, rows, dim) for queries, and per KV head
-    the keys in whole blocks, (batch, KV heads, blocks, block, dim), zero past the last key."""
+    """One pass over sequences of equal lengths: the keys and values laid out for batched
+    matmuls, per KV head in whole blocks, (batch, KV heads, blocks, block, dim), zero past the
+    last key; and the work buffers a tile's rows of the per-query tensors are copied into, from
+    (batch, seq_q, heads, ...) tensors seen as (batch, pattern heads, per, seq_q, ...)
+    (:meth:`query_view`)."""
 
     def __init__(self, pattern, q, k, v, scale, compute):
         batch, seq_q, num_heads, dim = q.shape
@@ -149,7 +152,8 @@ class _Run:
             torch.arange(pattern.num_heads, device=q.device) * self.per // (num_heads // kv_heads)
         )
         # Queries carry the scale, in base 2: one multiply of q instead of one of every score.
-        self.q = self.query_layout(q) * (scale * _LOG2E)
+        self.q = self.query_view(q)
+        self.q_scale = scale * _LOG2E
         self.k, self.v = self.key_layout(k), self.key_layout(v)
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -159,19 +163,12 @@ class _Run:
         numel = math.prod(shape)
         held = self._buffers.get(name)
         if held is None or held.numel() < numel:
-            held = self._buffers[name] = self.q.new_empty(numel)
+            held = self._buffers[name] = self.k.new_empty(numel)
         return held[:numel].view(shape)
 
-    def query_layout(self, t: torch.Tensor) -> torch.Tensor:
-        """(batch, seq_q, heads, ...) -> (batch, pattern heads, per, seq_q, ...), contiguous."""
-        b, s = t.shape[:2]
-        t = t.to(self.compute).reshape(b, s, self.pattern.num_heads, self.per, *t.shape[3:])
-        return t.movedim(1, 3).contiguous()
-
-    def from_query_layout(self, t: torch.Tensor) -> torch.Tensor:
-        """:meth:`query_layout`'s inverse: (batch, seq_q, heads, ...), contiguous."""
-        b, hp, per, s = t.shape[:4]
-        return t.movedim(3, 1).reshape(b, s, hp * per, *t.shape[4:])
+    def query_view(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, seq_q, heads, ...) seen as (batch, pattern heads, per, seq_q, ...), a view."""
+        return t.unflatten(2, (self.pattern.num_heads, self.per)).movedim(1, 3)
 
     def from_key_layout(self, t: torch.Tensor) -> torch.Tensor:
         """:meth:`key_layout`'s inverse, as a view: (batch, seq_k, kv_heads, dim)."""
@@ -217,12 +214,27 @@ class _Run:
             torch.index_select(flat[n], 0, index, out=picked[n])
         return picked.view(b * heads, -1, d)
 
-    def rows(self, t: torch.Tensor, first: int, tile: _Tile) -> torch.Tensor:
-        """The tile's rows of heads ``[first, first + G)`` of ``t`` (batch, pattern heads, per,
-        seq_q, ...) as (batch * G, per * rows, ...)."""
+    def rows(self, name: str, t: torch.Tensor, first: int, tile: _Tile, scale: float = 1.0):
+        """The tile's rows of heads ``[first, first + G)`` of ``t`` (a :meth:`query_view`) times
+        ``scale``, as (batch * G, per * rows, ...) in the compute dtype, in the work buffer
+        ``name``."""
         g = tile.cols.shape[0]
         picked = t[:, first : first + g, :, tile.row0 : tile.row1]
-        return picked.reshape(self.batch * g, -1, *picked.shape[4:])
+        rows = self.buffer(name, *picked.shape)
+        if scale == 1.0:
+            rows.copy_(picked)
+        else:
+            torch.mul(picked, scale, out=rows)
+        return rows.view(self.batch * g, -1, *picked.shape[4:])
+
+    def queries(self, first: int, tile: _Tile) -> torch.Tensor:
+        """:meth:`rows` of the queries, scaled for base-2 scores."""
+        return self.rows("queries", self.q, first, tile, self.q_scale)
+
+    @staticmethod
+    def tile_view(t: torch.Tensor, first: int, tile: _Tile) -> torch.Tensor:
+        """The tile's rows of heads ``[first, first + G)`` of ``t`` (a :meth:`query_view`)."""
+        return t[:, first : first + tile.cols.shape[0], :, tile.row0 : tile.row1]
 
     def scores(self, tile: _Tile, q_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """The tile's masked base-2 scores (batch * G, per * rows, n * block), in the work
@@ -271,39 +283,46 @@ def blockwise_forward(
     dtype, ``lse`` (batch, heads, seq_q) or (heads, total_q) in the compute dtype, -inf (with
     output 0) for rows that attend nothing.
 
-    Memory beyond the inputs and outputs, in the compute dtype: one copy each of q, k, v (k and
-    v padded to whole blocks) and of the output, of one packed sequence at a time; and the tile
-    buffers, four of at most ``max(2**24, batch * q_heads_per_pattern_head * 128 * keys)``
-    elements, where ``keys`` is the most keys the blocks of one head's 128-row query tile keep
-    (its window and stripes): linear in the length, never (seq_q, seq_k).
+    Memory beyond the inputs and the outputs (``out`` in the compute dtype first): k and v
+    in the compute dtype, padded to whole blocks, of one packed sequence at a time; and the work
+    buffers of one query tile of ``T = max(128, block)`` rows for ``G`` pattern heads: scores
+    ``batch * G * per * T * keys`` elements (``per`` query heads a pattern head, ``keys`` the
+    most keys one head's tile keeps: its blocks' union, under ``(window + T / block +
+    seq_k / stride) * block`` for a local-stride pattern), gathered keys and values ``batch * G
+    * keys * dim`` each, and ``batch * G * per * T * dim`` twice. ``G`` is every head, or as many
+    as keep the scores within ``2**24`` elements (at least one): linear in the length, never
+    (seq_q, seq_k).
     """
     compute = _compute_dtype(q.dtype)
-    if cu_seqlens_q is None:
-        out, lse = _forward_run(pattern, q, k, v, softmax_scale, compute)
-        return out.to(q.dtype).contiguous(), lse.permute(0, 2, 1).contiguous()
     out = torch.zeros(q.shape, dtype=compute, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+    if cu_seqlens_q is None:
+        _forward_run(pattern, q, k, v, softmax_scale, compute, out, lse)
+        return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()
     for rows, cols in _packed_sequences(cu_seqlens_q, cu_seqlens_k):
-        seq_out, seq_lse = _forward_run(
-            pattern, q[None, rows], k[None, cols], v[None, cols], softmax_scale, compute
+        _forward_run(
+            pattern,
+            q[None, rows],
+            k[None, cols],
+            v[None, cols],
+            softmax_scale,
+            compute,
+            out[None, rows],
+            lse[None, rows],
         )
-        out[rows], lse[rows] = seq_out[0], seq_lse[0]
     return out.to(q.dtype), lse.permute(1, 0).contiguous()
 
 
-def _forward_run(pattern, q, k, v, scale, compute) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (batch, seq_q, heads, dim), lse (batch, seq_q, heads)) of sequences of one length,
-    in the compute dtype."""
+def _forward_run(pattern, q, k, v, scale, compute, out, lse) -> None:
+    """Write ``out`` (batch, seq_q, heads, dim) and ``lse`` (batch, seq_q, heads), zero and
+    -inf until then, of sequences of one length."""
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):
-        empty_lse = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
-        return torch.zeros(q.shape, dtype=compute, device=q.device), empty_lse
+        return
     run = _Run(pattern, q, k, v, scale, compute)
-    out = torch.zeros_like(run.q)
-    lse = torch.full(run.q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+    out, lse = run.query_view(out), run.query_view(lse)
     for tile in _tiles(pattern, run.seq_q, run.seq_k, q.device):
         for first, part in run.head_chunks(tile):
             _forward_tile(run, first, part, out, lse)
-    return run.from_query_layout(out), run.from_query_layout(lse)
 
 
 def _forward_tile(run: _Run, first: int, tile: _Tile, out, lse) -> None:
@@ -311,7 +330,7 @@ def _forward_tile(run: _Run, first: int, tile: _Tile, out, lse) -> None:
     at pattern head ``first``."""
     g = tile.cols.shape[0]
     index = run.block_index(first, tile)
-    q_rows = run.rows(run.q, first, tile)
+    q_rows = run.queries(first, tile)
     scores = run.scores(tile, q_rows, run.gather("keys", run.k, index, g))
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max.masked_fill_(row_max == float("-inf"), 0.0)  # rows that see no key
@@ -322,9 +341,10 @@ def _forward_tile(run: _Run, first: int, tile: _Tile, out, lse) -> None:
     torch.bmm(probs, values, out=tile_out)
     # The largest term is 2^0 = 1 in a row that sees a key: only empty rows sum below 1.
     tile_out.div_(total.clamp(min=1.0))
-    at = (slice(None), slice(first, first + g), slice(None), slice(tile.row0, tile.row1))
-    out[at] = tile_out.view(out[at].shape)
-    lse[at] = ((row_max + total.log2()) / _LOG2E).view(lse[at].shape)
+    into = run.tile_view(out, first, tile)
+    into.copy_(tile_out.view(into.shape))
+    into = run.tile_view(lse, first, tile)
+    into.copy_(((row_max + total.log2()) / _LOG2E).view(into.shape))
 
 
 def blockwise_backward(
@@ -345,10 +365,11 @@ def blockwise_backward(
     gradients of out (None when only the LSE was used) and of lse (None when unused).
 
     Recomputes each tile's probabilities from the saved LSE, as the kernels do; dK and dV of a
-    GQA group's query heads add into their KV head. Memory beyond the inputs and gradients, in
-    the compute dtype: the gradients, and one copy each of q, k, v, grad_out and their
-    gradients (k's and v's padded to whole blocks), of one packed sequence at a time; and the
-    tile buffers of :func:`blockwise_forward`, five of them.
+    GQA group's query heads add into their KV head. Memory beyond the inputs and the gradients
+    (in the compute dtype first): k, v and their gradients in the compute dtype padded to whole
+    blocks, of one packed sequence at a time; and :func:`blockwise_forward`'s work buffers, with
+    the scores' gradient (as large as the scores) and the gathered blocks' gradients (as large
+    as the gathered keys).
     """
     compute = _compute_dtype(q.dtype)
     packed = cu_seqlens_q is not None
@@ -360,6 +381,9 @@ def blockwise_backward(
         row_term += (grad_out.to(compute) * out.to(compute)).sum(-1)
     if grad_lse is not None:
         row_term -= (grad_lse.permute(1, 0) if packed else grad_lse.permute(0, 2, 1)).to(compute)
+    # In base 2; lse -inf (a row that sees no key) subtracts 0: its scores are all -inf.
+    lse_rows = lse_rows * _LOG2E
+    lse_rows.masked_fill_(lse_rows == float("-inf"), 0.0)
     # Strided like the inputs, as the operator's fake promises (``torch.empty_like``).
     dq, dk, dv = (torch.zeros_like(t, dtype=compute) for t in (q, k, v))
     if packed:
@@ -369,59 +393,51 @@ def blockwise_backward(
         runs = [(slice(None), slice(None))]
         pick = lambda t, at: t
     for rows, cols in runs:
-        grads = _backward_run(
+        _backward_run(
             pattern,
-            pick(grad_out, rows),
-            pick(lse_rows, rows),
-            pick(row_term, rows),
-            pick(q, rows),
-            pick(k, cols),
-            pick(v, cols),
+            (pick(grad_out, rows), pick(lse_rows, rows), pick(row_term, rows)),
+            (pick(q, rows), pick(k, cols), pick(v, cols)),
+            (pick(dq, rows), pick(dk, cols), pick(dv, cols)),
             softmax_scale,
             compute,
         )
-        for into, grad, at in zip((dq, dk, dv), grads, (rows, cols, cols)):
-            if grad is not None:
-                pick(into, at).copy_(grad)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _backward_run(pattern, grad_out, lse, row_term, q, k, v, scale, compute):
-    """(dq, dk, dv) of sequences of one length, as (batch, seq, heads, dim) views in the compute
-    dtype; None each when there is nothing to attend. ``lse`` and ``row_term``: (batch, seq_q,
-    heads)."""
+def _backward_run(pattern, rows, inputs, grads, scale, compute) -> None:
+    """Write the gradients ``grads`` (dq, dk, dv: zero until then, like q, k, v in the compute
+    dtype) of sequences of one length from ``rows`` (grad_out or None, the base-2 LSE with 0 for
+    -inf, and row_term: per query row) and ``inputs`` (q, k, v)."""
+    q, k, v = inputs
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):
-        return None, None, None
+        return
     run = _Run(pattern, q, k, v, scale, compute)
-    # In base 2; lse -inf (a row that sees no key) subtracts 0: its scores are all -inf.
-    lse = run.query_layout(lse) * _LOG2E
-    lse.masked_fill_(lse == float("-inf"), 0.0)
-    row_term = run.query_layout(row_term)
-    grad_out = None if grad_out is None else run.query_layout(grad_out)
-    grads = (torch.zeros_like(run.q), torch.zeros_like(run.k), torch.zeros_like(run.v))
+    grad_out, lse, row_term = (None if t is None else run.query_view(t) for t in rows)
+    dq = run.query_view(grads[0])
+    dk, dv = torch.zeros_like(run.k), torch.zeros_like(run.v)
     for tile in _tiles(pattern, run.seq_q, run.seq_k, q.device):
         for first, part in run.head_chunks(tile):
-            _backward_tile(run, first, part, lse, row_term, grad_out, grads)
-    dq, dk, dv = grads
+            _backward_tile(run, first, part, lse, row_term, grad_out, (dq, dk, dv))
     dk /= _LOG2E  # of queries scaled by softmax_scale * log2(e)
-    return run.from_query_layout(dq) * scale, run.from_key_layout(dk), run.from_key_layout(dv)
+    grads[1].copy_(run.from_key_layout(dk))
+    grads[2].copy_(run.from_key_layout(dv))
 
 
 def _backward_tile(run: _Run, first: int, tile: _Tile, lse, row_term, grad_out, grads):
-    """Add the tile's share of the gradients into ``grads`` (dq, dk, dv in the run's layout;
-    dq without the scale, dk of the queries as the run scales them, so that each carries its
-    factor once)."""
+    """Write the tile's rows of dq (a :meth:`_Run.query_view`) and add its share of dk and dv
+    (in the run's key layout; dk of the queries as the run scales them, divided by log2(e)
+    once at the end)."""
     dq, dk, dv = grads
     g = tile.cols.shape[0]
     index = run.block_index(first, tile)
-    q_rows = run.rows(run.q, first, tile)
+    q_rows = run.queries(first, tile)
     keys = run.gather("keys", run.k, index, g)
     probs = run.scores(tile, q_rows, keys)
-    probs.sub_(run.rows(lse, first, tile)[..., None]).exp2_()
-    term = run.rows(row_term, first, tile)[..., None]
+    probs.sub_(run.rows("lse", lse, first, tile)[..., None]).exp2_()
+    term = run.rows("term", row_term, first, tile)[..., None]
     block_grads = run.buffer("block_grads", *keys.shape)
     if grad_out is not None:
-        d_out = run.rows(grad_out, first, tile)
+        d_out = run.rows("d_out", grad_out, first, tile)
         d_scores = run.buffer("d_scores", *probs.shape)
         torch.bmm(d_out, run.gather("values", run.v, index, g).transpose(1, 2), out=d_scores)
         d_scores.sub_(term).mul_(probs)
@@ -429,10 +445,10 @@ def _backward_tile(run: _Run, first: int, tile: _Tile, lse, row_term, grad_out, 
         run.scatter_add(dv, index, block_grads)
     else:
         d_scores = probs.mul_(term.neg())
-    at = (slice(None), slice(first, first + g), slice(None), slice(tile.row0, tile.row1))
     tile_dq = run.buffer("out", *q_rows.shape)
     torch.bmm(d_scores, keys, out=tile_dq)
-    dq[at] = tile_dq.view(dq[at].shape)
+    into = run.tile_view(dq, first, tile)
+    torch.mul(tile_dq.view(into.shape), run.scale, out=into)
     torch.bmm(d_scores.transpose(1, 2), q_rows, out=block_grads)
     run.scatter_add(dk, index, block_grads)
 
