@@ -5,7 +5,7 @@ lengths, the kernel options), and the call's two passes.
 Each pass asks ``s2attn.ops.dispatch`` which backend runs it and at which tiles, fetches the
 layouts at those tiles (built once, then cached per pattern, tiles and device by
 ``s2attn.layout``) and launches that backend on them. Where no Triton backend runs (a CPU without
-the interpreter), the block-by-block reference (``s2attn.reference``) runs instead.
+the interpreter), the plain-PyTorch path over the kept blocks (``s2attn.ops.cpu``) runs instead.
 
 The eager calls (``s2attn.attention``'s autograd Functions) build a plan from validated inputs;
 the registered operators (``s2attn.compile``) build one from their arguments
@@ -23,10 +23,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .layout import TileLayout, backward_layout, forward_layout
 from .ops import dispatch
+from .ops.cpu import blockwise_backward, blockwise_forward
 from .ops.options import KernelOptions
 from .ops.shapes import Varlen, lse_dtype
 from .pattern import BlockPattern
-from .reference import blockwise_backward, blockwise_forward
 
 __all__ = ["AttentionPlan", "Varlen", "build_layouts_while_tracing", "operator_plan"]
 
@@ -48,9 +48,9 @@ class AttentionPlan:
     # --------------------------------------------------------------------------- the passes
     def forward(self, q, k, v):
         """(out, lse) of the call, as ``s2attn.ops.dispatch.forward`` returns them; where no
-        Triton backend runs, from the block-by-block reference."""
+        Triton backend runs, from the plain-PyTorch path over the kept blocks."""
         if not dispatch.supports_triton(q.device):
-            out, lse = blockwise_forward(q, k, v, self.pattern, **self._reference_args)
+            out, lse = blockwise_forward(q, k, v, self.pattern, **self._cpu_args)
             return out, lse.to(lse_dtype(q.dtype))
         kernel = dispatch.forward_kernel(
             q,
@@ -81,7 +81,7 @@ class AttentionPlan:
         None."""
         if not dispatch.supports_triton(q.device):
             grads = blockwise_backward(
-                grad_out, grad_lse, q, k, v, out, lse, self.pattern, **self._reference_args
+                grad_out, grad_lse, q, k, v, out, lse, self.pattern, **self._cpu_args
             )
             if dq is None:
                 return grads
@@ -170,7 +170,7 @@ class AttentionPlan:
         return dkdv_layout, dq_layout
 
     @property
-    def _reference_args(self) -> dict:
+    def _cpu_args(self) -> dict:
         varlen = self.varlen
         return dict(
             softmax_scale=self.scale,

@@ -17,9 +17,10 @@ import torch
 
 from ..layout import DecodeLayout, decode_layout, dense_decode_layout
 from ..ops import dispatch
+from ..ops.cpu import paged_attention as paged_attention_reference
+from ..ops.cpu import write_pages as write_pages_reference
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern
-from ..reference import paged_attention_reference, write_pages_reference
 
 __all__ = ["MAX_DECODE_TOKENS", "decode_step", "runs_kernels", "step_layout"]
 

@@ -27,8 +27,8 @@ import torch
 
 from ..attention import sparse_attention
 from ..layout import decode_layout, group_block_mask
+from ..ops.cpu import paged_attention as paged_attention_reference
 from ..pattern import BlockPattern
-from ..reference import paged_attention_reference
 
 __all__ = [
     "paged_attention_torch",

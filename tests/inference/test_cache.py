@@ -457,8 +457,8 @@ def test_page_write_matches_the_reference_and_advances_in_its_launch(num_new, ad
     """Every (new token, KV head) row lands in its block's page, across a block boundary, with
     3 KV heads (rows not a power of two) and a block that has no page (skipped); with advance
     the lengths move past the new tokens in the same launch, else they stay."""
+    from s2attn.ops.cpu import write_pages as write_pages_reference
     from s2attn.ops.triton.page_write import write_pages
-    from s2attn.reference import write_pages_reference
 
     dtype, dim, page, batch, kv_heads, blocks = DTYPES[0], 16, 4, 2, 3, 4
     gen = torch.Generator().manual_seed(num_new)
