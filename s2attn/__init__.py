@@ -1,7 +1,8 @@
 """s2attn: S2 (sparsely-sharded) attention, block-sparse per head and per context range, in Triton.
 
-On a CPU without a GPU, set ``TRITON_INTERPRET=1`` before importing s2attn to run the kernels under
-the Triton interpreter; without it, CPU calls use the exact dense-mask reference.
+On a CPU, calls run an exact PyTorch path that walks the kept blocks in bounded memory; set
+``TRITON_INTERPRET=1`` before importing s2attn to run the Triton kernels under the interpreter
+instead.
 """
 
 from .attention import merge_partials, sparse_attention, sparse_attention_qkvpacked

@@ -28,6 +28,10 @@ def dtype_ids(dtypes) -> list[str]:
 
 DTYPE_IDS = dtype_ids(DTYPES)
 
+# A test's subprocess or wait is bounded by this only to end a hang: minutes beyond the slowest
+# run seen on a loaded 2-core host, so that no load reaches it. Verdicts never hang on seconds.
+HANG_GUARD_S = 1800
+
 # Relative error (norm of the difference over the norm of the float32 reference) allowed per dtype.
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
