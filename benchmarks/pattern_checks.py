@@ -14,8 +14,15 @@ lists themselves (``lists MiB``) and their building and checking (``from_block_l
 second column, the check's own MiB, gives the peak past the resident set once the pattern is
 built (Linux's VmHWM, reset through ``/proc/self/clear_refs``; n/a elsewhere).
 
+Then the forward, dK/dV and dQ layouts of ``--layout-heads`` heads at ``--layout-tokens`` and
+``--layout-stride``, one per process, as a CUDA call at head dim 128 builds them (Triton's tiles),
+here on the host: wall and CPU seconds, peak, and the GiB each layout holds. The host's load
+average, at the start and the end, goes into the results: on a shared host, wall seconds stretch
+with it.
+
     python benchmarks/pattern_checks.py
     python benchmarks/pattern_checks.py --tokens 1048576 4194304 --strides 32 64 --heads 32
+    python benchmarks/pattern_checks.py --tokens --list-tokens 0 --tag layouts   # layouts only
 """
 
 from __future__ import annotations
@@ -44,6 +51,30 @@ CHECKS = {
     "crop(half).is_union_complete()": lambda p, n: p.crop(p.num_q_blocks // 2).is_union_complete(),
 }
 LIST_CHECKS = ["density()", "num_kept_blocks", "is_kv_efficient()", "is_union_complete()"]
+# The layouts of a CUDA call at head dim 128 in bf16 on Triton's tiles (forward 128x64, dK/dV
+# and dQ 64x64: dispatch.forward_tile_sizes, backward_tile_sizes), built here on the host as a
+# GPU call builds them on its device. Their answer: the GiB the layout holds.
+LAYOUTS = {  # check -> (builder in s2attn.layout, block_m, block_n)
+    "forward_layout (128x64), GiB": ("forward_layout", 128, 64),
+    "backward_layout (dK/dV, 64x64), GiB": ("backward_layout", 64, 64),
+    "forward_layout (dQ, 64x64), GiB": ("forward_layout", 64, 64),
+}
+
+
+def _build_layout(check: str, p):
+    from s2attn import layout
+
+    builder, block_m, block_n = LAYOUTS[check]
+    # The per-KV-tile lists run to the end of the pattern: a call crops them to its length.
+    crop = p.num_q_blocks if builder == "backward_layout" else None
+    return getattr(layout, builder)(p, block_m, block_n, "cpu", crop, gather=True)
+
+
+def _held_gib(layout) -> float:
+    import torch
+
+    parts = [vars(layout)] + ([vars(layout.gathered_kv)] if layout.gathered_kv else [])
+    return sum(t.nbytes for d in parts for t in d.values() if isinstance(t, torch.Tensor)) / 2**30
 
 
 def _pattern(kind: str, tokens: int, heads: int, stride: int):
@@ -86,13 +117,18 @@ def _child(spec: dict | None) -> None:
     lists_mib = 0.0 if p.rules is not None else (p.row_offsets.nbytes + p.cols.nbytes) / 2**20
     resident = _reset_peak()
     t0 = time.perf_counter()
-    answer = CHECKS[spec["check"]](p, spec["tokens"])
-    seconds = time.perf_counter() - t0
+    cpu0 = time.process_time()
+    if spec["check"] in LAYOUTS:
+        answer = _held_gib(_build_layout(spec["check"], p))
+    else:
+        answer = CHECKS[spec["check"]](p, spec["tokens"])
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     own_kib = None if resident is None else _status_kib("VmHWM") - resident
     if isinstance(answer, list):  # per-head counts: their sum stands for them
         answer = sum(answer)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    got = dict(seconds=seconds, maxrss_kib=maxrss, own_kib=own_kib, lists_mib=lists_mib)
+    got = dict(seconds=seconds, cpu_seconds=cpu_seconds, maxrss_kib=maxrss, own_kib=own_kib)
+    got["lists_mib"] = lists_mib
     print(json.dumps(dict(got, answer=answer)))
 
 
@@ -140,14 +176,27 @@ def _cpu_name() -> str:
 
 
 def main() -> None:
-    from run_info import environment, heading, parser, result_stem, table, write_results
+    from run_info import (
+        environment,
+        finish,
+        heading,
+        host_line,
+        host_load,
+        parser,
+        result_stem,
+        table,
+        write_results,
+    )
 
     ap = parser(__doc__)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1048576, 4194304])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1048576, 4194304])
     ap.add_argument("--strides", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--list-tokens", type=int, default=1048576)
     ap.add_argument("--list-heads", type=int, default=8)
+    ap.add_argument("--layout-tokens", type=int, default=1048576, help="0: no layout row")
+    ap.add_argument("--layout-heads", type=int, default=16)
+    ap.add_argument("--layout-stride", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per check's process")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads in each check (0: torch's default)"
@@ -157,28 +206,32 @@ def main() -> None:
     env = environment()
     env["cpu"] = f"{_cpu_name()}, {os.cpu_count()} cores"
     env["threads"] = args.threads or "default"
+    env["host_load_start"] = host_load()
     print(f"{env['cpu']} · torch {env['torch']} · {env['date']}", flush=True)
     base = _run_child(None, args.timeout)["maxrss_kib"]
     print(f"import-only baseline: {base / 1024:.0f} MiB", flush=True)
 
+    def spec(kind: str, check: str, tokens: int, heads: int, stride: int) -> dict:
+        return dict(
+            kind=kind, check=check, tokens=tokens, heads=heads, stride=stride, threads=args.threads
+        )
+
     specs = [
-        dict(kind="rules", check=c, tokens=n, heads=args.heads, stride=s, threads=args.threads)
+        spec("rules", c, n, args.heads, s)
         for n in args.tokens
         for s in args.strides
         for c in CHECKS
     ]
     if args.list_tokens:
         specs += [
-            dict(
-                kind="lists",
-                check=c,
-                tokens=args.list_tokens,
-                heads=args.list_heads,
-                stride=s,
-                threads=args.threads,
-            )
+            spec("lists", c, args.list_tokens, args.list_heads, s)
             for s in args.strides
             for c in LIST_CHECKS
+        ]
+    if args.layout_tokens:
+        specs += [
+            spec("rules", c, args.layout_tokens, args.layout_heads, args.layout_stride)
+            for c in LAYOUTS
         ]
     rows = []
     for spec in specs:
@@ -189,6 +242,7 @@ def main() -> None:
         else:
             row.update(
                 seconds=got["seconds"],
+                cpu_seconds=got["cpu_seconds"],
                 peak_mib=(got["maxrss_kib"] - base) / 1024,
                 own_mib=None if got["own_kib"] is None else got["own_kib"] / 1024,
                 lists_mib=got["lists_mib"],
@@ -199,17 +253,20 @@ def main() -> None:
         where = f"{spec['kind']:>5} {spec['tokens']:>8} h{spec['heads']} s{spec['stride']}"
         print(f"{where} {spec['check']:<34} {shown}", flush=True)
 
+    finish(env)
+
     def cells(r: dict) -> list:
         if "error" in r:
-            measured = [r["error"], "", "", "", ""]
+            measured = [r["error"], "", "", "", "", ""]
         else:
             answer = f"{r['answer']:.6f}" if isinstance(r["answer"], float) else r["answer"]
             own = "n/a" if r["own_mib"] is None else f"{r['own_mib']:.1f}"
-            measured = [f"{r['seconds']:.4f}", f"{r['peak_mib']:.1f}", own, f"{r['lists_mib']:.0f}"]
+            measured = [f"{r['seconds']:.4f}", f"{r['cpu_seconds']:.4f}", f"{r['peak_mib']:.1f}"]
+            measured += [own, f"{r['lists_mib']:.0f}"]
             measured.append(answer)
         return [f"`{r['check']}`", r["kind"], r["tokens"], r["heads"], r["stride"], *measured]
 
-    header = ["check", "pattern", "tokens", "heads", "stride", "seconds", "peak MiB"]
+    header = ["check", "pattern", "tokens", "heads", "stride", "seconds", "CPU seconds", "peak MiB"]
     header += ["check's own MiB", "lists MiB", "answer"]
     description = (
         f"{env['cpu']}, torch threads: {env['threads']}. Each check alone in a fresh process: "
@@ -218,7 +275,11 @@ def main() -> None:
         "Patterns: local_stride_pattern(heads, block_size=64, local_blocks=16, vert_stride="
         "stride); `lists` is the same pattern given as block lists (its peak includes the lists "
         "and their building). Check's own MiB: the peak past the resident set once the pattern is "
-        "built (Linux's VmHWM, reset through /proc/self/clear_refs)."
+        "built (Linux's VmHWM, reset through /proc/self/clear_refs). CPU seconds: the "
+        "process's CPU time in the call, every thread's. Layouts: those of a CUDA call at head "
+        "dim 128 in bf16 on Triton's tiles, built on the host; their answer is the GiB the "
+        f"layout holds. The {host_line(env)}: other processes sharing the cores stretch the "
+        "seconds, and the CPU seconds less."
         f"\n\nCommand: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`"
     )
     lines = heading("Pattern checks: host time and memory", env, description)

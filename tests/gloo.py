@@ -10,9 +10,10 @@ import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import HANG_GUARD_S
 
-# Bounds every collective and the whole test, so a bug that hangs a rank fails instead.
-TIMEOUT_S = 60
+# Bounds every collective and the whole test only so that a bug that hangs a rank fails.
+TIMEOUT_S = HANG_GUARD_S
 
 
 def _free_port() -> int:

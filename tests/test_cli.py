@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HANG_GUARD_S
 
 from s2attn import cli
 
@@ -53,7 +54,10 @@ def test_top_level_help_is_whole_and_plain(capsys):
 
 def test_python_dash_m_help():
     proc = subprocess.run(
-        [sys.executable, "-m", "s2attn", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "s2attn", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert "``" not in proc.stdout

@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME, VERSION = "s2attn", "0.1.0"
@@ -45,7 +46,7 @@ def _modules() -> set[str]:
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=HANG_GUARD_S)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output}"
     return output

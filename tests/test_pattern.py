@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import no_tensor_allocation
+from helpers import HANG_GUARD_S, no_tensor_allocation
 
 import s2attn.pattern as pattern_module
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
@@ -1006,12 +1006,12 @@ def test_checks_of_block_lists_equal_the_mask(monkeypatch, walk_blocks):
 
 def test_checks_at_millions_of_tokens_run_in_bounded_memory():
     """Every check of two 32-head patterns at 4M tokens, in a fresh process: well under 1 GB of
-    host memory past the imports and 10 s (the dense mask would be 16 TB; lists, gigabytes)."""
+    host memory past the imports (the dense mask would be 16 TB; lists, gigabytes). Their time
+    is benchmarks/pattern_checks.py's to measure."""
     code = """
-import resource, time
+import resource
 import s2attn
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-t0 = time.perf_counter()
 for stride in (32, 64):
     p = s2attn.local_stride_pattern(
         32, max_seq_len=4194304, block_size=64, local_blocks=16, vert_stride=stride
@@ -1022,8 +1022,7 @@ for stride in (32, 64):
     assert p.num_kept_blocks == int(p.kept_blocks_per_head().sum()) > 0
     assert p[8:16].density() > 0 and p.crop(1000).is_union_complete() == (stride == 32)
     assert p._lists is None
-seconds = time.perf_counter() - t0
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024, seconds)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
 """
     import os
     import subprocess
@@ -1031,11 +1030,11 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024, second
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S
     )
     assert out.returncode == 0, out.stderr
-    mib, seconds = (float(x) for x in out.stdout.split())
-    assert mib < 1024 and seconds < 10, (mib, seconds)
+    mib = float(out.stdout)
+    assert mib < 1024, mib
 
 
 # ---------------------------------------------------------------- dense views, bounded memory

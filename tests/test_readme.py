@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -50,9 +51,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], cwd: Path, timeout: float) -> None:
+def _run(args: list[str], cwd: Path) -> None:
     result = subprocess.run(
-        args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+        args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert result.returncode == 0, (
         f"{shlex.join(args)} exited with {result.returncode}\n"
@@ -72,7 +73,7 @@ def test_python_block_runs(index, tmp_path):
         pytest.importorskip("transformers")
     script = tmp_path / f"readme_{index}.py"
     script.write_text(_blocks("python")[index])
-    _run([sys.executable, str(script)], tmp_path, timeout=300)
+    _run([sys.executable, str(script)], tmp_path)
 
 
 @pytest.mark.parametrize("line", _cli_lines())
@@ -80,4 +81,4 @@ def test_cli_line_runs(line, tmp_path):
     args = shlex.split(line)[1:]  # the README says ``python``; run this interpreter
     if args[2] in ("train", "eval"):
         pytest.importorskip("transformers")
-    _run([sys.executable, *args], tmp_path, timeout=300)
+    _run([sys.executable, *args], tmp_path)

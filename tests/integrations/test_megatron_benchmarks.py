@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ON_GPU
+from helpers import HANG_GUARD_S, ON_GPU
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU smoke runs (gloo ranks)")
@@ -23,20 +23,20 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
 
-def _run(*cmd: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _run(*cmd: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     print(done.stdout[-4000:], done.stderr[-3000:])
     return done
 
 
-def _torchrun(ranks: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
     """megatron_gpt.py on ``ranks`` gloo ranks; ``--tee 3`` prefixes each rank's lines with it."""
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     script = [str(BENCHMARKS / "megatron_gpt.py"), *args]
-    return _run(*launch, "--tee", "3", *script, timeout=timeout)
+    return _run(*launch, "--tee", "3", *script)
 
 
 def _megatron_tp():
@@ -102,7 +102,6 @@ def test_indivisible_heads_are_refused_on_every_rank(tmp_path):
         "48",
         "--out-dir",
         str(tmp_path),
-        timeout=120,
     )
     assert done.returncode != 0
     message = "--heads 3 does not divide by the tensor-parallel size 2"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import HANG_GUARD_S
 
 pytest.importorskip("transformers")
 
@@ -171,7 +172,7 @@ def test_smoke_run(tmp_path, extra):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     print(done.stdout[-4000:], done.stderr[-3000:])
     assert done.returncode == 0

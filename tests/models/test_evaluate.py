@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from helpers import DEVICE, assert_close
+from helpers import DEVICE, HANG_GUARD_S, assert_close
 
 from s2attn.models import evaluate, presets
 from s2attn.models.data import VOCAB_SIZE, SourceCorpus
@@ -227,7 +227,7 @@ def test_eval_shows_progress_bars_only_on_a_terminal(tmp_path, corpus_root, monk
         [sys.executable, "-m", "s2attn", "eval", *argv],
         capture_output=True,
         env=dict(os.environ, PYTHONPATH=path),
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert logged.returncode == 0, logged.stderr.decode()
     assert b"\r" not in logged.stderr, logged.stderr

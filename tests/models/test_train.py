@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from helpers import s2_layers_on_reference, tiny_train_argv, train_args
+from helpers import HANG_GUARD_S, s2_layers_on_reference, tiny_train_argv, train_args
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
@@ -306,17 +306,27 @@ def test_the_model_is_saved_before_the_curves_are_drawn(tmp_path, corpus_root, m
     assert (out / "model.safetensors").is_file()
 
 
-# `s2attn train` in another process with every batch slowed down, so that a signal lands mid-run.
-_SLOW_TRAIN = """
-import sys, time
+# `s2attn train` in another process whose batches, once its metrics (the first argument) hold 3
+# rows, wait for a file (the second) to exist: the test's signal lands mid-run however slowly the
+# host runs.
+_HELD_TRAIN = """
+import os, sys, time
 from s2attn.cli import main
 from s2attn.models import data
+metrics, go, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 next_batch = data.TokenStream.next_batch_with_answers
-def slow(self):
-    time.sleep(0.1)
+def rows():
+    try:
+        with open(metrics) as f:
+            return f.read().count("\\n")
+    except FileNotFoundError:
+        return 0
+def held(self):
+    while rows() >= 3 and not os.path.exists(go):
+        time.sleep(0.01)
     return next_batch(self)
-data.TokenStream.next_batch_with_answers = slow
-sys.exit(main(["train", *sys.argv[1:]]))
+data.TokenStream.next_batch_with_answers = held
+sys.exit(main(["train", *argv]))
 """
 
 
@@ -340,25 +350,26 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_goes_on(tmp_path, corpus_root
         os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     )
     # Bytes: text mode would turn a bar's carriage returns into newlines.
+    metrics, go = out / "metrics.jsonl", tmp_path / "go"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_TRAIN, *argv],
+        [sys.executable, "-c", _HELD_TRAIN, str(metrics), str(go), *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
     )
     try:
-        deadline = time.monotonic() + 120
-        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + HANG_GUARD_S
         while not metrics.is_file() or metrics.read_text().count("\n") < 3:
             assert proc.poll() is None, f"training ended early: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no 3 metrics rows within 120 s"
+            assert time.monotonic() < deadline, f"no 3 metrics rows within {HANG_GUARD_S} s"
             time.sleep(0.05)
         with pytest.raises(
             ValueError, match=rf"in use by another `s2attn train` \(pid {proc.pid}\)"
         ):
             train.run(_args(out, corpus_root, *opts, "--resume"))
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = (text.decode() for text in proc.communicate(timeout=120))
+        go.touch()
+        stdout, stderr = (text.decode() for text in proc.communicate(timeout=HANG_GUARD_S))
     finally:
         if proc.poll() is None:
             proc.kill()
