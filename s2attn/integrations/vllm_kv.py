@@ -125,11 +125,18 @@ class S2AttentionSpec(AttentionSpec):
 
     @classmethod
     def merge(cls, specs: list[Self]) -> Self:
-        """One spec for a group's layers: a block lives while any layer's heads read it."""
+        """One spec for a group's layers: a block lives while any layer's heads read it.
+
+        vLLM also calls this on the first layer's spec with every layer's, to learn whether the
+        model's specs are uniform, and takes an ``AssertionError`` for "no" (its own specs answer
+        so): a model whose first layer is S2 and another dense. Raised explicitly, so that it
+        survives ``python -O``."""
         first = specs[0]
         for spec in specs[1:]:
+            if not isinstance(spec, S2AttentionSpec):
+                raise AssertionError(f"not all layers are S2 layers: {type(spec).__name__}")
             if dataclasses.replace(spec, last_read=first.last_read) != first:
-                raise ValueError(
+                raise AssertionError(
                     f"S2 layers of one KV cache group differ in more than their patterns: "
                     f"{spec} and {first}"
                 )

@@ -107,6 +107,17 @@ def test_s2_groups_free_the_pages_the_pattern_no_longer_reads(striped, monkeypat
     assert free_after == total - 1  # all but vLLM's null block
 
 
+def test_a_model_whose_first_layer_is_s2_is_served(tmp_path):
+    """vLLM asks the first layer's spec whether every layer's is the same type; an S2 first layer
+    beside a dense one must answer no (the two kinds then take groups of their own)."""
+    model = save_tiny_llama(tmp_path, block_size=BLOCK, vert_stride=STRIDE, dense_layers=(2,))
+    llm = make_llm(tmp_path, block_size=BLOCK)
+    try:
+        assert vllm_tokens(llm) == transformers_tokens(model, s2hf.REFERENCE_IMPLEMENTATION)
+    finally:
+        shutdown(llm)
+
+
 def test_held_pages_follow_the_union_over_kv_heads(striped):
     """Far from the start, the blocks behind the window that stay are the residues the KV heads
     keep: ``min(kv_heads, stride) / stride`` of them."""
