@@ -780,6 +780,13 @@ def local_stride_pattern(
         )
 
     nb = math.ceil(max_seq_len / block_size)
+    if max_seq_len % block_size:
+        warnings.warn(
+            f"max_seq_len={max_seq_len} is not a multiple of block_size={block_size}: the "
+            f"pattern covers {nb * block_size} tokens ({nb} blocks)",
+            UserWarning,
+            stacklevel=2,
+        )
     num_sparse_groups = groups - num_dense_heads // group_size
     rules = []
     for g in range(groups):
@@ -799,6 +806,15 @@ def local_stride_pattern(
         reason = pattern.dense_reason
     if reason is not None:
         warnings.warn(f"{reason}: the pattern is dense", UserWarning, stacklevel=2)
+    elif vert_stride > nb and not pattern.is_union_complete():
+        # Each head keeps at most one stripe, and some heads none: too few heads to cover.
+        warnings.warn(
+            f"vert_stride={vert_stride} exceeds the {nb} blocks of max_seq_len={max_seq_len} "
+            f"(block_size={block_size}): some visible blocks lie on no head's stripe, so the "
+            "pattern is not union complete",
+            UserWarning,
+            stacklevel=2,
+        )
     return pattern
 
 

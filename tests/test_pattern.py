@@ -682,7 +682,7 @@ def test_builders_take_every_argument_after_the_head_count_by_keyword():
             "vert_stride=1 keeps every block: the pattern is dense",
         ),
         (
-            dict(max_seq_len=100, block_size=128, local_blocks=1, vert_stride=4),
+            dict(max_seq_len=128, block_size=128, local_blocks=1, vert_stride=4),
             "block_size=128 holds the whole sequence in one block: the pattern is dense",
         ),
         (
@@ -718,6 +718,42 @@ def test_pattern_that_is_dense_after_all_is_flagged(kwargs, reason):
     if "num_dense_heads" not in kwargs:  # dense heads are dense by their rules
         assert str(caught[0].message) == f"{p.dense_reason}: the pattern is dense"
         assert f"effectively dense: {p.dense_reason}" in repr(p)
+
+
+def test_a_length_between_two_blocks_warns_with_both_numbers():
+    """max_seq_len=1000 at blocks of 64 gives a pattern of 16 blocks, 1024 tokens: said, once,
+    at the caller's line; a whole number of blocks says nothing."""
+    args = dict(block_size=64, local_blocks=2, vert_stride=4)
+    with pytest.warns(UserWarning) as caught:
+        p = local_stride_pattern(4, max_seq_len=1000, **args)
+    assert [str(w.message) for w in caught] == [
+        "max_seq_len=1000 is not a multiple of block_size=64: the pattern covers 1024 tokens "
+        "(16 blocks)"
+    ]
+    assert caught[0].filename == __file__
+    assert p.num_q_blocks == 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert local_stride_pattern(4, max_seq_len=1024, **args).num_q_blocks == 16
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads, complete", [(2, False), (4, False), (16, True)])
+def test_a_stride_past_the_blocks_warns_unless_the_heads_still_cover(heads, complete, causal):
+    """vert_stride=16 over 8 blocks: each head keeps at most one stripe, so only as many heads
+    as the stride (every residue) cover every block; fewer leave blocks no head attends, and
+    the builder says so."""
+    args = dict(max_seq_len=512, block_size=64, local_blocks=2, vert_stride=16, causal=causal)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = local_stride_pattern(heads, **args)
+    assert p.is_union_complete() == complete
+    expected = [
+        "vert_stride=16 exceeds the 8 blocks of max_seq_len=512 (block_size=64): some visible "
+        "blocks lie on no head's stripe, so the pattern is not union complete"
+    ]
+    assert [str(w.message) for w in caught] == ([] if complete else expected)
+    assert all(w.filename == __file__ for w in caught)
 
 
 def test_sparse_and_dense_patterns_do_not_warn():
@@ -763,7 +799,8 @@ def test_dense_check_from_the_rules_agrees_with_the_density(causal):
             dense = p.density() == 1.0
             case = (nb, local_blocks, vert_stride, head_offset)
             assert (p.dense_reason is not None) == dense, case
-            assert len(caught) == int(dense), case
+            dense_warnings = [w for w in caught if "the pattern is dense" in str(w.message)]
+            assert len(dense_warnings) == int(dense), case
             flagged += dense
     assert 0 < flagged
 

@@ -62,6 +62,7 @@ from ..stack import S2Settings, spread_dense_layers
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "REFERENCE_IMPLEMENTATION",
+    "SUPPORTED_MODEL_TYPES",
     "S2Cache",
     "S2CacheLayer",
     "attention_forward",
@@ -74,6 +75,15 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "s2attn"
 REFERENCE_IMPLEMENTATION = "s2attn_reference"
+# The decoder families whose attention modules take the registered attention as Llama's do
+# (``config`` and ``layer_idx`` on the module, the cache updated first, no attention dropout by
+# default), checked by tests: model_type -> name. GPT-2's, for one, applies dropout in training.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+}
 _CONFIG_KEY = "s2attn"
 # Where prepare(model) binds each attention module's pattern. The attention reads it there, not
 # through layer_idx: torch.compile guards on what the traced code reads, and all S2 layers share
@@ -126,7 +136,29 @@ def configure(
         >>> config.s2attn["layer_types"]
         ['dense', 's2', 's2', 's2']
     """
+    if not isinstance(config, PreTrainedConfig):
+        raise TypeError(
+            "configure: config must be a transformers config object (a PreTrainedConfig such "
+            f"as LlamaConfig), got {type(config).__name__}; a dict of fields becomes one as "
+            "LlamaConfig(**fields)"
+        )
     text = config.get_text_config(decoder=True)
+    if text.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"configure: {type(text).__name__} (model_type {text.model_type!r}) is not a "
+            "supported model family; the s2attn attention runs in "
+            f"{', '.join(SUPPORTED_MODEL_TYPES.values())} models (model_type "
+            f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))})"
+        )
+    if isinstance(dense_layers, bool) or not (
+        dense_layers is None
+        or isinstance(dense_layers, int)
+        or (isinstance(dense_layers, Sequence) and not isinstance(dense_layers, str))
+    ):
+        raise TypeError(
+            "configure: dense_layers must be a count of dense layers (an int) or a list of "
+            f"layer indices, got {dense_layers!r}"
+        )
     num_layers = text.num_hidden_layers
     if settings is None and dense_layers is None:
         dense_layers = 2
@@ -752,6 +784,13 @@ class S2Cache(Cache):
         num_pages: int | None = None,
         static: bool = False,
     ):
+        if max_seq_len is not None and (
+            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
+        ):
+            raise ValueError(
+                f"S2Cache: max_seq_len must be a positive int (tokens), or None for the "
+                f"patterns' length, got {max_seq_len!r}"
+            )
         text = config.get_text_config(decoder=True)
         settings = _settings(text)
         heads = text.num_attention_heads

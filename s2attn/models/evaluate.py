@@ -651,9 +651,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{model_dir / 'config.json'} is not a readable config: {exc}") from None
     weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights:
+    if not weights and not any(model_dir.glob("*.bin")):
         raise ValueError(
-            f"model_dir {str(model_dir)!r} holds a config.json but no weights (*.safetensors)"
+            f"model_dir {str(model_dir)!r} holds a config.json but no weights (model.safetensors)"
         )
     for path in weights:
         check_weights_file(path, "model_dir")

@@ -544,3 +544,67 @@ def test_cache_hand_off_lasts_one_step():
         model.set_attn_implementation(s2hf.ATTN_IMPLEMENTATION)
         got = model(ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_configure_takes_a_config_object_of_a_supported_family():
+    """A dict is refused with what configure takes; a GPT-2 config (attention dropout, no RoPE)
+    is refused by configure itself, naming the families it supports, not later in forward."""
+    with pytest.raises(TypeError, match=r"PreTrainedConfig such as LlamaConfig\), got dict"):
+        s2hf.configure({"num_hidden_layers": 2, "hidden_size": 64})
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)
+    with pytest.raises(ValueError) as info:
+        s2hf.configure(gpt2, block_size=16, local_blocks=2, vert_stride=3)
+    message = str(info.value)
+    print(message)
+    assert "GPT2Config (model_type 'gpt2') is not a supported model family" in message
+    assert "Llama, Mistral, Qwen2, Qwen3" in message
+    assert not hasattr(gpt2, "s2attn")
+
+
+@pytest.mark.parametrize("dense_layers", [True, False, "2", 1.5, {0: 1}])
+def test_configure_refuses_dense_layers_that_are_no_count_or_list(dense_layers):
+    config = tiny_llama_config(2)
+    with pytest.raises(TypeError, match=r"dense_layers must be a count of dense layers \(an int"):
+        s2hf.configure(config, dense_layers=dense_layers)
+    assert not hasattr(config, "s2attn")
+    # A count and a list are taken.
+    assert s2hf.configure(config, dense_layers=1).s2attn["layer_types"].count("dense") == 1
+    assert s2hf.configure(config, dense_layers=(0, 1)).s2attn["layer_types"] == ["dense"] * 2
+
+
+@pytest.mark.parametrize("max_seq_len", [-1, 0, True, 64.0])
+def test_s2_cache_refuses_a_bad_length_when_built(max_seq_len):
+    config = tiny_llama_config(2)
+    s2hf.configure(config, block_size=16, local_blocks=2, vert_stride=3, dense_layers=[0])
+    with pytest.raises(ValueError, match=r"S2Cache: max_seq_len must be a positive int .* got "):
+        s2hf.S2Cache(config, max_seq_len=max_seq_len)
+    assert s2hf.S2Cache(config, max_seq_len=64) is not None
+
+
+@pytest.mark.parametrize("model_type", sorted(set(s2hf.SUPPORTED_MODEL_TYPES) - {"llama"}))
+def test_every_supported_family_runs_on_the_kernels_as_on_the_reference(model_type):
+    """Each family configure accepts besides Llama (tested throughout this file): one forward
+    pass of a tiny HHST model through the kernels equals the dense-mask reference's."""
+    auto = transformers.AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
+    s2hf.configure(auto, block_size=16, local_blocks=2, vert_stride=3, dense_layers=[0])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(auto).to(DEVICE).eval()
+    reference = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(auto)).to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    reference.eval().set_attn_implementation(s2hf.REFERENCE_IMPLEMENTATION)
+    ids = torch.randint(2, 128, (2, 80), device=DEVICE)
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"{model_type}: relative error of the logits {err:.1e}")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
