@@ -237,8 +237,8 @@ def sparse_attention_with_kvcache(
 
     Example::
 
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=2, num_kv_heads=8, head_dim=128,
-        ...                             dtype=torch.bfloat16, device="cuda")
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=2, num_kv_heads=8, head_dim=128,
+        ...                               dtype=torch.bfloat16, device="cuda")
         >>> out = s2attn.sparse_attention_with_kvcache(q_prompt, cache, k_prompt, v_prompt)
         >>> for _ in range(steps):  # q_step (2, 1, 32, 128), k/v_step (2, 1, 8, 128)
         ...     out = s2attn.sparse_attention_with_kvcache(q_step, cache, k_step, v_step)
@@ -302,8 +302,8 @@ def capture_decode_step(
 
     Example::
 
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
-        ...                             device="cuda", static=True)
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
+        ...                               device="cuda", static=True)
         >>> s2attn.sparse_attention_with_kvcache(q_prompt, cache, k_prompt, v_prompt)
         >>> step = s2attn.capture_decode_step(q_buf, cache, k_buf, v_buf)
         >>> for _ in range(new_tokens):
@@ -311,7 +311,7 @@ def capture_decode_step(
         ...     out = step()
     """
     if not isinstance(cache, StaticKVCache):
-        raise ValueError("capture_decode_step needs a static PagedKVCache (static=True)")
+        raise ValueError("capture_decode_step needs a static cache (paged_kv_cache(static=True))")
     if q.device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, got {q.device}")
     if q.dim() != 4 or q.shape[1] > MAX_DECODE_TOKENS:

@@ -1,5 +1,4 @@
-"""The paged KV cache of one attention layer (the shared part of its two kinds), and a container
-for a model's layers.
+"""The paged KV cache of one attention layer: the part its two kinds share.
 
 Storage is a :class:`~.page_pool.PagePool`. A page holds the keys (and, in a twin pool, the
 values) of ``block_size`` consecutive positions of one (sequence, KV head): one pattern block. A
@@ -12,7 +11,8 @@ Two kinds share this class's reads, sizes and bookkeeping and differ in how page
 * :class:`~.static_cache.StaticKVCache` fixes every block's page when it is built, so a decode
   step is device work alone (CUDA graphs, compiled decode steps).
 
-``PagedKVCache(..., static=False)`` builds the first, ``static=True`` the second.
+:func:`~.cache_factory.paged_kv_cache` builds either (``static=False`` or ``True``); this module
+imports neither, they import it.
 
 Eviction. Before new tokens are written, each sequence names the first position whose queries
 will still read the cache (``keep_from``); the layer's :class:`~.eviction.EvictionSchedule` says
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ from .decode_step import MAX_DECODE_TOKENS, step_layout
 from .eviction import EvictionSchedule
 from .page_pool import PagePool, upload
 
-__all__ = ["ModelKVCache", "PagedKVCache"]
+__all__ = ["PagedKVCache"]
 
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,7 +87,9 @@ def _host_synced(method):
 
 
 class PagedKVCache:
-    """Paged K/V storage of one attention layer that frees what its pattern never reads again.
+    """Paged K/V storage of one attention layer that frees what its pattern never reads again:
+    what both kinds share. Build one with :func:`~s2attn.inference.cache_factory.paged_kv_cache`
+    (``static=`` picks the kind) or with the kind's class, which take these arguments.
 
     Args:
         pattern: the layer's causal :class:`s2attn.BlockPattern` (one head per KV head, or one per
@@ -105,19 +107,6 @@ class PagedKVCache:
             a block being entered (:meth:`default_num_pages`); a dense layer gets every block.
             Give fewer when sequences are known to be short: pages are shared across the batch.
             An append the pool cannot hold raises, naming the pages it needs.
-        static: which kind to build. False (the default): a
-            :class:`~s2attn.inference.dynamic_cache.DynamicKVCache`, which takes and frees pages
-            as sequences grow. True: a :class:`~s2attn.inference.static_cache.StaticKVCache`,
-            which gives every (sequence, KV head, block) a fixed page, decided here from the
-            pattern, so that no step changes the page table: a decode step is then only device
-            work on tensors updated in place (the page write, the decode kernel, the lengths),
-            which a CUDA graph captures and replays as sequences grow. Blocks read only near
-            their own position share a ring of pages, reused as the window moves; blocks read
-            longer (stripes, and everything of a dense layer) get a page each. The pool holds
-            about what the dynamic cache peaks at (see :meth:`StaticKVCache.static_plan`);
-            ``num_pages`` is not taken. Appends must be decode steps or keep only what later
-            queries read (as ``sparse_attention_with_kvcache`` does); beam reorders keep the
-            batch size. Calling a kind's class directly needs no ``static``.
 
     Attributes read by the kernels: ``k_pages``/``v_pages`` (num_pages + 1, block_size, head_dim),
     whose last page absorbs writes that are not stored; ``page_table`` int32 (batch, kv_heads,
@@ -130,8 +119,8 @@ class PagedKVCache:
         ...     32, max_seq_len=131072, block_size=64, local_blocks=16, vert_stride=64,
         ...     num_kv_heads=8
         ... )
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=16, num_kv_heads=8, head_dim=128,
-        ...                             dtype=torch.bfloat16, device="cuda")
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=16, num_kv_heads=8, head_dim=128,
+        ...                               dtype=torch.bfloat16, device="cuda")
         >>> out = s2attn.sparse_attention_with_kvcache(q, cache, k, v)  # prefill, then decode
         >>> cache.memory_report()["live_bytes"]
     """
@@ -148,8 +137,13 @@ class PagedKVCache:
         max_seq_len: int | None = None,
         block_size: int | None = None,
         num_pages: int | None = None,
-        static: bool | None = None,
     ):
+        if type(self) is PagedKVCache:
+            raise TypeError(
+                "PagedKVCache is what the two kinds of cache share: build one with "
+                "s2attn.paged_kv_cache(pattern, ..., static=False or True), or with the kind's "
+                "class (DynamicKVCache, StaticKVCache)"
+            )
         batch_size = check_int("batch_size", batch_size)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         head_dim = check_int("head_dim", head_dim)
@@ -198,7 +192,7 @@ class PagedKVCache:
         self.max_seq_len = max_seq_len
         self.max_blocks = nb = math.ceil(max_seq_len / block_size)
         self.eviction = EvictionSchedule(pattern, num_kv_heads, nb)
-        # `static` chose the class (__new__); the kind's class holds its pages its own way.
+        # The kind's class holds its pages its own way.
         self.pool = self._make_pool(num_pages)
         self.num_pages = self.pool.num_pages
         self._table = self._initial_table()
@@ -216,19 +210,6 @@ class PagedKVCache:
         # The last eager decode step's inputs, as they passed their checks, and its scale: a step
         # of the same inputs skips the checks (inference/attention.py).
         self._checked_step: tuple | None = None
-
-    def __new__(cls, *args, static: bool | None = None, **kwargs):
-        # PagedKVCache(..., static=...) picks the kind; a kind's own class takes it as it is.
-        if static is not None and not isinstance(static, bool):
-            raise TypeError(f"static must be a bool, got {static!r}")
-        if cls is PagedKVCache:
-            from .dynamic_cache import DynamicKVCache
-            from .static_cache import StaticKVCache
-
-            cls = StaticKVCache if static else DynamicKVCache
-        elif static is not None and static != cls.static:
-            raise ValueError(f"{cls.__name__} takes static={cls.static}, got static={static}")
-        return super().__new__(cls)
 
     # The kind's own: its pool and first page table, and how it holds pages as the cache changes.
     static: bool
@@ -702,93 +683,3 @@ class PagedKVCache:
             f"dim={self.head_dim}, block={self.block_size}, pages={self.live_pages}/"
             f"{self.num_pages}, lengths={self._lengths})"
         )
-
-
-class ModelKVCache:
-    """One :class:`PagedKVCache` per attention layer, with the memory summed over layers.
-
-    Args:
-        patterns: per layer, its pattern or None for a dense layer (an HHST model: the first few
-            layers dense, the rest S2).
-        Every other argument is passed to each layer's :class:`PagedKVCache`, whose keywords
-        these are (``static`` included).
-
-    Example::
-
-        >>> s2 = s2attn.local_stride_pattern(
-        ...     32, max_seq_len=32768, block_size=64, local_blocks=16, vert_stride=16,
-        ...     num_kv_heads=8
-        ... )
-        >>> caches = s2attn.ModelKVCache([None, None] + [s2] * 14, batch_size=1, num_kv_heads=8,
-        ...                              head_dim=128, max_seq_len=32768, block_size=64)
-        >>> caches[5].append(k, v)
-    """
-
-    def __init__(
-        self,
-        patterns: Sequence[BlockPattern | None],
-        *,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str | None = None,
-        max_seq_len: int | None = None,
-        block_size: int | None = None,
-        num_pages: int | None = None,
-        static: bool = False,
-    ):
-        if len(patterns) == 0:
-            raise ValueError("patterns must name at least one layer")
-        self.layers = [
-            PagedKVCache(
-                p,
-                batch_size=batch_size,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                device=device,
-                max_seq_len=max_seq_len,
-                block_size=block_size,
-                num_pages=num_pages,
-                static=static,
-            )
-            for p in patterns
-        ]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, index: int) -> PagedKVCache:
-        return self.layers[index]
-
-    def __iter__(self) -> Iterator[PagedKVCache]:
-        return iter(self.layers)
-
-    def live_bytes(self) -> int:
-        return sum(layer.live_bytes() for layer in self.layers)
-
-    def capacity_bytes(self) -> int:
-        return sum(layer.capacity_bytes() for layer in self.layers)
-
-    def dense_bytes(self) -> int:
-        return sum(layer.dense_bytes() for layer in self.layers)
-
-    def memory_report(self) -> dict[str, int]:
-        """The layers' :meth:`PagedKVCache.memory_report` entries, summed."""
-        total: dict[str, int] = {}
-        for layer in self.layers:
-            for key, value in layer.memory_report().items():
-                total[key] = total.get(key, 0) + value
-        return total
-
-    def crop(self, num_tokens: int) -> None:
-        """Every layer's :meth:`PagedKVCache.crop`; when one layer cannot, none is cropped."""
-        for layer in self.layers:
-            layer.check_crop(num_tokens)
-        for layer in self.layers:
-            layer.crop(num_tokens)
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()

@@ -10,7 +10,7 @@ reads or changes host state, so a compiled graph that holds it, replayed from a 
 by Inductor, serves every step; the cache's host bookkeeping (lengths, keep blocks) catches up
 from ``seq_lens`` when an eager call next needs it (:meth:`StaticKVCache.catch_up`).
 
-Only static caches (``PagedKVCache(static=True)``) qualify: their page table is fixed, so a step
+Only static caches (``paged_kv_cache(static=True)``) qualify: their page table is fixed, so a step
 needs no allocation, eviction or copy on write. Its body is the decode step every path runs
 (:func:`~.decode_step.decode_step`): on a Triton backend the page-write and decode kernels (the
 ones ``capture_decode_step`` records); elsewhere the plain-PyTorch reference over pages, for the
@@ -110,7 +110,7 @@ def _check_step(q, cache, k, v) -> None:
     """Shapes, dtypes and devices a step must have; read while tracing, so a compiled graph
     checks nothing per step (the cache's end is checked on the device)."""
     if not isinstance(cache, StaticKVCache):
-        raise ValueError("static_decode_step needs a static PagedKVCache (static=True)")
+        raise ValueError("static_decode_step needs a static cache (paged_kv_cache(static=True))")
     # The cache's facts come from its tensors, which a compiled graph takes as inputs and guards
     # anyway: each of its attributes read here would add a guard per layer, evaluated before
     # every step.

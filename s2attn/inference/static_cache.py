@@ -28,15 +28,15 @@ __all__ = ["StaticKVCache"]
 
 
 class StaticKVCache(PagedKVCache):
-    """A :class:`PagedKVCache` of fixed pages; what ``PagedKVCache(..., static=True)`` builds.
+    """A :class:`PagedKVCache` of fixed pages; what ``paged_kv_cache(..., static=True)`` builds.
     Arguments as :class:`PagedKVCache`'s, without ``num_pages`` (the plan sizes the pool).
     Appends must be decode steps or keep only what later queries read (as
     ``sparse_attention_with_kvcache`` does); beam reorders keep the batch size.
 
     Example::
 
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
-        ...                             device="cuda", static=True)
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
+        ...                               device="cuda", static=True)
         >>> cache.static_plan()["ring"]
     """
 

@@ -23,7 +23,7 @@ from helpers import (
 )
 
 import s2attn
-from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
+from s2attn import attention_reference, paged_kv_cache, sparse_attention_with_kvcache
 from s2attn.ops.options import TritonDecodeConfig
 from s2attn.ops.triton import decode as triton_decode
 
@@ -59,7 +59,7 @@ def reference_pattern(pattern, kv_heads):
 
 def filled_cache(pattern, lens, kv_heads, dim, dtype, **kwargs):
     """A cache holding random past keys/values of the given lengths, stored as a prefill would."""
-    cache = PagedKVCache(
+    cache = paged_kv_cache(
         pattern,
         batch_size=len(lens),
         num_kv_heads=kv_heads,
@@ -324,7 +324,7 @@ def test_static_decode_operator_refuses_bad_steps():
 
     dynamic, *_ = filled_cache(make_pattern("s2", 4, 2), [20], 2, 16, torch.float32)
     q, k, v = step(dynamic, 4, 1, torch.float32)
-    with pytest.raises(ValueError, match="static PagedKVCache"):
+    with pytest.raises(ValueError, match=r"static cache \(paged_kv_cache\(static=True\)\)"):
         static_decode_step(q, dynamic, k, v, softmax_scale=0.25)
     cache, *_ = filled_cache(make_pattern("s2", 4, 2), [20, 9], 2, 16, torch.float32, static=True)
     pages = cache.k_pages.clone()
@@ -487,7 +487,7 @@ def test_pages_wider_than_the_kv_tile():
         vert_stride=3,
         num_kv_heads=kv_heads,
     )
-    cache = PagedKVCache(
+    cache = paged_kv_cache(
         pattern, batch_size=2, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=DEVICE
     )
     lens = [70, 45]
@@ -612,7 +612,7 @@ def test_bad_inputs_name_the_argument():
             torch.randn(2, MAX_LEN, heads, dim, device=DEVICE, dtype=dtype), cache, big, big
         )
     with pytest.raises(ValueError, match="pattern has"):
-        other = PagedKVCache(
+        other = paged_kv_cache(
             s2attn.local_stride_pattern(
                 8, max_seq_len=MAX_LEN, block_size=BS, local_blocks=2, vert_stride=3, num_kv_heads=2
             ),
