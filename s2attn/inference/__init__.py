@@ -11,6 +11,9 @@
                       compiled steps
     cache_factory.py  paged_kv_cache(..., static=...): the kind chosen, the cache built
     model_cache.py    ModelKVCache: one cache per layer of a model
+    decode_plan.py    DecodePlan: what one decode step's device work reads and writes (pages,
+                      page table, lengths, layout, split count, split counters), planned by
+                      the cache, taken by every decode path
     decode_step.py    the one decode step's device work (page write, lengths, attention) that
                       every decode path runs
     step_graph.py     eager decode steps replayed from a CUDA graph per cache and step shape

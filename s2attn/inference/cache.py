@@ -23,8 +23,8 @@ block per head.
 Bookkeeping (lengths, page table) lives on the host and is mirrored to the device only when it
 changes, i.e. when a sequence enters a new block: a decode step within a block costs no
 host-device synchronisation. A decode step's device work (page write, device lengths, attention)
-is :func:`~.decode_step.decode_step`; the cache plans its pages first
-(:meth:`PagedKVCache.prepare_decode_step`).
+is :func:`~.decode_step.decode_step`, over the :class:`~.decode_plan.DecodePlan` the cache returns
+when it has planned the step's pages (:meth:`PagedKVCache.plan_decode_step`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ import torch
 
 from ..input_checks import check_cu_seqlens, check_int, check_tensor
 from ..layout import DecodeLayout
-from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern
-from .decode_step import MAX_DECODE_TOKENS, step_layout
+from .decode_plan import DecodePlan, split_count, step_layout
+from .decode_step import MAX_DECODE_TOKENS, write_pages
 from .eviction import EvictionSchedule
 from .page_pool import PagePool, upload
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "check_new_tokens"]
 
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -84,6 +84,39 @@ def _host_synced(method):
         return method(self, *args, **kwargs)
 
     return synced
+
+
+def check_new_tokens(
+    k: object,
+    v: object,
+    k_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+) -> None:
+    """Check new keys and values against a cache of these pages and page table: its dtype and
+    device, (batch, num_new, kv_heads, dim), or packed (total, kv_heads, dim) with
+    ``cu_seqlens``. The cache's facts come from its tensors, which a compiled graph guards on
+    anyway, not from its attributes."""
+    dtype, device = k_pages.dtype, k_pages.device
+    batch, tail = page_table.shape[0], (page_table.shape[1], k_pages.shape[-1])
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but the cache holds {dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v differ in shape: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if cu_seqlens is None:
+        if k.dim() != 4 or k.shape[0] != batch or tuple(k.shape[2:]) != tail:
+            raise ValueError(
+                f"k must be (batch={batch}, num_new, kv_heads={tail[0]}, dim={tail[1]}), got "
+                f"{tuple(k.shape)}; packed inputs need cu_seqlens"
+            )
+    elif k.dim() != 3 or tuple(k.shape[1:]) != tail:
+        raise ValueError(
+            f"packed k must be (total, kv_heads={tail[0]}, dim={tail[1]}), got {tuple(k.shape)}"
+        )
 
 
 class PagedKVCache:
@@ -205,6 +238,11 @@ class PagedKVCache:
         self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
         # Made here, not on first use, so that a compiled step only reads it.
         self.split_counters = self._new_split_counters()
+        # Decode plans by split count, and the split count of every step of a captured run as
+        # (batch size, count): a plan is built again only when the cache swaps its tensors.
+        self._plans: dict[int, DecodePlan] = {}
+        self._run_splits = (0, 0)
+        self._built()
         # Eager decode steps captured as CUDA graphs, by step shape (inference/step_graph.py).
         self.step_graphs: dict = {}
         # The last eager decode step's inputs, as they passed their checks, and its scale: a step
@@ -216,6 +254,9 @@ class PagedKVCache:
 
     def _make_pool(self, num_pages: int | None) -> PagePool:
         raise NotImplementedError
+
+    def _built(self) -> None:
+        """The end of construction: what the kind makes of the finished cache."""
 
     def _initial_table(self) -> torch.Tensor:
         raise NotImplementedError
@@ -367,41 +408,61 @@ class PagedKVCache:
         return torch.zeros(n, dtype=torch.int32, device=self.device)
 
     @_host_synced
-    def decode_num_splits(self, num_new: int) -> int:
-        """Programs per (sequence, KV head) for a decode step of ``num_new`` tokens whose keys
-        are in the cache already: from the longest list the step's query blocks walk (host data,
-        no sync)."""
-        layout = self.decode_layout
-        bs, lists = self.block_size, self._list_lengths
-        longest = max(lists[(n - num_new) // bs] for n in self._lengths)
-        return dispatch.decode_num_splits(
-            self.batch_size, layout.num_kv_heads, longest, self.device
+    def decode_plan(
+        self, num_new: int | None = None, *, num_splits: int | None = None
+    ) -> DecodePlan:
+        """The plan of a decode step over the cache as it is (the step's pages planned already).
+
+        Its split count: ``num_splits`` when given; else, for a step of ``num_new`` tokens, from
+        the longest list the step's query blocks walk; else (``num_new`` None) from the longest
+        list of all, so that one launch, captured or compiled, serves every length. Host data
+        alone: no sync."""
+        if num_splits is None:
+            num_splits = self._num_splits(num_new)
+        plan = self._plans.get(num_splits)
+        if plan is None or not (
+            plan.page_table is self.page_table
+            and plan.seq_lens is self.seq_lens
+            and plan.split_counters is self.split_counters
+        ):
+            if plan is not None:  # the cache swapped its tensors: every plan is stale
+                self._plans.clear()
+            plan = self._plans[num_splits] = DecodePlan(
+                k_pages=self.k_pages,
+                v_pages=self.v_pages,
+                page_table=self.page_table,
+                seq_lens=self.seq_lens,
+                split_counters=self.split_counters,
+                pattern=self.pattern,
+                layout=self.decode_layout,
+                num_splits=num_splits,
+            )
+        return plan
+
+    def _num_splits(self, num_new: int | None) -> int:
+        """The decode kernel's programs per (sequence, KV head): see :meth:`decode_plan`."""
+        if num_new is None and self._run_splits[0] == self.batch_size:
+            return self._run_splits[1]
+        layout = self.decode_layout  # first use: its host lists too
+        splits = split_count(
+            self._list_lengths,
+            None if num_new is None else (n - num_new for n in self._lengths),
+            block_size=self.block_size,
+            batch=self.batch_size,
+            num_kv_heads=layout.num_kv_heads,
+            device=self.device,
         )
+        if num_new is None:
+            self._run_splits = (self.batch_size, splits)
+        return splits
 
     # --------------------------------------------------------------------------- writes
     def _new_token_counts(
         self, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> list[int]:
-        for name, t in (("k", k), ("v", v)):
-            check_tensor(name, t)
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v differ in shape: {tuple(k.shape)} vs {tuple(v.shape)}")
-        tail = (self.num_kv_heads, self.head_dim)
+        check_new_tokens(k, v, self.k_pages, self.page_table, cu_seqlens)
         if cu_seqlens is None:
-            if k.dim() != 4 or k.shape[0] != self.batch_size or tuple(k.shape[2:]) != tail:
-                raise ValueError(
-                    f"k must be (batch={self.batch_size}, num_new, kv_heads={tail[0]}, "
-                    f"dim={tail[1]}), got {tuple(k.shape)}; packed inputs need cu_seqlens"
-                )
             return [k.shape[1]] * self.batch_size
-        if k.dim() != 3 or tuple(k.shape[1:]) != tail:
-            raise ValueError(
-                f"packed k must be (total, kv_heads={tail[0]}, dim={tail[1]}), got {tuple(k.shape)}"
-            )
         cu = check_cu_seqlens("cu_seqlens", cu_seqlens, k.shape[0], k.device, self.batch_size)
         return [b - a for a, b in zip(cu, cu[1:])]
 
@@ -442,24 +503,32 @@ class PagedKVCache:
             self.seq_lens += upload(torch.tensor(counts, dtype=torch.int32), self.device)
 
     @_host_synced
-    def prepare_decode_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def plan_decode_step(
+        self, k: torch.Tensor, v: torch.Tensor, *, num_splits: int | None = None
+    ) -> DecodePlan:
         """The host half of a decode step of ``k``, ``v`` (batch, num_new, kv_heads, dim), at
         most ``MAX_DECODE_TOKENS`` new tokens: evict, give the new blocks pages, take the new
-        host lengths. The device half (page write, device lengths, attention) is
-        :func:`s2attn.inference.decode_step.decode_step`, which must follow at once."""
+        host lengths; return the step's plan (:meth:`decode_plan` of ``num_new``). The device
+        half (page write, device lengths, attention) is
+        :func:`s2attn.inference.decode_step.decode_step` of that plan, which must follow at
+        once."""
         if k.dim() == 4 and k.shape[1] > MAX_DECODE_TOKENS:
             raise ValueError(
                 f"a decode step holds at most {MAX_DECODE_TOKENS} new tokens, got {k.shape[1]}"
             )
         _, self._lengths, self._keep_block = self._plan_append(k, v, None, None)
+        return self.decode_plan(k.shape[1], num_splits=num_splits)
 
     @_host_synced
-    def _prepare_checked_decode_step(self, num_new: int) -> None:
-        """:meth:`prepare_decode_step` for ``num_new`` new tokens per sequence whose k and v
-        passed its checks in an earlier step of the same shape, dtype and device: the eager
-        step's common case, where the checks cost about as much as the planning."""
+    def _plan_checked_decode_step(
+        self, num_new: int, *, num_splits: int | None, whole_run: bool
+    ) -> DecodePlan:
+        """:meth:`plan_decode_step` for ``num_new`` new tokens per sequence whose k and v passed
+        the step's checks already (``sparse_attention_with_kvcache``'s). ``whole_run``: the plan
+        of a step replayed from a CUDA graph, whose split count serves every length."""
         counts = [num_new] * self.batch_size
         _, self._lengths, self._keep_block = self._plan(counts, None)
+        return self.decode_plan(None if whole_run else num_new, num_splits=num_splits)
 
     def _plan_append(
         self,
@@ -558,7 +627,7 @@ class PagedKVCache:
             return
         if cu_seqlens is None and counts[0] <= MAX_DECODE_TOKENS and supports_triton(self.device):
             # A decode step: one launch (self.seq_lens still holds the old lengths).
-            dispatch.write_pages(k, v, self.k_pages, self.v_pages, self.page_table, self.seq_lens)
+            write_pages(k, v, self.decode_plan(), advance=False)
             return
         seq, pos = self._token_index(counts, cu_seqlens)
         rows, stored = self._slots(seq, pos, keep_block)

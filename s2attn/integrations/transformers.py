@@ -625,7 +625,7 @@ class S2CacheLayer(CacheLayerMixin):
             # step's operator writes must be among them: Inductor runs a graph that mutates any
             # other input without CUDA graphs (a 7B step at 128k: 14.8 ms, not 8.1).
             for name in (*STEP_WRITES, "page_table"):
-                torch._dynamo.mark_static_address(getattr(self.paged, name))
+                torch._dynamo.mark_static_address(getattr(self.paged.step_plan, name))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
