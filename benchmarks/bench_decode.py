@@ -73,7 +73,7 @@ from run_info import (
 from shapes import BLOCK, DIM, HEADS, KV_HEADS, LOCAL_BLOCKS
 
 import s2attn
-from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
+from s2attn import PagedKVCache, attention_reference, paged_kv_cache, sparse_attention_with_kvcache
 from s2attn.ops.options import TritonDecodeConfig
 from s2attn.ops.triton import decode as dec
 
@@ -87,7 +87,7 @@ MIB = 2**20
 def fill_cache(pattern, k_dense, v_dense, max_seq_len) -> PagedKVCache:
     """A cache holding the dense tokens, stored as a prefill of each sequence would store them."""
     batch, _, ctx, _ = k_dense.shape
-    cache = PagedKVCache(
+    cache = paged_kv_cache(
         pattern,
         batch_size=batch,
         num_kv_heads=KV_HEADS,

@@ -10,6 +10,7 @@ from .inference import (
     ModelKVCache,
     PagedKVCache,
     capture_decode_step,
+    paged_kv_cache,
     sparse_attention_with_kvcache,
 )
 from .modules import SparseAttention
@@ -26,6 +27,7 @@ __all__ = [
     "dense_pattern",
     "local_stride_pattern",
     "merge_partials",
+    "paged_kv_cache",
     "sparse_attention",
     "sparse_attention_qkvpacked",
     "sparse_attention_with_kvcache",

@@ -56,7 +56,7 @@ pattern = s2attn.local_stride_pattern(
     vert_stride=64,
     num_kv_heads=kv_heads,
 )
-kv_cache = s2attn.PagedKVCache(
+kv_cache = s2attn.paged_kv_cache(
     pattern, batch_size=args.batch, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
     device=device, static=args.static,
 )  # fmt: skip

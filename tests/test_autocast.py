@@ -29,7 +29,7 @@ from helpers import (
 )
 
 import s2attn
-from s2attn import PagedKVCache, attention_reference, local_stride_pattern
+from s2attn import attention_reference, local_stride_pattern, paged_kv_cache
 from s2attn.precision import autocast_entry
 
 # The autocast dtypes whose kernels give correct results on this device.
@@ -144,7 +144,7 @@ def test_kvcache_keeps_its_dtype(region):
     pattern = local_stride_pattern(
         heads, max_seq_len=96, block_size=BS, local_blocks=2, vert_stride=3, num_kv_heads=kv_heads
     )
-    cache = PagedKVCache(
+    cache = paged_kv_cache(
         pattern,
         batch_size=2,
         num_kv_heads=kv_heads,

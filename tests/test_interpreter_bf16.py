@@ -91,7 +91,7 @@ def test_autocast_to_bfloat16():
 def test_paged_cache_prefill_then_decode():
     pattern = _pattern(4, kv_heads=2)
     q, k, v = _inputs(2, 60, 4, 2)
-    cache = s2attn.PagedKVCache(pattern, batch_size=2, num_kv_heads=2, head_dim=32, dtype=BF16,
+    cache = s2attn.paged_kv_cache(pattern, batch_size=2, num_kv_heads=2, head_dim=32, dtype=BF16,
                                 device="cpu")  # fmt: skip
     prompt = 50
     outs = [s2attn.sparse_attention_with_kvcache(q[:, :prompt], cache, k[:, :prompt],

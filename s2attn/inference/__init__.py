@@ -4,12 +4,16 @@
                       again, derived from the layer's pattern
     page_pool.py      PagePool: the pages, their free list, holder counts and copy on write
     cache.py          PagedKVCache, what both kinds share (page table, lengths; append, gather,
-                      crop, reset, reports; PagedKVCache(static=...) picks the kind), and
-                      ModelKVCache (one per layer)
+                      crop, reset, reports)
     dynamic_cache.py  DynamicKVCache: pages taken and freed as the pattern reads them, shared by
                       beams
     static_cache.py   StaticKVCache: every block's page fixed up front, for CUDA graphs and
                       compiled steps
+    cache_factory.py  paged_kv_cache(..., static=...): the kind chosen, the cache built
+    model_cache.py    ModelKVCache: one cache per layer of a model
+    decode_plan.py    DecodePlan: what one decode step's device work reads and writes (pages,
+                      page table, lengths, layout, split count, split counters), planned by
+                      the cache, taken by every decode path
     decode_step.py    the one decode step's device work (page write, lengths, attention) that
                       every decode path runs
     step_graph.py     eager decode steps replayed from a CUDA graph per cache and step shape
@@ -23,9 +27,11 @@ the plain-PyTorch reference over pages from ``s2attn.reference``.
 """
 
 from .attention import MAX_DECODE_TOKENS, capture_decode_step, sparse_attention_with_kvcache
-from .cache import ModelKVCache, PagedKVCache
+from .cache import PagedKVCache
+from .cache_factory import paged_kv_cache
 from .dynamic_cache import DynamicKVCache
 from .eviction import EvictionSchedule, kv_last_use
+from .model_cache import ModelKVCache
 from .page_pool import PagePool
 from .static_cache import StaticKVCache
 
@@ -39,5 +45,6 @@ __all__ = [
     "StaticKVCache",
     "capture_decode_step",
     "kv_last_use",
+    "paged_kv_cache",
     "sparse_attention_with_kvcache",
 ]

@@ -27,12 +27,17 @@ from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern, shared_dense_pattern
 from ..precision import autocast_entry
-from .cache import PagedKVCache
-from .decode_step import MAX_DECODE_TOKENS
+from . import step_graph
+from .cache import PagedKVCache, check_new_tokens
+from .decode_step import MAX_DECODE_TOKENS, attend
 from .static_cache import StaticKVCache
-from .step_graph import device_step
 
-__all__ = ["MAX_DECODE_TOKENS", "capture_decode_step", "sparse_attention_with_kvcache"]
+__all__ = [
+    "MAX_DECODE_TOKENS",
+    "capture_decode_step",
+    "check_step_inputs",
+    "sparse_attention_with_kvcache",
+]
 
 
 def _layer_pattern(cache: PagedKVCache) -> BlockPattern:
@@ -41,16 +46,27 @@ def _layer_pattern(cache: PagedKVCache) -> BlockPattern:
     return shared_dense_pattern(cache.num_kv_heads, cache.max_seq_len, cache.block_size)
 
 
-def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> float:
-    """Check the inputs a call of any kind reads; return the scale. Whether new tokens fit the
-    cache is the cache's check: in its plan on a decode step, before attending on a prefill."""
-    if not isinstance(cache, PagedKVCache):
-        raise TypeError(f"cache must be an s2attn.PagedKVCache, got {type(cache).__name__}")
+def check_step_inputs(
+    q,
+    k,
+    v,
+    k_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    pattern: BlockPattern | None,
+    cu_seqlens_q=None,
+) -> None:
+    """Check q and the new k, v (or neither) against a cache of these pages, page table and
+    pattern: every call over a cache, eager or compiled, checks its inputs here (k and v as the
+    cache's appends check them, :func:`~.cache.check_new_tokens`). The cache's facts come from
+    its tensors, not its attributes: a compiled graph guards on those tensors anyway. Whether
+    new tokens fit the cache is the cache's own check."""
+    dtype, device, head_dim = k_pages.dtype, k_pages.device, k_pages.shape[-1]
+    batch, kv_heads = page_table.shape[0], page_table.shape[1]
     check_tensor("q", q)
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q has dtype {q.dtype} but the cache holds {cache.dtype}")
-    if q.device != cache.device:
-        raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
+    if q.dtype != dtype:
+        raise TypeError(f"q has dtype {q.dtype} but the cache holds {dtype}")
+    if q.device != device:
+        raise ValueError(f"q is on {q.device} but the cache is on {device}")
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (new tokens to append) or neither")
     packed = cu_seqlens_q is not None
@@ -63,36 +79,43 @@ def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> float:
             raise TypeError("cu_seqlens_q must be an int32 tensor of batch + 1 offsets")
         if k is None:
             raise ValueError("packed queries need their new keys and values (k, v)")
-    elif q.dim() != 4 or q.shape[0] != cache.batch_size:
+    elif q.dim() != 4 or q.shape[0] != batch:
         raise ValueError(
-            f"q must be (batch={cache.batch_size}, num_new, heads, dim), or packed with "
-            f"cu_seqlens_q, got {tuple(q.shape)}"
+            f"q must be (batch={batch}, num_new, heads, dim), or packed with cu_seqlens_q, got "
+            f"{tuple(q.shape)}"
         )
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
-    if head_dim != cache.head_dim:
-        raise ValueError(f"q has head dim {head_dim} but the cache holds {cache.head_dim}")
-    if num_heads % cache.num_kv_heads:
+    num_heads = q.shape[-2]
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"q has head dim {q.shape[-1]} but the cache holds {head_dim}")
+    if num_heads % kv_heads:
         raise ValueError(
-            f"q heads ({num_heads}) must be a multiple of the cache's KV heads "
-            f"({cache.num_kv_heads})"
+            f"q heads ({num_heads}) must be a multiple of the cache's KV heads ({kv_heads})"
         )
-    pattern = cache.pattern
-    if pattern is not None and pattern.num_heads not in (num_heads, cache.num_kv_heads):
+    if pattern is not None and pattern.num_heads not in (num_heads, kv_heads):
         raise ValueError(
             f"the cache's pattern has {pattern.num_heads} heads; expected the q heads "
-            f"({num_heads}) or the KV heads ({cache.num_kv_heads})"
+            f"({num_heads}) or the KV heads ({kv_heads})"
         )
     if k is not None:
+        check_new_tokens(k, v, k_pages, page_table, cu_seqlens_q)
         if q.shape[:-2] != k.shape[:-2]:
             raise ValueError(
                 f"q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same new tokens"
             )
-    elif q.shape[1] > min(cache.lengths):
+
+
+def _validate(q, cache, k, v, softmax_scale, cu_seqlens_q) -> float:
+    """Check the inputs a call of any kind reads; return the scale. Whether new tokens fit the
+    cache is the cache's check: in its plan on a decode step, before attending on a prefill."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be an s2attn.PagedKVCache, got {type(cache).__name__}")
+    check_step_inputs(q, k, v, cache.k_pages, cache.page_table, cache.pattern, cu_seqlens_q)
+    if k is None and q.shape[1] > min(cache.lengths):
         raise ValueError(
             f"q holds {q.shape[1]} tokens per sequence, more than the shortest cached "
             f"sequence ({min(cache.lengths)}); pass k and v to append them"
         )
-    return check_softmax_scale(softmax_scale, head_dim)
+    return check_softmax_scale(softmax_scale, q.shape[-1])
 
 
 def _new_counts(
@@ -107,26 +130,15 @@ def _new_counts(
 
 def _attend_cache(q, cache: PagedKVCache, scale: float, num_splits: int | None):
     """Attention of q, the last tokens of each sequence, over the cache as it is."""
-    if num_splits is None:
-        num_splits = cache.decode_num_splits(q.shape[1])
-    return dispatch.decode(
-        q,
-        cache.k_pages,
-        cache.v_pages,
-        cache.page_table,
-        cache.seq_lens,
-        cache.decode_layout,
-        softmax_scale=scale,
-        num_splits=num_splits,
-        split_counters=cache.split_counters,
-    )
+    return attend(q, cache.decode_plan(q.shape[1], num_splits=num_splits), softmax_scale=scale)
 
 
 def _decode_step(q, cache: PagedKVCache, k, v, scale: float, num_splits: int | None, want_lse):
-    """A decode step: the cache plans its pages on the host, then the step's device work writes,
-    advances and attends, replayed from a CUDA graph where one applies."""
-    cache.prepare_decode_step(k, v)
-    return device_step(cache, q, k, v, scale, num_splits, want_lse)
+    """A decode step of checked inputs: the cache plans its pages on the host, then the step's
+    device work writes, advances and attends, replayed from a CUDA graph where one applies."""
+    graphed = step_graph.applies(q)
+    plan = cache._plan_checked_decode_step(q.shape[1], num_splits=num_splits, whole_run=graphed)
+    return step_graph.device_step(cache.step_graphs, plan, q, k, v, scale, want_lse, graphed)
 
 
 def _step_inputs(q, cache: PagedKVCache, k, v, softmax_scale) -> tuple:
@@ -237,16 +249,15 @@ def sparse_attention_with_kvcache(
 
     Example::
 
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=2, num_kv_heads=8, head_dim=128,
-        ...                             dtype=torch.bfloat16, device="cuda")
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=2, num_kv_heads=8, head_dim=128,
+        ...                               dtype=torch.bfloat16, device="cuda")
         >>> out = s2attn.sparse_attention_with_kvcache(q_prompt, cache, k_prompt, v_prompt)
         >>> for _ in range(steps):  # q_step (2, 1, 32, 128), k/v_step (2, 1, 8, 128)
         ...     out = s2attn.sparse_attention_with_kvcache(q_step, cache, k_step, v_step)
     """
     scale = _checked_scale(q, cache, k, v, softmax_scale, cu_seqlens_q)
     if scale is not None:
-        cache._prepare_checked_decode_step(q.shape[1])
-        out, lse = device_step(cache, q, k, v, scale, num_splits, return_lse)
+        out, lse = _decode_step(q, cache, k, v, scale, num_splits, return_lse)
         return (out, lse) if return_lse else out
     scale = _validate(q, cache, k, v, softmax_scale, cu_seqlens_q)
     if k is None:
@@ -302,8 +313,8 @@ def capture_decode_step(
 
     Example::
 
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
-        ...                             device="cuda", static=True)
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
+        ...                               device="cuda", static=True)
         >>> s2attn.sparse_attention_with_kvcache(q_prompt, cache, k_prompt, v_prompt)
         >>> step = s2attn.capture_decode_step(q_buf, cache, k_buf, v_buf)
         >>> for _ in range(new_tokens):
@@ -311,7 +322,7 @@ def capture_decode_step(
         ...     out = step()
     """
     if not isinstance(cache, StaticKVCache):
-        raise ValueError("capture_decode_step needs a static PagedKVCache (static=True)")
+        raise ValueError("capture_decode_step needs a static cache (paged_kv_cache(static=True))")
     if q.device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, got {q.device}")
     if q.dim() != 4 or q.shape[1] > MAX_DECODE_TOKENS:
@@ -321,7 +332,9 @@ def capture_decode_step(
         )
     num_new = q.shape[1]
     if num_splits is None:
-        num_splits = dispatch.run_num_splits(cache.decode_layout, q.shape[0], q.device)
+        # The whole run's, as every captured step takes (the warm-up step and the captured one
+        # must launch alike).
+        num_splits = cache.step_plan.num_splits
 
     def call():
         return sparse_attention_with_kvcache(

@@ -1,5 +1,4 @@
-"""The paged KV cache of one attention layer (the shared part of its two kinds), and a container
-for a model's layers.
+"""The paged KV cache of one attention layer: the part its two kinds share.
 
 Storage is a :class:`~.page_pool.PagePool`. A page holds the keys (and, in a twin pool, the
 values) of ``block_size`` consecutive positions of one (sequence, KV head): one pattern block. A
@@ -12,7 +11,8 @@ Two kinds share this class's reads, sizes and bookkeeping and differ in how page
 * :class:`~.static_cache.StaticKVCache` fixes every block's page when it is built, so a decode
   step is device work alone (CUDA graphs, compiled decode steps).
 
-``PagedKVCache(..., static=False)`` builds the first, ``static=True`` the second.
+:func:`~.cache_factory.paged_kv_cache` builds either (``static=False`` or ``True``); this module
+imports neither, they import it.
 
 Eviction. Before new tokens are written, each sequence names the first position whose queries
 will still read the cache (``keep_from``); the layer's :class:`~.eviction.EvictionSchedule` says
@@ -23,28 +23,28 @@ block per head.
 Bookkeeping (lengths, page table) lives on the host and is mirrored to the device only when it
 changes, i.e. when a sequence enters a new block: a decode step within a block costs no
 host-device synchronisation. A decode step's device work (page write, device lengths, attention)
-is :func:`~.decode_step.decode_step`; the cache plans its pages first
-(:meth:`PagedKVCache.prepare_decode_step`).
+is :func:`~.decode_step.decode_step`, over the :class:`~.decode_plan.DecodePlan` the cache returns
+when it has planned the step's pages (:meth:`PagedKVCache.plan_decode_step`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..input_checks import check_cu_seqlens, check_int, check_tensor
 from ..layout import DecodeLayout
-from ..ops import dispatch
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern
-from .decode_step import MAX_DECODE_TOKENS, step_layout
+from .decode_plan import DecodePlan, split_count, step_layout
+from .decode_step import MAX_DECODE_TOKENS, write_pages
 from .eviction import EvictionSchedule
 from .page_pool import PagePool, upload
 
-__all__ = ["ModelKVCache", "PagedKVCache"]
+__all__ = ["PagedKVCache", "check_new_tokens"]
 
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -86,8 +86,43 @@ def _host_synced(method):
     return synced
 
 
+def check_new_tokens(
+    k: object,
+    v: object,
+    k_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+) -> None:
+    """Check new keys and values against a cache of these pages and page table: its dtype and
+    device, (batch, num_new, kv_heads, dim), or packed (total, kv_heads, dim) with
+    ``cu_seqlens``. The cache's facts come from its tensors, which a compiled graph guards on
+    anyway, not from its attributes."""
+    dtype, device = k_pages.dtype, k_pages.device
+    batch, tail = page_table.shape[0], (page_table.shape[1], k_pages.shape[-1])
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but the cache holds {dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v differ in shape: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if cu_seqlens is None:
+        if k.dim() != 4 or k.shape[0] != batch or tuple(k.shape[2:]) != tail:
+            raise ValueError(
+                f"k must be (batch={batch}, num_new, kv_heads={tail[0]}, dim={tail[1]}), got "
+                f"{tuple(k.shape)}; packed inputs need cu_seqlens"
+            )
+    elif k.dim() != 3 or tuple(k.shape[1:]) != tail:
+        raise ValueError(
+            f"packed k must be (total, kv_heads={tail[0]}, dim={tail[1]}), got {tuple(k.shape)}"
+        )
+
+
 class PagedKVCache:
-    """Paged K/V storage of one attention layer that frees what its pattern never reads again.
+    """Paged K/V storage of one attention layer that frees what its pattern never reads again:
+    what both kinds share. Build one with :func:`~s2attn.inference.cache_factory.paged_kv_cache`
+    (``static=`` picks the kind) or with the kind's class, which take these arguments.
 
     Args:
         pattern: the layer's causal :class:`s2attn.BlockPattern` (one head per KV head, or one per
@@ -105,19 +140,6 @@ class PagedKVCache:
             a block being entered (:meth:`default_num_pages`); a dense layer gets every block.
             Give fewer when sequences are known to be short: pages are shared across the batch.
             An append the pool cannot hold raises, naming the pages it needs.
-        static: which kind to build. False (the default): a
-            :class:`~s2attn.inference.dynamic_cache.DynamicKVCache`, which takes and frees pages
-            as sequences grow. True: a :class:`~s2attn.inference.static_cache.StaticKVCache`,
-            which gives every (sequence, KV head, block) a fixed page, decided here from the
-            pattern, so that no step changes the page table: a decode step is then only device
-            work on tensors updated in place (the page write, the decode kernel, the lengths),
-            which a CUDA graph captures and replays as sequences grow. Blocks read only near
-            their own position share a ring of pages, reused as the window moves; blocks read
-            longer (stripes, and everything of a dense layer) get a page each. The pool holds
-            about what the dynamic cache peaks at (see :meth:`StaticKVCache.static_plan`);
-            ``num_pages`` is not taken. Appends must be decode steps or keep only what later
-            queries read (as ``sparse_attention_with_kvcache`` does); beam reorders keep the
-            batch size. Calling a kind's class directly needs no ``static``.
 
     Attributes read by the kernels: ``k_pages``/``v_pages`` (num_pages + 1, block_size, head_dim),
     whose last page absorbs writes that are not stored; ``page_table`` int32 (batch, kv_heads,
@@ -130,8 +152,8 @@ class PagedKVCache:
         ...     32, max_seq_len=131072, block_size=64, local_blocks=16, vert_stride=64,
         ...     num_kv_heads=8
         ... )
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=16, num_kv_heads=8, head_dim=128,
-        ...                             dtype=torch.bfloat16, device="cuda")
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=16, num_kv_heads=8, head_dim=128,
+        ...                               dtype=torch.bfloat16, device="cuda")
         >>> out = s2attn.sparse_attention_with_kvcache(q, cache, k, v)  # prefill, then decode
         >>> cache.memory_report()["live_bytes"]
     """
@@ -148,8 +170,13 @@ class PagedKVCache:
         max_seq_len: int | None = None,
         block_size: int | None = None,
         num_pages: int | None = None,
-        static: bool | None = None,
     ):
+        if type(self) is PagedKVCache:
+            raise TypeError(
+                "PagedKVCache is what the two kinds of cache share: build one with "
+                "s2attn.paged_kv_cache(pattern, ..., static=False or True), or with the kind's "
+                "class (DynamicKVCache, StaticKVCache)"
+            )
         batch_size = check_int("batch_size", batch_size)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         head_dim = check_int("head_dim", head_dim)
@@ -198,7 +225,7 @@ class PagedKVCache:
         self.max_seq_len = max_seq_len
         self.max_blocks = nb = math.ceil(max_seq_len / block_size)
         self.eviction = EvictionSchedule(pattern, num_kv_heads, nb)
-        # `static` chose the class (__new__); the kind's class holds its pages its own way.
+        # The kind's class holds its pages its own way.
         self.pool = self._make_pool(num_pages)
         self.num_pages = self.pool.num_pages
         self._table = self._initial_table()
@@ -211,30 +238,25 @@ class PagedKVCache:
         self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
         # Made here, not on first use, so that a compiled step only reads it.
         self.split_counters = self._new_split_counters()
+        # Decode plans by split count, and the split count of every step of a captured run as
+        # (batch size, count): a plan is built again only when the cache swaps its tensors.
+        self._plans: dict[int, DecodePlan] = {}
+        self._run_splits = (0, 0)
+        self._built()
         # Eager decode steps captured as CUDA graphs, by step shape (inference/step_graph.py).
         self.step_graphs: dict = {}
         # The last eager decode step's inputs, as they passed their checks, and its scale: a step
         # of the same inputs skips the checks (inference/attention.py).
         self._checked_step: tuple | None = None
 
-    def __new__(cls, *args, static: bool | None = None, **kwargs):
-        # PagedKVCache(..., static=...) picks the kind; a kind's own class takes it as it is.
-        if static is not None and not isinstance(static, bool):
-            raise TypeError(f"static must be a bool, got {static!r}")
-        if cls is PagedKVCache:
-            from .dynamic_cache import DynamicKVCache
-            from .static_cache import StaticKVCache
-
-            cls = StaticKVCache if static else DynamicKVCache
-        elif static is not None and static != cls.static:
-            raise ValueError(f"{cls.__name__} takes static={cls.static}, got static={static}")
-        return super().__new__(cls)
-
     # The kind's own: its pool and first page table, and how it holds pages as the cache changes.
     static: bool
 
     def _make_pool(self, num_pages: int | None) -> PagePool:
         raise NotImplementedError
+
+    def _built(self) -> None:
+        """The end of construction: what the kind makes of the finished cache."""
 
     def _initial_table(self) -> torch.Tensor:
         raise NotImplementedError
@@ -386,41 +408,61 @@ class PagedKVCache:
         return torch.zeros(n, dtype=torch.int32, device=self.device)
 
     @_host_synced
-    def decode_num_splits(self, num_new: int) -> int:
-        """Programs per (sequence, KV head) for a decode step of ``num_new`` tokens whose keys
-        are in the cache already: from the longest list the step's query blocks walk (host data,
-        no sync)."""
-        layout = self.decode_layout
-        bs, lists = self.block_size, self._list_lengths
-        longest = max(lists[(n - num_new) // bs] for n in self._lengths)
-        return dispatch.decode_num_splits(
-            self.batch_size, layout.num_kv_heads, longest, self.device
+    def decode_plan(
+        self, num_new: int | None = None, *, num_splits: int | None = None
+    ) -> DecodePlan:
+        """The plan of a decode step over the cache as it is (the step's pages planned already).
+
+        Its split count: ``num_splits`` when given; else, for a step of ``num_new`` tokens, from
+        the longest list the step's query blocks walk; else (``num_new`` None) from the longest
+        list of all, so that one launch, captured or compiled, serves every length. Host data
+        alone: no sync."""
+        if num_splits is None:
+            num_splits = self._num_splits(num_new)
+        plan = self._plans.get(num_splits)
+        if plan is None or not (
+            plan.page_table is self.page_table
+            and plan.seq_lens is self.seq_lens
+            and plan.split_counters is self.split_counters
+        ):
+            if plan is not None:  # the cache swapped its tensors: every plan is stale
+                self._plans.clear()
+            plan = self._plans[num_splits] = DecodePlan(
+                k_pages=self.k_pages,
+                v_pages=self.v_pages,
+                page_table=self.page_table,
+                seq_lens=self.seq_lens,
+                split_counters=self.split_counters,
+                pattern=self.pattern,
+                layout=self.decode_layout,
+                num_splits=num_splits,
+            )
+        return plan
+
+    def _num_splits(self, num_new: int | None) -> int:
+        """The decode kernel's programs per (sequence, KV head): see :meth:`decode_plan`."""
+        if num_new is None and self._run_splits[0] == self.batch_size:
+            return self._run_splits[1]
+        layout = self.decode_layout  # first use: its host lists too
+        splits = split_count(
+            self._list_lengths,
+            None if num_new is None else (n - num_new for n in self._lengths),
+            block_size=self.block_size,
+            batch=self.batch_size,
+            num_kv_heads=layout.num_kv_heads,
+            device=self.device,
         )
+        if num_new is None:
+            self._run_splits = (self.batch_size, splits)
+        return splits
 
     # --------------------------------------------------------------------------- writes
     def _new_token_counts(
         self, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> list[int]:
-        for name, t in (("k", k), ("v", v)):
-            check_tensor(name, t)
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v differ in shape: {tuple(k.shape)} vs {tuple(v.shape)}")
-        tail = (self.num_kv_heads, self.head_dim)
+        check_new_tokens(k, v, self.k_pages, self.page_table, cu_seqlens)
         if cu_seqlens is None:
-            if k.dim() != 4 or k.shape[0] != self.batch_size or tuple(k.shape[2:]) != tail:
-                raise ValueError(
-                    f"k must be (batch={self.batch_size}, num_new, kv_heads={tail[0]}, "
-                    f"dim={tail[1]}), got {tuple(k.shape)}; packed inputs need cu_seqlens"
-                )
             return [k.shape[1]] * self.batch_size
-        if k.dim() != 3 or tuple(k.shape[1:]) != tail:
-            raise ValueError(
-                f"packed k must be (total, kv_heads={tail[0]}, dim={tail[1]}), got {tuple(k.shape)}"
-            )
         cu = check_cu_seqlens("cu_seqlens", cu_seqlens, k.shape[0], k.device, self.batch_size)
         return [b - a for a, b in zip(cu, cu[1:])]
 
@@ -461,24 +503,32 @@ class PagedKVCache:
             self.seq_lens += upload(torch.tensor(counts, dtype=torch.int32), self.device)
 
     @_host_synced
-    def prepare_decode_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def plan_decode_step(
+        self, k: torch.Tensor, v: torch.Tensor, *, num_splits: int | None = None
+    ) -> DecodePlan:
         """The host half of a decode step of ``k``, ``v`` (batch, num_new, kv_heads, dim), at
         most ``MAX_DECODE_TOKENS`` new tokens: evict, give the new blocks pages, take the new
-        host lengths. The device half (page write, device lengths, attention) is
-        :func:`s2attn.inference.decode_step.decode_step`, which must follow at once."""
+        host lengths; return the step's plan (:meth:`decode_plan` of ``num_new``). The device
+        half (page write, device lengths, attention) is
+        :func:`s2attn.inference.decode_step.decode_step` of that plan, which must follow at
+        once."""
         if k.dim() == 4 and k.shape[1] > MAX_DECODE_TOKENS:
             raise ValueError(
                 f"a decode step holds at most {MAX_DECODE_TOKENS} new tokens, got {k.shape[1]}"
             )
         _, self._lengths, self._keep_block = self._plan_append(k, v, None, None)
+        return self.decode_plan(k.shape[1], num_splits=num_splits)
 
     @_host_synced
-    def _prepare_checked_decode_step(self, num_new: int) -> None:
-        """:meth:`prepare_decode_step` for ``num_new`` new tokens per sequence whose k and v
-        passed its checks in an earlier step of the same shape, dtype and device: the eager
-        step's common case, where the checks cost about as much as the planning."""
+    def _plan_checked_decode_step(
+        self, num_new: int, *, num_splits: int | None, whole_run: bool
+    ) -> DecodePlan:
+        """:meth:`plan_decode_step` for ``num_new`` new tokens per sequence whose k and v passed
+        the step's checks already (``sparse_attention_with_kvcache``'s). ``whole_run``: the plan
+        of a step replayed from a CUDA graph, whose split count serves every length."""
         counts = [num_new] * self.batch_size
         _, self._lengths, self._keep_block = self._plan(counts, None)
+        return self.decode_plan(None if whole_run else num_new, num_splits=num_splits)
 
     def _plan_append(
         self,
@@ -577,7 +627,7 @@ class PagedKVCache:
             return
         if cu_seqlens is None and counts[0] <= MAX_DECODE_TOKENS and supports_triton(self.device):
             # A decode step: one launch (self.seq_lens still holds the old lengths).
-            dispatch.write_pages(k, v, self.k_pages, self.v_pages, self.page_table, self.seq_lens)
+            write_pages(k, v, self.decode_plan(), advance=False)
             return
         seq, pos = self._token_index(counts, cu_seqlens)
         rows, stored = self._slots(seq, pos, keep_block)
@@ -702,93 +752,3 @@ class PagedKVCache:
             f"dim={self.head_dim}, block={self.block_size}, pages={self.live_pages}/"
             f"{self.num_pages}, lengths={self._lengths})"
         )
-
-
-class ModelKVCache:
-    """One :class:`PagedKVCache` per attention layer, with the memory summed over layers.
-
-    Args:
-        patterns: per layer, its pattern or None for a dense layer (an HHST model: the first few
-            layers dense, the rest S2).
-        Every other argument is passed to each layer's :class:`PagedKVCache`, whose keywords
-        these are (``static`` included).
-
-    Example::
-
-        >>> s2 = s2attn.local_stride_pattern(
-        ...     32, max_seq_len=32768, block_size=64, local_blocks=16, vert_stride=16,
-        ...     num_kv_heads=8
-        ... )
-        >>> caches = s2attn.ModelKVCache([None, None] + [s2] * 14, batch_size=1, num_kv_heads=8,
-        ...                              head_dim=128, max_seq_len=32768, block_size=64)
-        >>> caches[5].append(k, v)
-    """
-
-    def __init__(
-        self,
-        patterns: Sequence[BlockPattern | None],
-        *,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str | None = None,
-        max_seq_len: int | None = None,
-        block_size: int | None = None,
-        num_pages: int | None = None,
-        static: bool = False,
-    ):
-        if len(patterns) == 0:
-            raise ValueError("patterns must name at least one layer")
-        self.layers = [
-            PagedKVCache(
-                p,
-                batch_size=batch_size,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                device=device,
-                max_seq_len=max_seq_len,
-                block_size=block_size,
-                num_pages=num_pages,
-                static=static,
-            )
-            for p in patterns
-        ]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, index: int) -> PagedKVCache:
-        return self.layers[index]
-
-    def __iter__(self) -> Iterator[PagedKVCache]:
-        return iter(self.layers)
-
-    def live_bytes(self) -> int:
-        return sum(layer.live_bytes() for layer in self.layers)
-
-    def capacity_bytes(self) -> int:
-        return sum(layer.capacity_bytes() for layer in self.layers)
-
-    def dense_bytes(self) -> int:
-        return sum(layer.dense_bytes() for layer in self.layers)
-
-    def memory_report(self) -> dict[str, int]:
-        """The layers' :meth:`PagedKVCache.memory_report` entries, summed."""
-        total: dict[str, int] = {}
-        for layer in self.layers:
-            for key, value in layer.memory_report().items():
-                total[key] = total.get(key, 0) + value
-        return total
-
-    def crop(self, num_tokens: int) -> None:
-        """Every layer's :meth:`PagedKVCache.crop`; when one layer cannot, none is cropped."""
-        for layer in self.layers:
-            layer.check_crop(num_tokens)
-        for layer in self.layers:
-            layer.crop(num_tokens)
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()

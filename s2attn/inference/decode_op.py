@@ -1,16 +1,18 @@
 """A static cache's decode step as one ``torch.library`` operator, for compiled graphs.
 
 ``s2attn::static_decode(q, k, v, k_pages, v_pages, page_table, seq_lens, split_counters,
-pattern_key, softmax_scale, check_room) -> out`` writes the new tokens' keys and values into their
-pages, advances ``seq_lens`` and attends the new queries to the pages the pattern keeps, all in
-device work on the cache's tensors (it mutates ``k_pages``, ``v_pages`` and ``seq_lens``; the
-kernel counts its finished splits in ``split_counters`` and leaves them at zero). With
+pattern_key, num_splits, softmax_scale, check_room) -> out`` (after q, k, v, the cache's
+:class:`~.decode_plan.DecodePlan` as :meth:`~.decode_plan.DecodePlan.op_arguments` gives it)
+writes the new tokens' keys and values into their pages, advances ``seq_lens`` and attends the
+new queries to the pages the pattern keeps, all in device work on the cache's tensors (it mutates
+``k_pages``, ``v_pages`` and ``seq_lens``; the kernel counts its finished splits in
+``split_counters`` and leaves them at zero). With
 ``check_room`` it first asserts on the device that the step fits the cache. Nothing in it
 reads or changes host state, so a compiled graph that holds it, replayed from a CUDA graph or run
 by Inductor, serves every step; the cache's host bookkeeping (lengths, keep blocks) catches up
 from ``seq_lens`` when an eager call next needs it (:meth:`StaticKVCache.catch_up`).
 
-Only static caches (``PagedKVCache(static=True)``) qualify: their page table is fixed, so a step
+Only static caches (``paged_kv_cache(static=True)``) qualify: their page table is fixed, so a step
 needs no allocation, eviction or copy on write. Its body is the decode step every path runs
 (:func:`~.decode_step.decode_step`): on a Triton backend the page-write and decode kernels (the
 ones ``capture_decode_step`` records); elsewhere the plain-PyTorch reference over pages, for the
@@ -21,18 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from ..compile import pattern_for_key, pattern_key
-from ..input_checks import check_tensor
-from ..ops import dispatch
+from ..compile import pattern_for_key
+from .attention import check_step_inputs
 from .cache import PagedKVCache
-from .decode_step import MAX_DECODE_TOKENS, decode_step, step_layout
+from .decode_plan import DENSE_KEY, DecodePlan
+from .decode_step import MAX_DECODE_TOKENS, decode_step
 from .static_cache import StaticKVCache
 
 __all__ = ["STEP_WRITES", "static_decode_step"]
 
-_DENSE = -1  # the pattern key of a dense layer's cache (no pattern)
-
-# The cache tensors the operator writes, by their names as arguments and as cache attributes: a
+# The cache tensors the operator writes, by their names as arguments and as DecodePlan fields: a
 # caller that captures the step in CUDA graphs fixes their addresses (the transformers
 # integration marks each one static).
 STEP_WRITES = ("k_pages", "v_pages", "seq_lens", "split_counters")
@@ -49,29 +49,19 @@ def static_decode(
     seq_lens: torch.Tensor,
     split_counters: torch.Tensor,
     pattern_key: int,
+    num_splits: int,
     softmax_scale: float,
     check_room: bool,
 ) -> torch.Tensor:
     if check_room:
         _assert_room(seq_lens, q.shape[1], page_table.shape[2] * k_pages.shape[1])
-    pattern = None if pattern_key == _DENSE else pattern_for_key(pattern_key)
-    kv_heads, max_blocks = page_table.shape[1:]
-    layout = step_layout(pattern, kv_heads, k_pages.shape[1], max_blocks, q.device)
-    out, _ = decode_step(
-        q,
-        k,
-        v,
-        k_pages,
-        v_pages,
-        page_table,
-        seq_lens,
-        pattern,
-        softmax_scale=softmax_scale,
-        num_splits=_run_num_splits(layout, pattern_key, q.shape[0], q.device),
-        layout=layout,
-        # The cache's own: without it each call would zero one of its own, a launch per layer.
-        split_counters=split_counters,
+    pattern = None if pattern_key == DENSE_KEY else pattern_for_key(pattern_key)
+    # The cache's own split counters: without them each call would zero its own, a launch per
+    # layer.
+    plan = DecodePlan.build(
+        k_pages, v_pages, page_table, seq_lens, split_counters, pattern, num_splits
     )
+    out, _ = decode_step(q, k, v, plan, softmax_scale=softmax_scale)
     return out.contiguous()
 
 
@@ -88,59 +78,10 @@ def _assert_room(seq_lens: torch.Tensor, num_new: int, capacity: int) -> None:
     )
 
 
-# (pattern key, KV heads, batch, device) -> the run's split count (as capture_decode_step's), kept
-# so that a step not replayed from a graph does not scan the layout's list lengths again.
-_SPLITS: dict[tuple, int] = {}
-
-
-def _run_num_splits(layout, key: int, batch: int, device: torch.device) -> int:
-    entry = (key, layout.num_kv_heads, batch, str(device))
-    if entry not in _SPLITS:
-        _SPLITS[entry] = dispatch.run_num_splits(layout, batch, device)
-    return _SPLITS[entry]
-
-
 @static_decode.register_fake
-def _(q, k, v, k_pages, v_pages, page_table, seq_lens, split_counters, pattern_key, softmax_scale,
-      check_room):  # fmt: skip
+def _(q, k, v, k_pages, v_pages, page_table, seq_lens, split_counters, pattern_key, num_splits,
+      softmax_scale, check_room):  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-def _check_step(q, cache, k, v) -> None:
-    """Shapes, dtypes and devices a step must have; read while tracing, so a compiled graph
-    checks nothing per step (the cache's end is checked on the device)."""
-    if not isinstance(cache, StaticKVCache):
-        raise ValueError("static_decode_step needs a static PagedKVCache (static=True)")
-    # The cache's facts come from its tensors, which a compiled graph takes as inputs and guards
-    # anyway: each of its attributes read here would add a guard per layer, evaluated before
-    # every step.
-    pages, table = cache.k_pages, cache.page_table
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t)
-        if t.dtype != pages.dtype or t.device != pages.device:
-            raise ValueError(
-                f"{name} must be {pages.dtype} on {pages.device} (the cache's), got {t.dtype} on "
-                f"{t.device}"
-            )
-    batch, kv_heads, dim = table.shape[0], table.shape[1], pages.shape[-1]
-    if q.dim() != 4 or q.shape[0] != batch or q.shape[-1] != dim or q.shape[2] % kv_heads:
-        raise ValueError(
-            f"q must be (batch={batch}, num_new, heads (a multiple of {kv_heads}), dim={dim}), "
-            f"got {tuple(q.shape)}"
-        )
-    if not 1 <= q.shape[1] <= MAX_DECODE_TOKENS:
-        raise ValueError(
-            f"a decode step holds 1 to {MAX_DECODE_TOKENS} new tokens, got {q.shape[1]}"
-        )
-    want = (batch, q.shape[1], kv_heads, dim)
-    if tuple(k.shape) != want or tuple(v.shape) != want:
-        raise ValueError(f"k and v must be {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
-    pattern = cache.pattern
-    if pattern is not None and pattern.num_heads not in (q.shape[2], kv_heads):
-        raise ValueError(
-            f"the cache's pattern has {pattern.num_heads} heads; expected the q heads "
-            f"({q.shape[2]}) or the KV heads ({kv_heads})"
-        )
 
 
 def static_decode_step(
@@ -167,24 +108,24 @@ def static_decode_step(
     whose lengths advance in lockstep with this cache's (the layers of one model's cache) and
     that runs before this one (the transformers integration gives it to the first layer that
     stores tokens). A model then pays the check once per step instead of once per layer."""
-    _check_step(q, cache, k, v)
+    if not isinstance(cache, StaticKVCache):
+        raise ValueError("static_decode_step needs a static cache (paged_kv_cache(static=True))")
+    # The plan's tensors, which a compiled graph takes as inputs and guards anyway, say what the
+    # inputs must be: each cache attribute read here would add a guard per layer, evaluated
+    # before every step. Read while tracing: a compiled graph checks nothing per step (the
+    # cache's end is checked on the device).
+    plan = cache.step_plan
+    check_step_inputs(q, k, v, plan.k_pages, plan.page_table, plan.pattern)
+    if not 1 <= q.shape[1] <= MAX_DECODE_TOKENS:
+        raise ValueError(
+            f"a decode step holds 1 to {MAX_DECODE_TOKENS} new tokens, got {q.shape[1]}"
+        )
     if not torch.compiler.is_compiling():
         # Called eagerly, the step can be refused on the host with the length it needs; a
         # compiled graph checks nothing here (it would guard on the lengths and retrace per
         # step), so its caller checks the room before the graph runs.
         cache.check_room(q.shape[1])
-    key = _DENSE if cache.pattern is None else pattern_key(cache.pattern)
     cache.follow_device_steps(q.shape[1])
     return torch.ops.s2attn.static_decode(
-        q,
-        k,
-        v,
-        cache.k_pages,
-        cache.v_pages,
-        cache.page_table,
-        cache.seq_lens,
-        cache.split_counters,
-        key,
-        float(softmax_scale),
-        bool(check_room),
+        q, k, v, *plan.op_arguments(), float(softmax_scale), bool(check_room)
     )

@@ -32,8 +32,7 @@ _NO_PAGES = (
 
 class DynamicKVCache(PagedKVCache):
     """A :class:`PagedKVCache` whose pages come and go with what the pattern reads; what
-    ``PagedKVCache(...)`` builds by default. Arguments as :class:`PagedKVCache`'s (``static``
-    aside)."""
+    ``paged_kv_cache(...)`` builds by default. Arguments as :class:`PagedKVCache`'s."""
 
     static = False
 

@@ -28,15 +28,18 @@ __all__ = ["StaticKVCache"]
 
 
 class StaticKVCache(PagedKVCache):
-    """A :class:`PagedKVCache` of fixed pages; what ``PagedKVCache(..., static=True)`` builds.
+    """A :class:`PagedKVCache` of fixed pages; what ``paged_kv_cache(..., static=True)`` builds.
     Arguments as :class:`PagedKVCache`'s, without ``num_pages`` (the plan sizes the pool).
     Appends must be decode steps or keep only what later queries read (as
     ``sparse_attention_with_kvcache`` does); beam reorders keep the batch size.
 
+    ``step_plan``: the :class:`~.decode_plan.DecodePlan` of every decode step that serves all
+    lengths (the compiled operator's and a captured run's): the cache's tensors never change.
+
     Example::
 
-        >>> cache = s2attn.PagedKVCache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
-        ...                             device="cuda", static=True)
+        >>> cache = s2attn.paged_kv_cache(pattern, batch_size=8, num_kv_heads=8, head_dim=128,
+        ...                               device="cuda", static=True)
         >>> cache.static_plan()["ring"]
     """
 
@@ -53,6 +56,11 @@ class StaticKVCache(PagedKVCache):
         # device's lengths alone, and catch_up brings the host's along.
         self._device_step: int | None = None
         return pool
+
+    def _built(self) -> None:
+        # Every step's plan, built here, outside any compiled graph, which then only reads it:
+        # the tensors stay (edits change them in place), the split count is the whole run's.
+        self.step_plan = self.decode_plan()
 
     def _initial_table(self) -> torch.Tensor:
         # (sequence, KV head) pairs own consecutive runs of `slots` pages.

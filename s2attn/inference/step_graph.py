@@ -25,11 +25,10 @@ import warnings
 
 import torch
 
-from ..ops import dispatch
-from .cache import PagedKVCache
+from .decode_plan import DecodePlan
 from .decode_step import decode_step, runs_kernels
 
-__all__ = ["ENABLED", "device_step"]
+__all__ = ["ENABLED", "applies", "device_step"]
 
 # Off: every eager step launches its kernels directly (tests compare the two paths).
 ENABLED = True
@@ -43,24 +42,24 @@ class StepGraph:
     input buffers (compiling exactly the launches the capture then records), its second captures
     and replays, every later one replays. q, k, v are copied into the buffers each call."""
 
-    def __init__(self, q, k, v, scale: float, num_splits: int):
+    def __init__(self, q, k, v, scale: float):
         self.q, self.k, self.v = (torch.empty_like(t, memory_format=torch.contiguous_format)
                                   for t in (q, k, v))  # fmt: skip
-        self.scale, self.num_splits = scale, num_splits
+        self.scale = scale
         self.graph: torch.cuda.CUDAGraph | None = None
         self.held: tuple = ()
         self.direct = False  # a capture failed: this shape's steps launch directly
 
-    def __call__(self, cache: PagedKVCache, q, k, v, want_lse: bool):
+    def __call__(self, plan: DecodePlan, q, k, v, want_lse: bool):
         # One launch for the three copies (a copy's host cost is a launch's, not its bytes').
         torch._foreach_copy_([self.q, self.k, self.v], [q, k, v])
-        held = _held(cache)
+        held = plan.held
         if self.direct or not self.held:
             self.held = held
-            return _launch(cache, self.q, self.k, self.v, self.scale, self.num_splits)
+            return _launch(plan, self.q, self.k, self.v, self.scale)
         if self.graph is None or not all(map(operator.is_, self.held, held)):
             try:
-                self._capture(cache)
+                self._capture(plan)
             except Exception as exc:  # whatever failed, the step must still run
                 # The host's half of this step has run (pages, lengths): the step cannot stop
                 # here without leaving the cache half advanced, so it launches directly.
@@ -71,13 +70,13 @@ class StepGraph:
                     RuntimeWarning,
                     stacklevel=4,
                 )
-                return _launch(cache, self.q, self.k, self.v, self.scale, self.num_splits)
+                return _launch(plan, self.q, self.k, self.v, self.scale)
             self.held = held
         self.graph.replay()
         # Fresh tensors: the next replay overwrites the graph's own.
         return self.out.clone(), (self.lse.clone() if want_lse else None)
 
-    def _capture(self, cache: PagedKVCache) -> None:
+    def _capture(self, plan: DecodePlan) -> None:
         device = self.q.device
         self.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(device)
@@ -90,22 +89,15 @@ class StepGraph:
             # another thread's allocations meanwhile do not break the capture.
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
-                self.out, self.lse = _launch(
-                    cache, self.q, self.k, self.v, self.scale, self.num_splits
-                )
+                self.out, self.lse = _launch(plan, self.q, self.k, self.v, self.scale)
             finally:
                 self.graph.capture_end()
         current.wait_stream(side)
 
 
-def _held(cache: PagedKVCache) -> tuple:
-    """The cache's tensors a captured step reads and writes."""
-    layout = cache.decode_layout
-    return (cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, layout,
-            cache.split_counters)  # fmt: skip
-
-
-def _applies(q: torch.Tensor) -> bool:
+def applies(q: torch.Tensor) -> bool:
+    """Whether an eager decode step of ``q`` replays a graph: then its plan takes the split
+    count of a whole run (``PagedKVCache.decode_plan``), so that one graph serves every length."""
     return (
         ENABLED
         and not torch.compiler.is_compiling()
@@ -118,45 +110,22 @@ def _applies(q: torch.Tensor) -> bool:
 
 
 def device_step(
-    cache: PagedKVCache, q, k, v, scale: float, num_splits: int | None, want_lse: bool
+    graphs: dict, plan: DecodePlan, q, k, v, scale: float, want_lse: bool, graphed: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The device half of an eager decode step, after ``cache.prepare_decode_step(k, v)``:
-    replayed from the cache's graph of its shape where graphs apply (:class:`StepGraph`), else
-    launched directly. Returns ``(out, lse)``; lse may be None unless ``want_lse``."""
-    if not _applies(q):
-        if num_splits is None:
-            num_splits = cache.decode_num_splits(q.shape[1])
-        return _launch(cache, q, k, v, scale, num_splits)
-    graphs = cache.step_graphs
-    key = (q.shape, k.shape, scale, num_splits)
+    """The device half of an eager decode step of ``plan`` (the cache's, after its host half):
+    replayed from the cache's graph of its shape (``graphs``, the cache's ``step_graphs``) when
+    ``graphed`` (:func:`applies`), else launched directly. Returns ``(out, lse)``; lse may be
+    None unless ``want_lse``."""
+    if not graphed:
+        return _launch(plan, q, k, v, scale)
+    key = (q.shape, k.shape, scale, plan.num_splits)
     graph = graphs.get(key)
     if graph is None:
         if len(graphs) >= _MAX_GRAPHS:  # a caller whose shapes never repeat
             graphs.clear()
-        graph = graphs[key] = StepGraph(q, k, v, scale, _graph_splits(cache, num_splits))
-    return graph(cache, q, k, v, want_lse)
+        graph = graphs[key] = StepGraph(q, k, v, scale)
+    return graph(plan, q, k, v, want_lse)
 
 
-def _launch(cache: PagedKVCache, q, k, v, scale: float, num_splits: int):
-    return decode_step(
-        q,
-        k,
-        v,
-        cache.k_pages,
-        cache.v_pages,
-        cache.page_table,
-        cache.seq_lens,
-        cache.pattern,
-        softmax_scale=scale,
-        num_splits=num_splits,
-        layout=cache.decode_layout,
-        split_counters=cache.split_counters,
-    )
-
-
-def _graph_splits(cache: PagedKVCache, num_splits: int | None) -> int:
-    """The split count of a cache's graphed steps: ``num_splits`` when given, else the longest
-    list's (as captured runs take), so that one graph serves every length."""
-    if num_splits is not None:
-        return num_splits
-    return dispatch.run_num_splits(cache.decode_layout, cache.batch_size, cache.device)
+def _launch(plan: DecodePlan, q, k, v, scale: float):
+    return decode_step(q, k, v, plan, softmax_scale=scale)

@@ -51,7 +51,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..attention import sparse_attention
-from ..inference import MAX_DECODE_TOKENS, PagedKVCache, sparse_attention_with_kvcache
+from ..inference import (
+    MAX_DECODE_TOKENS,
+    PagedKVCache,
+    paged_kv_cache,
+    sparse_attention_with_kvcache,
+)
 from ..inference.decode_op import STEP_WRITES, static_decode_step
 from ..input_checks import check_softmax_scale
 from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
@@ -630,7 +635,7 @@ class S2CacheLayer(CacheLayerMixin):
         # Under autocast the model hands over float32 keys (its projections' input dtype), but
         # attention computes at the region's dtype: keep the cache there, not at twice the bytes.
         dtype = autocast_dtype(key_states) or key_states.dtype
-        self.paged = PagedKVCache(
+        self.paged = paged_kv_cache(
             self.pattern,
             batch_size=key_states.shape[0],
             num_kv_heads=self.num_kv_heads,
@@ -652,7 +657,7 @@ class S2CacheLayer(CacheLayerMixin):
             # step's operator writes must be among them: Inductor runs a graph that mutates any
             # other input without CUDA graphs (a 7B step at 128k: 14.8 ms, not 8.1).
             for name in (*STEP_WRITES, "page_table"):
-                torch._dynamo.mark_static_address(getattr(self.paged, name))
+                torch._dynamo.mark_static_address(getattr(self.paged.step_plan, name))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -762,7 +767,7 @@ class S2Cache(Cache):
         max_seq_len: the longest sequence; defaults to the patterns' length.
         num_pages: pages per layer's pool; defaults to each pattern's peak need (see
             :class:`s2attn.PagedKVCache`).
-        static: layers of static caches (``PagedKVCache(static=True)``): every block's page fixed
+        static: layers of static caches (``paged_kv_cache(static=True)``): every block's page fixed
             when the layer is built, so decode steps change no page table (what CUDA graphs
             need); ``num_pages`` is then not taken.
 

@@ -11,7 +11,7 @@ Three functions serve the plugin (``s2attn.integrations.vllm``) and are tested s
 
 * :func:`write_kv`: store new keys and values at their slots.
 * :func:`paged_attention_torch`: any step (prefill, chunked prefill, decode) in plain PyTorch
-  (:func:`s2attn.reference.paged_attention_reference` over vLLM's pages), each KV head reading
+  (:func:`s2attn.ops.cpu.paged_attention` over vLLM's pages), each KV head reading
   only the KV blocks its pattern keeps for the step's queries; the exact dense-mask result. The
   CPU path.
 * :func:`paged_decode_triton`: one new token per request through s2attn's Triton decode kernel,

@@ -15,8 +15,8 @@ from helpers import DEVICE, DTYPES, assert_close, no_tensor_allocation
 import s2attn
 from s2attn import (
     ModelKVCache,
-    PagedKVCache,
     attention_reference,
+    paged_kv_cache,
     sparse_attention_with_kvcache,
 )
 from s2attn.inference.eviction import EvictionSchedule, is_dense_pattern, kv_last_use
@@ -57,7 +57,7 @@ def late_runs_pattern(heads: int) -> s2attn.BlockPattern:
 
 
 def make_cache(pattern, batch, kv_heads, dim=16, dtype=torch.float32, **kwargs):
-    return PagedKVCache(
+    return paged_kv_cache(
         pattern,
         batch_size=batch,
         num_kv_heads=kv_heads,
@@ -394,22 +394,22 @@ def test_bad_inputs_name_the_argument():
     pattern = patterns(2, 4)["s2"]
     kw = dict(batch_size=1, num_kv_heads=2, head_dim=16, device=DEVICE)
     with pytest.raises(ValueError, match="batch_size"):
-        PagedKVCache(pattern, **{**kw, "batch_size": 0})
+        paged_kv_cache(pattern, **{**kw, "batch_size": 0})
     with pytest.raises(TypeError, match="dtype"):
-        PagedKVCache(pattern, **kw, dtype=torch.int8)
+        paged_kv_cache(pattern, **kw, dtype=torch.int8)
     with pytest.raises(TypeError, match="pattern"):
-        PagedKVCache("local", **kw)
+        paged_kv_cache("local", **kw)
     with pytest.raises(ValueError, match="causal"):
-        PagedKVCache(s2attn.BlockPattern(torch.ones(2, 4, 4, dtype=torch.bool), BS, False), **kw)
+        paged_kv_cache(s2attn.BlockPattern(torch.ones(2, 4, 4, dtype=torch.bool), BS, False), **kw)
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
-        PagedKVCache(pattern, **{**kw, "num_kv_heads": 3})
+        paged_kv_cache(pattern, **{**kw, "num_kv_heads": 3})
     with pytest.raises(ValueError, match="max_seq_len"):
-        PagedKVCache(pattern, **kw, max_seq_len=MAX_LEN + 1)
+        paged_kv_cache(pattern, **kw, max_seq_len=MAX_LEN + 1)
     with pytest.raises(ValueError, match="block_size"):
-        PagedKVCache(pattern, **kw, block_size=32)
+        paged_kv_cache(pattern, **kw, block_size=32)
     with pytest.raises(ValueError, match="block_size and max_seq_len"):
-        PagedKVCache(None, **kw)
-    cache = PagedKVCache(pattern, **kw, dtype=torch.float32)
+        paged_kv_cache(None, **kw)
+    cache = paged_kv_cache(pattern, **kw, dtype=torch.float32)
     k = torch.zeros(1, 4, 2, 16, device=DEVICE)
     with pytest.raises(TypeError, match="k has dtype"):
         cache.append(k.half(), k.half())
@@ -514,7 +514,7 @@ def test_device_defaults_to_the_gpu_when_there_is_one_else_the_cpu():
     pattern = patterns(2, 4)["s2"]
     kw = dict(batch_size=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     want = "cuda" if torch.cuda.is_available() else "cpu"
-    cache = PagedKVCache(pattern, **kw)
+    cache = paged_kv_cache(pattern, **kw)
     assert cache.device.type == want
     assert all(t.device.type == want for t in (cache.k_pages, cache.page_table, cache.seq_lens))
     caches = ModelKVCache([None, pattern], **kw, max_seq_len=MAX_LEN, block_size=BS)
@@ -528,7 +528,7 @@ def test_device_defaults_to_the_gpu_when_there_is_one_else_the_cpu():
 
 def test_integral_sizes_of_any_type():
     pattern = patterns(2, 4)["s2"]
-    cache = PagedKVCache(
+    cache = paged_kv_cache(
         pattern,
         batch_size=torch.tensor(2),
         num_kv_heads=np.int64(2),
@@ -540,7 +540,7 @@ def test_integral_sizes_of_any_type():
     assert (cache.batch_size, cache.num_kv_heads, cache.head_dim) == (2, 2, 16)
     assert cache.k_pages.shape == (41, BS, 16) and cache.max_seq_len == MAX_LEN
     with pytest.raises(TypeError, match="head_dim must be an integer"):
-        PagedKVCache(pattern, batch_size=1, num_kv_heads=2, head_dim=16.0, device=DEVICE)
+        paged_kv_cache(pattern, batch_size=1, num_kv_heads=2, head_dim=16.0, device=DEVICE)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
@@ -550,7 +550,7 @@ def test_cuda_without_cuda_is_refused_by_name(device):
     pattern = patterns(2, 4)["s2"]
     kw = dict(batch_size=1, num_kv_heads=2, head_dim=16, device=device)
     with pytest.raises(ValueError, match="device=.cuda.*CUDA is not available"):
-        PagedKVCache(pattern, **kw)
+        paged_kv_cache(pattern, **kw)
     with pytest.raises(ValueError, match="device=.cuda.*CUDA is not available"):
         ModelKVCache([pattern], **kw)
 
@@ -558,4 +558,4 @@ def test_cuda_without_cuda_is_refused_by_name(device):
 def test_unknown_device_is_refused_by_name():
     pattern = patterns(2, 4)["s2"]
     with pytest.raises(ValueError, match="device must name a torch device"):
-        PagedKVCache(pattern, batch_size=1, num_kv_heads=2, head_dim=16, device="gpu")
+        paged_kv_cache(pattern, batch_size=1, num_kv_heads=2, head_dim=16, device="gpu")

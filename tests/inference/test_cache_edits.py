@@ -12,7 +12,7 @@ import torch
 from helpers import DEVICE, DTYPES, assert_close
 
 import s2attn
-from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
+from s2attn import PagedKVCache, attention_reference, paged_kv_cache, sparse_attention_with_kvcache
 
 BS = 16
 MAX_LEN = 160
@@ -32,7 +32,7 @@ def s2_pattern(max_len: int = MAX_LEN) -> s2attn.BlockPattern:
 
 
 def make_cache(pattern, batch, max_len=MAX_LEN, dtype=DTYPE, **kwargs) -> PagedKVCache:
-    return PagedKVCache(
+    return paged_kv_cache(
         pattern,
         batch_size=batch,
         num_kv_heads=KV_HEADS,

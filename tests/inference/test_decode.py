@@ -9,6 +9,8 @@ vectors (``prefetch_entries``), and many consecutive steps with eviction in betw
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from helpers import (
@@ -23,7 +25,8 @@ from helpers import (
 )
 
 import s2attn
-from s2attn import PagedKVCache, attention_reference, sparse_attention_with_kvcache
+from s2attn import attention_reference, paged_kv_cache, sparse_attention_with_kvcache
+from s2attn.ops import dispatch
 from s2attn.ops.options import TritonDecodeConfig
 from s2attn.ops.triton import decode as triton_decode
 
@@ -59,7 +62,7 @@ def reference_pattern(pattern, kv_heads):
 
 def filled_cache(pattern, lens, kv_heads, dim, dtype, **kwargs):
     """A cache holding random past keys/values of the given lengths, stored as a prefill would."""
-    cache = PagedKVCache(
+    cache = paged_kv_cache(
         pattern,
         batch_size=len(lens),
         num_kv_heads=kv_heads,
@@ -265,6 +268,72 @@ def test_static_cache_step_replays_from_a_cuda_graph(kind):
 
 
 @pytest.mark.parametrize("path", ["kernels", "pytorch"])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("kind", ["s2", "dense"])
+def test_a_step_run_by_hand_from_its_plan_matches_reference(kind, static, path, monkeypatch):
+    """A caller of the decode step takes the cache's plan: plan_decode_step (the host half:
+    pages, lengths), then decode_step of that plan (the device half), step after step across
+    block boundaries, equals the reference and leaves the cache where
+    sparse_attention_with_kvcache would."""
+    from s2attn.inference import decode_step
+
+    if path == "pytorch":
+        monkeypatch.setattr(decode_step, "supports_triton", lambda device: False)
+    torch.manual_seed(17)
+    heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
+    pattern = make_pattern(kind, heads, kv_heads)
+    cache, ks, vs = filled_cache(pattern, [44, 29], kv_heads, dim, dtype, static=static)
+    for i in range(6):
+        q, k, v = step(cache, heads, 3, dtype)
+        plan = cache.plan_decode_step(k, v)
+        assert cache.lengths == [n + 3 for n in (44 + 3 * i, 29 + 3 * i)]
+        result = decode_step.decode_step(q, k, v, plan, softmax_scale=dim**-0.5)
+        check_against_reference(cache, ks, vs, (q, k, v), result, dtype, f"step {i}")
+    assert cache.seq_lens.tolist() == cache.lengths == [62, 47]
+    assert not cache.split_counters.any()
+    check_step(cache, ks, vs, heads, 1, dtype, "an eager step after the steps by hand")
+    with pytest.raises(ValueError, match="at most 16 new tokens"):
+        cache.plan_decode_step(*step(cache, heads, 17, dtype)[1:])
+    bad = torch.randn(2, 1, 1, dim, device=DEVICE, dtype=dtype)
+    with pytest.raises(ValueError, match="kv_heads=2"):
+        cache.plan_decode_step(bad, bad)
+    assert cache.lengths == [63, 48]
+
+
+def test_a_plan_follows_the_cache():
+    """A plan holds the cache's tensors and the split count the step needs: the same plan from
+    step to step while nothing changes, a new one once the cache swaps its tensors (a batch of
+    another size); the split count of a step follows its query blocks' lists, a whole run's the
+    longest list of all."""
+    heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
+    cache, *_ = filled_cache(make_pattern("s2", heads, kv_heads), [44, 29], kv_heads, dim, dtype)
+    plan = cache.decode_plan(1)
+    assert cache.decode_plan(1) is plan and cache.decode_plan(num_splits=1) is plan
+    held = (cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens, cache.decode_layout)
+    assert all(a is b for a, b in zip(plan.held, (*held, cache.split_counters), strict=True))
+    assert cache.decode_plan(num_splits=3).num_splits == 3
+    cache.select_sequences([1, 0, 0])
+    swapped = cache.decode_plan(1)
+    assert swapped is not plan and swapped.page_table is cache.page_table
+    assert swapped.split_counters.shape == (3 * kv_heads,)
+    # What the cache asks the kernel's heuristic for: the longest list the step's query blocks
+    # walk, or (a whole run) the longest of all, asked once per batch size.
+    lists = cache.decode_layout.list_lengths.tolist()
+    step_longest = max(lists[(n - 1) // BS] for n in cache.lengths)
+    assert step_longest < max(lists), "the test's lengths should tell the two apart"
+    asked = []
+
+    def heuristic(batch, num_kv_heads, longest, device):
+        asked.append((batch, num_kv_heads, longest))
+        return 7
+
+    with mock.patch.object(dispatch, "decode_num_splits", heuristic):
+        assert cache.decode_plan(1).num_splits == 7
+        assert cache.decode_plan().num_splits == cache.decode_plan().num_splits == 7
+    assert asked == [(3, kv_heads, step_longest), (3, kv_heads, max(lists))]
+
+
+@pytest.mark.parametrize("path", ["kernels", "pytorch"])
 @pytest.mark.parametrize("kind", ["s2", "per_query_head", "dense"])
 @pytest.mark.parametrize("num_new", [1, 3])
 def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypatch):
@@ -304,7 +373,6 @@ def test_static_decode_operator_matches_reference(kind, num_new, path, monkeypat
 def test_static_decode_opcheck(path, check_room, monkeypatch):
     """torch.library.opcheck on s2attn::static_decode: its schema (what it mutates), fake
     implementation and the compiled (AOT) dispatch agree with running it."""
-    from s2attn.compile import pattern_key
     from s2attn.inference import decode_op, decode_step  # noqa: F401 (decode_op: the operator)
 
     if path == "pytorch":
@@ -312,8 +380,7 @@ def test_static_decode_opcheck(path, check_room, monkeypatch):
     pattern = make_pattern("s2", 4, 2)
     cache, *_ = filled_cache(pattern, [44, 29], 2, 16, torch.float32, static=True)
     q, k, v = step(cache, 4, 2, torch.float32)
-    args = (q, k, v, cache.k_pages, cache.v_pages, cache.page_table, cache.seq_lens,
-            cache.split_counters, pattern_key(pattern), 0.25, check_room)  # fmt: skip
+    args = (q, k, v, *cache.step_plan.op_arguments(), 0.25, check_room)
     torch.library.opcheck(torch.ops.s2attn.static_decode.default, args)
 
 
@@ -324,22 +391,26 @@ def test_static_decode_operator_refuses_bad_steps():
 
     dynamic, *_ = filled_cache(make_pattern("s2", 4, 2), [20], 2, 16, torch.float32)
     q, k, v = step(dynamic, 4, 1, torch.float32)
-    with pytest.raises(ValueError, match="static PagedKVCache"):
+    with pytest.raises(ValueError, match=r"static cache \(paged_kv_cache\(static=True\)\)"):
         static_decode_step(q, dynamic, k, v, softmax_scale=0.25)
     cache, *_ = filled_cache(make_pattern("s2", 4, 2), [20, 9], 2, 16, torch.float32, static=True)
     pages = cache.k_pages.clone()
     q, k, v = step(cache, 4, 1, torch.float32)
+    q2, k2, v2 = step(cache, 4, 2, torch.float32)
     bad = [
-        ((q[:1], k[:1], v[:1]), "batch=2"),
-        ((q[..., :8], k, v), "dim=16"),
-        ((q[:, :, :3], k, v), "a multiple of 2"),
-        ((q, k[:, :, :1], v), "k and v must be"),
-        ((q.double(), k, v), "must be torch.float32"),
-        (step(cache, 4, 17, torch.float32), "1 to 16 new tokens"),
-        (step(cache, 6, 1, torch.float32), "pattern has 4 heads"),
+        ((q[:1], k[:1], v[:1]), ValueError, "batch=2"),
+        ((q[..., :8], k, v), ValueError, "head dim 8 but the cache holds 16"),
+        ((q[:, :, :3], k, v), ValueError, r"multiple of the cache's KV heads \(2\)"),
+        ((q, k[:, :, :1], v[:, :, :1]), ValueError, r"k must be \(batch=2, num_new, kv_heads=2"),
+        ((q2, k2[:, :1], v2[:, :1]), ValueError, "must hold the same new tokens"),
+        ((q, k, v[:, :, :1]), ValueError, "k and v differ in shape"),
+        ((q.double(), k, v), TypeError, "q has dtype torch.float64 but the cache holds"),
+        ((q, k, v.double()), TypeError, "v has dtype torch.float64 but the cache holds"),
+        (step(cache, 4, 17, torch.float32), ValueError, "1 to 16 new tokens"),
+        (step(cache, 6, 1, torch.float32), ValueError, "pattern has 4 heads"),
     ]
-    for args, match in bad:
-        with pytest.raises(ValueError, match=match):
+    for args, error, match in bad:
+        with pytest.raises(error, match=match):
             static_decode_step(*args[:1], cache, *args[1:], softmax_scale=0.25)
     assert cache.lengths == [20, 9] and cache.seq_lens.tolist() == [20, 9]
     assert torch.equal(cache.k_pages, pages)
@@ -487,7 +558,7 @@ def test_pages_wider_than_the_kv_tile():
         vert_stride=3,
         num_kv_heads=kv_heads,
     )
-    cache = PagedKVCache(
+    cache = paged_kv_cache(
         pattern, batch_size=2, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=DEVICE
     )
     lens = [70, 45]
@@ -612,7 +683,7 @@ def test_bad_inputs_name_the_argument():
             torch.randn(2, MAX_LEN, heads, dim, device=DEVICE, dtype=dtype), cache, big, big
         )
     with pytest.raises(ValueError, match="pattern has"):
-        other = PagedKVCache(
+        other = paged_kv_cache(
             s2attn.local_stride_pattern(
                 8, max_seq_len=MAX_LEN, block_size=BS, local_blocks=2, vert_stride=3, num_kv_heads=2
             ),

@@ -10,7 +10,14 @@ import torch
 from helpers import DEVICE
 
 import s2attn
-from s2attn.inference import DynamicKVCache, ModelKVCache, PagedKVCache, PagePool, StaticKVCache
+from s2attn.inference import (
+    DynamicKVCache,
+    ModelKVCache,
+    PagedKVCache,
+    PagePool,
+    StaticKVCache,
+    paged_kv_cache,
+)
 
 
 def make_pool(num_pages: int = 6) -> PagePool:
@@ -69,33 +76,41 @@ def test_copy_runs_copies_whole_runs_of_pages():
     assert [float(pool.k_pages[i, 0, 0]) for i in range(4)] == [2.0, 3.0, 2.0, 3.0]
 
 
-def test_the_constructor_picks_the_kind():
+def test_the_factory_picks_the_kind():
     pattern = s2attn.local_stride_pattern(
         4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3, num_kv_heads=2
     )
     args = dict(batch_size=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=DEVICE)
-    assert type(PagedKVCache(pattern, **args)) is DynamicKVCache
-    static = PagedKVCache(pattern, **args, static=True)
+    assert type(paged_kv_cache(pattern, **args)) is DynamicKVCache
+    static = paged_kv_cache(pattern, **args, static=True)
     assert type(static) is StaticKVCache and static.static and static.pool.num_free == 0
     assert type(StaticKVCache(pattern, **args)) is StaticKVCache
-    with pytest.raises(ValueError, match="StaticKVCache takes static=True"):
-        StaticKVCache(pattern, **args, static=False)
+    assert type(DynamicKVCache(pattern, **args)) is DynamicKVCache
     with pytest.raises(TypeError, match="static must be a bool"):
-        PagedKVCache(pattern, **args, static=1)
+        paged_kv_cache(pattern, **args, static=1)
     with pytest.raises(ValueError, match="sizes its own pool"):
-        PagedKVCache(pattern, **args, static=True, num_pages=8)
+        paged_kv_cache(pattern, **args, static=True, num_pages=8)
     layers = ModelKVCache([None, pattern], **args, max_seq_len=128, block_size=16, static=True)
     assert all(type(layer) is StaticKVCache for layer in layers)
 
 
+def test_the_shared_base_is_not_built_directly():
+    pattern = s2attn.local_stride_pattern(
+        4, max_seq_len=128, block_size=16, local_blocks=2, vert_stride=3, num_kv_heads=2
+    )
+    with pytest.raises(TypeError, match=r"s2attn\.paged_kv_cache\(pattern, \.\.\., static="):
+        PagedKVCache(pattern, batch_size=2, num_kv_heads=2, head_dim=8, device=DEVICE)
+
+
 def test_model_cache_takes_the_layer_cache_keywords():
-    """ModelKVCache passes its keywords to each layer's PagedKVCache: the two stay one list."""
-    layer = inspect.signature(PagedKVCache.__init__).parameters
+    """ModelKVCache passes its keywords to paged_kv_cache for each layer: the two stay one list,
+    and the kinds' classes take the same ones, static aside."""
+    factory = inspect.signature(paged_kv_cache).parameters
     model = inspect.signature(ModelKVCache.__init__).parameters
+    layer = inspect.signature(PagedKVCache.__init__).parameters
     names = list(model)[2:]
-    assert names == list(layer)[2:]
-    # static: None on PagedKVCache means "the class's kind"; a model's layers are dynamic unless
-    # told otherwise, as PagedKVCache's are.
-    assert [model[n].default for n in names if n != "static"] == [
-        layer[n].default for n in names if n != "static"
-    ]
+    assert names == list(factory)[1:]
+    assert [model[n].default for n in names] == [factory[n].default for n in names]
+    kept = [n for n in factory if n != "static"]
+    assert list(layer)[1:] == kept
+    assert [layer[n].default for n in kept] == [factory[n].default for n in kept]

@@ -88,7 +88,7 @@ def test_replayed_and_direct_steps_agree(monkeypatch):
     heads, kv_heads, dim, dtype = 8, 2, 64, torch.float16
     pattern = make_pattern("s2", heads, kv_heads)
     graphed, ks, vs = filled_cache(pattern, [100, 37], kv_heads, dim, dtype)
-    direct = s2attn.PagedKVCache(
+    direct = s2attn.paged_kv_cache(
         pattern, batch_size=2, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=DEVICE,
         block_size=graphed.block_size, max_seq_len=graphed.max_seq_len,
     )  # fmt: skip

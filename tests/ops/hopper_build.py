@@ -27,7 +27,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import mangle_type
 
 from s2attn import local_stride_pattern
-from s2attn.inference.cache import PagedKVCache
+from s2attn.inference import paged_kv_cache
 from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops.gluon import backward_sm90, forward_sm90
 from s2attn.ops.options import (
@@ -61,7 +61,7 @@ def _decode_launch(dim: int, prefetch: int = 0) -> tuple:
     pattern = local_stride_pattern(
         8, max_seq_len=4096, block_size=64, local_blocks=16, vert_stride=64
     )
-    cache = PagedKVCache(pattern, batch_size=1, num_kv_heads=8, head_dim=dim,
+    cache = paged_kv_cache(pattern, batch_size=1, num_kv_heads=8, head_dim=dim,
                          dtype=torch.bfloat16, device="cpu", max_seq_len=4096)  # fmt: skip
     kv = torch.randn(1, 2000, 8, dim, dtype=torch.bfloat16)
     cache.append(kv, kv)
