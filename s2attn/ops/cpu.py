@@ -15,6 +15,9 @@ waits at its end for the thread that shares that core.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -155,15 +158,17 @@ class _Run:
         self.q = self.query_view(q)
         self.q_scale = scale * _LOG2E
         self.k, self.v = self.key_layout(k), self.key_layout(v)
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._local = threading.local()  # each worker thread's buffers
 
     def buffer(self, name: str, *shape: int) -> torch.Tensor:
         """A reused work buffer of ``shape`` (its contents are garbage): tiles of one run differ
         little in size, and a fresh tensor of a few MB costs its pages' faults on every tile."""
         numel = math.prod(shape)
-        held = self._buffers.get(name)
+        if not hasattr(self._local, "buffers"):
+            self._local.buffers = {}
+        held = self._local.buffers.get(name)
         if held is None or held.numel() < numel:
-            held = self._buffers[name] = self.k.new_empty(numel)
+            held = self._local.buffers[name] = self.k.new_empty(numel)
         return held[:numel].view(shape)
 
     def query_view(self, t: torch.Tensor) -> torch.Tensor:
@@ -259,6 +264,42 @@ class _Run:
             flat[n].index_add_(0, index, grads[n])
 
 
+def _each_tile(run: _Run, tiles: Iterator[_Tile], work: Callable[[int, _Tile, int], None]) -> None:
+    """Call ``work(first head, tile of heads, worker)`` on every head chunk of every tile.
+
+    On a CPU the caller's torch threads become workers that each take the next tile when done
+    with one, each running its operations on one thread: a worker whose core another process
+    shares does less of the work, where the threads of one OpenMP region would all wait for it
+    at the region's end, thousands of times a call. Workers other than the first are torch
+    threads of their own; the default thread count they change is the caller's again after."""
+    workers = torch.get_num_threads() if run.k.device.type == "cpu" else 1
+    if workers == 1:
+        for tile in tiles:
+            for first, part in run.head_chunks(tile):
+                work(first, part, 0)
+        return
+    lock = threading.Lock()
+    inference = torch.is_inference_mode_enabled()
+
+    def loop(worker: int) -> None:
+        torch.set_num_threads(1)
+        with torch.inference_mode(inference), torch.no_grad():
+            while True:
+                with lock:
+                    tile = next(tiles, None)
+                if tile is None:
+                    return
+                for first, part in run.head_chunks(tile):
+                    work(first, part, worker)
+
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="s2attn-cpu") as pool:
+            for done in [pool.submit(loop, w) for w in range(workers)]:
+                done.result()
+    finally:
+        torch.set_num_threads(workers)
+
+
 def _packed_sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
     """(query rows, key rows) of each packed sequence."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -320,9 +361,8 @@ def _forward_run(pattern, q, k, v, scale, compute, out, lse) -> None:
         return
     run = _Run(pattern, q, k, v, scale, compute)
     out, lse = run.query_view(out), run.query_view(lse)
-    for tile in _tiles(pattern, run.seq_q, run.seq_k, q.device):
-        for first, part in run.head_chunks(tile):
-            _forward_tile(run, first, part, out, lse)
+    tiles = _tiles(pattern, run.seq_q, run.seq_k, q.device)
+    _each_tile(run, tiles, lambda first, part, _: _forward_tile(run, first, part, out, lse))
 
 
 def _forward_tile(run: _Run, first: int, tile: _Tile, out, lse) -> None:
@@ -414,10 +454,21 @@ def _backward_run(pattern, rows, inputs, grads, scale, compute) -> None:
     run = _Run(pattern, q, k, v, scale, compute)
     grad_out, lse, row_term = (None if t is None else run.query_view(t) for t in rows)
     dq = run.query_view(grads[0])
-    dk, dv = torch.zeros_like(run.k), torch.zeros_like(run.v)
-    for tile in _tiles(pattern, run.seq_q, run.seq_k, q.device):
-        for first, part in run.head_chunks(tile):
-            _backward_tile(run, first, part, lse, row_term, grad_out, (dq, dk, dv))
+    # Per worker, its sums of dk and dv; the tiles' rows of dq are disjoint.
+    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def work(first: int, part: _Tile, worker: int) -> None:
+        if worker not in sums:
+            sums[worker] = torch.zeros_like(run.k), torch.zeros_like(run.v)
+        _backward_tile(run, first, part, lse, row_term, grad_out, (dq, *sums[worker]))
+
+    _each_tile(run, _tiles(pattern, run.seq_q, run.seq_k, q.device), work)
+    if not sums:
+        return
+    dk, dv = sums.pop(min(sums))
+    for more_dk, more_dv in sums.values():
+        dk += more_dk
+        dv += more_dv
     dk /= _LOG2E  # of queries scaled by softmax_scale * log2(e)
     grads[1].copy_(run.from_key_layout(dk))
     grads[2].copy_(run.from_key_layout(dv))
