@@ -6,10 +6,10 @@ layout shares. ``s2attn.reference`` holds the ground truth they are tested again
 
 The blockwise passes walk the query blocks a tile of rows at a time. A tile's work for every
 batch entry and every head is one batched matmul over the KV blocks the tile keeps, gathered
-into one tensor (heads that keep fewer blocks padded with masked ones): few, large operations.
-Many small ones would leave Python's overhead large next to the arithmetic, and each torch
-operation is one OpenMP region: on a host where another process holds a core, every region
-waits at its end for the thread that shares that core.
+into one tensor (heads that keep fewer blocks padded with masked ones): few, large operations,
+so that Python's overhead stays small next to the arithmetic. On a CPU the caller's torch
+threads work as independent workers, each taking the next tile and running its operations on
+one thread (:func:`_each_tile`).
 """
 
 from __future__ import annotations
@@ -143,13 +143,15 @@ class _Run:
     (:meth:`query_view`)."""
 
     def __init__(self, pattern, q, k, v, scale, compute):
-        batch, seq_q, num_heads, dim = q.shape
+        batch, seq_q, num_heads, _ = q.shape
         seq_k, kv_heads = k.shape[1], k.shape[2]
+        bs = pattern.block_size
         self.pattern, self.scale, self.compute = pattern, scale, compute
-        self.batch, self.seq_q, self.seq_k, self.dim = batch, seq_q, seq_k, dim
+        self.batch, self.seq_q, self.seq_k = batch, seq_q, seq_k
         self.per = num_heads // pattern.num_heads
-        self.num_blocks = -(-seq_k // pattern.block_size)
-        self.kv_heads = kv_heads
+        self.num_blocks = -(-seq_k // bs)
+        # As :func:`_tiles` walks them: from the first query's block on.
+        self.num_tiles = -(-(self.num_blocks - (seq_k - seq_q) // bs) // max(1, _TILE_ROWS // bs))
         # The KV head of each pattern head.
         self.kv_head = (
             torch.arange(pattern.num_heads, device=q.device) * self.per // (num_heads // kv_heads)
@@ -272,7 +274,7 @@ def _each_tile(run: _Run, tiles: Iterator[_Tile], work: Callable[[int, _Tile, in
     shares does less of the work, where the threads of one OpenMP region would all wait for it
     at the region's end, thousands of times a call. Workers other than the first are torch
     threads of their own; the default thread count they change is the caller's again after."""
-    workers = torch.get_num_threads() if run.k.device.type == "cpu" else 1
+    workers = min(torch.get_num_threads(), run.num_tiles) if run.k.device.type == "cpu" else 1
     if workers == 1:
         for tile in tiles:
             for first, part in run.head_chunks(tile):
@@ -292,12 +294,13 @@ def _each_tile(run: _Run, tiles: Iterator[_Tile], work: Callable[[int, _Tile, in
                 for first, part in run.head_chunks(tile):
                     work(first, part, worker)
 
+    threads = torch.get_num_threads()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="s2attn-cpu") as pool:
             for done in [pool.submit(loop, w) for w in range(workers)]:
                 done.result()
     finally:
-        torch.set_num_threads(workers)
+        torch.set_num_threads(threads)
 
 
 def _packed_sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
@@ -326,7 +329,8 @@ def blockwise_forward(
 
     Memory beyond the inputs and the outputs (``out`` in the compute dtype first): k and v
     in the compute dtype, padded to whole blocks, of one packed sequence at a time; and the work
-    buffers of one query tile of ``T = max(128, block)`` rows for ``G`` pattern heads: scores
+    buffers, per worker (one per torch thread, :func:`_each_tile`), of one query tile of
+    ``T = max(128, block)`` rows for ``G`` pattern heads: scores
     ``batch * G * per * T * keys`` elements (``per`` query heads a pattern head, ``keys`` the
     most keys one head's tile keeps: its blocks' union, under ``(window + T / block +
     seq_k / stride) * block`` for a local-stride pattern), gathered keys and values ``batch * G
@@ -407,9 +411,11 @@ def blockwise_backward(
     Recomputes each tile's probabilities from the saved LSE, as the kernels do; dK and dV of a
     GQA group's query heads add into their KV head. Memory beyond the inputs and the gradients
     (in the compute dtype first): k, v and their gradients in the compute dtype padded to whole
-    blocks, of one packed sequence at a time; and :func:`blockwise_forward`'s work buffers, with
-    the scores' gradient (as large as the scores) and the gathered blocks' gradients (as large
-    as the gathered keys).
+    blocks, of one packed sequence at a time, and another dk and dv of that kind per worker
+    past the first; and :func:`blockwise_forward`'s work buffers, with the scores' gradient (as
+    large as the scores) and the gathered blocks' gradients (as large as the gathered keys).
+    With more than one worker, dk and dv add the tiles' shares in an order that varies from
+    call to call: they agree to rounding, not to the bit.
     """
     compute = _compute_dtype(q.dtype)
     packed = cu_seqlens_q is not None
