@@ -33,8 +33,9 @@ _TILE_ROWS = 128
 # exp2 runs at about twice exp's speed on a CPU: scores are kept in base 2, log2(e) folded into
 # the queries' scale.
 _LOG2E = 1.0 / math.log(2.0)
-# Scores one tile holds at once (elements): beyond it the tile's heads go in chunks, which bounds
-# the work buffers (64 MiB each in float32) whatever the batch and head counts.
+# Scores the workers' tiles hold at once (elements): beyond it a tile's heads go in chunks, which
+# bounds the work buffers (64 MiB of each kind in float32, all workers together) whatever the
+# batch, head and thread counts.
 _TILE_SCORES = 1 << 24
 
 
@@ -151,7 +152,10 @@ class _Run:
         self.per = num_heads // pattern.num_heads
         self.num_blocks = -(-seq_k // bs)
         # As :func:`_tiles` walks them: from the first query's block on.
-        self.num_tiles = -(-(self.num_blocks - (seq_k - seq_q) // bs) // max(1, _TILE_ROWS // bs))
+        num_tiles = -(-(self.num_blocks - (seq_k - seq_q) // bs) // max(1, _TILE_ROWS // bs))
+        # Workers (:func:`_each_tile`): the caller's torch threads on a CPU, at most one a tile.
+        self.workers = min(torch.get_num_threads(), num_tiles) if q.device.type == "cpu" else 1
+        self.scatter_lock = threading.Lock()  # the workers add into one dk and dv
         # The KV head of each pattern head.
         self.kv_head = (
             torch.arange(pattern.num_heads, device=q.device) * self.per // (num_heads // kv_heads)
@@ -193,10 +197,10 @@ class _Run:
 
     def head_chunks(self, tile: _Tile):
         """(first head, the tile of heads ``[first, first + G)``), in chunks whose scores fit
-        ``_TILE_SCORES``."""
+        the workers' share of ``_TILE_SCORES``."""
         heads, n = tile.cols.shape
         per_head = self.batch * self.per * (tile.row1 - tile.row0) * n * self.pattern.block_size
-        step = max(1, _TILE_SCORES // per_head)
+        step = max(1, _TILE_SCORES // self.workers // per_head)
         if step >= heads:
             yield 0, tile
             return
@@ -262,28 +266,29 @@ class _Run:
         b, _, _, bs, d = into.shape
         flat = into.view(b, -1, bs * d)
         grads = grads.view(b, index.numel(), bs * d)
-        for n in range(b):
-            flat[n].index_add_(0, index, grads[n])
+        with self.scatter_lock:
+            for n in range(b):
+                flat[n].index_add_(0, index, grads[n])
 
 
-def _each_tile(run: _Run, tiles: Iterator[_Tile], work: Callable[[int, _Tile, int], None]) -> None:
-    """Call ``work(first head, tile of heads, worker)`` on every head chunk of every tile.
+def _each_tile(run: _Run, tiles: Iterator[_Tile], work: Callable[[int, _Tile], None]) -> None:
+    """Call ``work(first head, tile of heads)`` on every head chunk of every tile.
 
     On a CPU the caller's torch threads become workers that each take the next tile when done
     with one, each running its operations on one thread: a worker whose core another process
     shares does less of the work, where the threads of one OpenMP region would all wait for it
     at the region's end, thousands of times a call. Workers other than the first are torch
     threads of their own; the default thread count they change is the caller's again after."""
-    workers = min(torch.get_num_threads(), run.num_tiles) if run.k.device.type == "cpu" else 1
+    workers = run.workers
     if workers == 1:
         for tile in tiles:
             for first, part in run.head_chunks(tile):
-                work(first, part, 0)
+                work(first, part)
         return
     lock = threading.Lock()
     inference = torch.is_inference_mode_enabled()
 
-    def loop(worker: int) -> None:
+    def loop() -> None:
         torch.set_num_threads(1)
         with torch.inference_mode(inference), torch.no_grad():
             while True:
@@ -292,12 +297,12 @@ def _each_tile(run: _Run, tiles: Iterator[_Tile], work: Callable[[int, _Tile, in
                 if tile is None:
                     return
                 for first, part in run.head_chunks(tile):
-                    work(first, part, worker)
+                    work(first, part)
 
     threads = torch.get_num_threads()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="s2attn-cpu") as pool:
-            for done in [pool.submit(loop, w) for w in range(workers)]:
+            for done in [pool.submit(loop) for _ in range(workers)]:
                 done.result()
     finally:
         torch.set_num_threads(threads)
@@ -329,14 +334,14 @@ def blockwise_forward(
 
     Memory beyond the inputs and the outputs (``out`` in the compute dtype first): k and v
     in the compute dtype, padded to whole blocks, of one packed sequence at a time; and the work
-    buffers, per worker (one per torch thread, :func:`_each_tile`), of one query tile of
-    ``T = max(128, block)`` rows for ``G`` pattern heads: scores
+    buffers of one query tile of ``T = max(128, block)`` rows for ``G`` pattern heads, one set
+    per worker (:func:`_each_tile`, one per torch thread): scores
     ``batch * G * per * T * keys`` elements (``per`` query heads a pattern head, ``keys`` the
     most keys one head's tile keeps: its blocks' union, under ``(window + T / block +
     seq_k / stride) * block`` for a local-stride pattern), gathered keys and values ``batch * G
     * keys * dim`` each, and ``batch * G * per * T * dim`` twice. ``G`` is every head, or as many
-    as keep the scores within ``2**24`` elements (at least one): linear in the length, never
-    (seq_q, seq_k).
+    as keep every worker's scores together within ``2**24`` elements (at least one): linear in
+    the length, never (seq_q, seq_k).
     """
     compute = _compute_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=compute, device=q.device)
@@ -366,7 +371,7 @@ def _forward_run(pattern, q, k, v, scale, compute, out, lse) -> None:
     run = _Run(pattern, q, k, v, scale, compute)
     out, lse = run.query_view(out), run.query_view(lse)
     tiles = _tiles(pattern, run.seq_q, run.seq_k, q.device)
-    _each_tile(run, tiles, lambda first, part, _: _forward_tile(run, first, part, out, lse))
+    _each_tile(run, tiles, lambda first, part: _forward_tile(run, first, part, out, lse))
 
 
 def _forward_tile(run: _Run, first: int, tile: _Tile, out, lse) -> None:
@@ -411,11 +416,10 @@ def blockwise_backward(
     Recomputes each tile's probabilities from the saved LSE, as the kernels do; dK and dV of a
     GQA group's query heads add into their KV head. Memory beyond the inputs and the gradients
     (in the compute dtype first): k, v and their gradients in the compute dtype padded to whole
-    blocks, of one packed sequence at a time, and another dk and dv of that kind per worker
-    past the first; and :func:`blockwise_forward`'s work buffers, with the scores' gradient (as
-    large as the scores) and the gathered blocks' gradients (as large as the gathered keys).
-    With more than one worker, dk and dv add the tiles' shares in an order that varies from
-    call to call: they agree to rounding, not to the bit.
+    blocks, of one packed sequence at a time; and :func:`blockwise_forward`'s work buffers, with
+    the scores' gradient (as large as the scores) and the gathered blocks' gradients (as large
+    as the gathered keys). With more than one worker, dk and dv add the tiles' shares in an
+    order that varies from call to call: they agree to rounding, not to the bit.
     """
     compute = _compute_dtype(q.dtype)
     packed = cu_seqlens_q is not None
@@ -460,21 +464,12 @@ def _backward_run(pattern, rows, inputs, grads, scale, compute) -> None:
     run = _Run(pattern, q, k, v, scale, compute)
     grad_out, lse, row_term = (None if t is None else run.query_view(t) for t in rows)
     dq = run.query_view(grads[0])
-    # Per worker, its sums of dk and dv; the tiles' rows of dq are disjoint.
-    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def work(first: int, part: _Tile, worker: int) -> None:
-        if worker not in sums:
-            sums[worker] = torch.zeros_like(run.k), torch.zeros_like(run.v)
-        _backward_tile(run, first, part, lse, row_term, grad_out, (dq, *sums[worker]))
-
-    _each_tile(run, _tiles(pattern, run.seq_q, run.seq_k, q.device), work)
-    if not sums:
-        return
-    dk, dv = sums.pop(min(sums))
-    for more_dk, more_dv in sums.values():
-        dk += more_dk
-        dv += more_dv
+    dk, dv = torch.zeros_like(run.k), torch.zeros_like(run.v)
+    _each_tile(
+        run,
+        _tiles(pattern, run.seq_q, run.seq_k, q.device),
+        lambda first, part: _backward_tile(run, first, part, lse, row_term, grad_out, (dq, dk, dv)),
+    )
     dk /= _LOG2E  # of queries scaled by softmax_scale * log2(e)
     grads[1].copy_(run.from_key_layout(dk))
     grads[2].copy_(run.from_key_layout(dv))
