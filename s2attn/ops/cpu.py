@@ -6,15 +6,18 @@ layout shares. ``s2attn.reference`` holds the ground truth they are tested again
 
 The blockwise passes walk the query blocks a tile of rows at a time. A tile's work for every
 batch entry and every head is one batched matmul over the KV blocks the tile keeps, gathered
-into one tensor (heads that keep fewer blocks padded with masked ones): few, large operations.
-Many small ones would leave Python's overhead large next to the arithmetic, and each torch
-operation is one OpenMP region: on a host where another process holds a core, every region
-waits at its end for the thread that shares that core.
+into one tensor (heads that keep fewer blocks padded with masked ones): few, large operations,
+so that Python's overhead stays small next to the arithmetic. On a CPU the caller's torch
+threads work as independent workers, each taking the next tile and running its operations on
+one thread (:func:`_each_tile`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +33,9 @@ _TILE_ROWS = 128
 # exp2 runs at about twice exp's speed on a CPU: scores are kept in base 2, log2(e) folded into
 # the queries' scale.
 _LOG2E = 1.0 / math.log(2.0)
-# Scores one tile holds at once (elements): beyond it the tile's heads go in chunks, which bounds
-# the work buffers (64 MiB each in float32) whatever the batch and head counts.
+# Scores the workers' tiles hold at once (elements): beyond it a tile's heads go in chunks, which
+# bounds the work buffers (64 MiB of each kind in float32, all workers together) whatever the
+# batch, head and thread counts.
 _TILE_SCORES = 1 << 24
 
 
@@ -140,13 +144,18 @@ class _Run:
     (:meth:`query_view`)."""
 
     def __init__(self, pattern, q, k, v, scale, compute):
-        batch, seq_q, num_heads, dim = q.shape
+        batch, seq_q, num_heads, _ = q.shape
         seq_k, kv_heads = k.shape[1], k.shape[2]
+        bs = pattern.block_size
         self.pattern, self.scale, self.compute = pattern, scale, compute
-        self.batch, self.seq_q, self.seq_k, self.dim = batch, seq_q, seq_k, dim
+        self.batch, self.seq_q, self.seq_k = batch, seq_q, seq_k
         self.per = num_heads // pattern.num_heads
-        self.num_blocks = -(-seq_k // pattern.block_size)
-        self.kv_heads = kv_heads
+        self.num_blocks = -(-seq_k // bs)
+        # As :func:`_tiles` walks them: from the first query's block on.
+        num_tiles = -(-(self.num_blocks - (seq_k - seq_q) // bs) // max(1, _TILE_ROWS // bs))
+        # Workers (:func:`_each_tile`): the caller's torch threads on a CPU, at most one a tile.
+        self.workers = min(torch.get_num_threads(), num_tiles) if q.device.type == "cpu" else 1
+        self.scatter_lock = threading.Lock()  # the workers add into one dk and dv
         # The KV head of each pattern head.
         self.kv_head = (
             torch.arange(pattern.num_heads, device=q.device) * self.per // (num_heads // kv_heads)
@@ -155,15 +164,17 @@ class _Run:
         self.q = self.query_view(q)
         self.q_scale = scale * _LOG2E
         self.k, self.v = self.key_layout(k), self.key_layout(v)
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._local = threading.local()  # each worker thread's buffers
 
     def buffer(self, name: str, *shape: int) -> torch.Tensor:
         """A reused work buffer of ``shape`` (its contents are garbage): tiles of one run differ
         little in size, and a fresh tensor of a few MB costs its pages' faults on every tile."""
         numel = math.prod(shape)
-        held = self._buffers.get(name)
+        if not hasattr(self._local, "buffers"):
+            self._local.buffers = {}
+        held = self._local.buffers.get(name)
         if held is None or held.numel() < numel:
-            held = self._buffers[name] = self.k.new_empty(numel)
+            held = self._local.buffers[name] = self.k.new_empty(numel)
         return held[:numel].view(shape)
 
     def query_view(self, t: torch.Tensor) -> torch.Tensor:
@@ -186,10 +197,10 @@ class _Run:
 
     def head_chunks(self, tile: _Tile):
         """(first head, the tile of heads ``[first, first + G)``), in chunks whose scores fit
-        ``_TILE_SCORES``."""
+        the workers' share of ``_TILE_SCORES``."""
         heads, n = tile.cols.shape
         per_head = self.batch * self.per * (tile.row1 - tile.row0) * n * self.pattern.block_size
-        step = max(1, _TILE_SCORES // per_head)
+        step = max(1, _TILE_SCORES // self.workers // per_head)
         if step >= heads:
             yield 0, tile
             return
@@ -255,8 +266,46 @@ class _Run:
         b, _, _, bs, d = into.shape
         flat = into.view(b, -1, bs * d)
         grads = grads.view(b, index.numel(), bs * d)
-        for n in range(b):
-            flat[n].index_add_(0, index, grads[n])
+        with self.scatter_lock:
+            for n in range(b):
+                flat[n].index_add_(0, index, grads[n])
+
+
+def _each_tile(run: _Run, tiles: Iterator[_Tile], work: Callable[[int, _Tile], None]) -> None:
+    """Call ``work(first head, tile of heads)`` on every head chunk of every tile.
+
+    On a CPU the caller's torch threads become workers that each take the next tile when done
+    with one, each running its operations on one thread: a worker whose core another process
+    shares does less of the work, where the threads of one OpenMP region would all wait for it
+    at the region's end, thousands of times a call. Workers other than the first are torch
+    threads of their own; the default thread count they change is the caller's again after."""
+    workers = run.workers
+    if workers == 1:
+        for tile in tiles:
+            for first, part in run.head_chunks(tile):
+                work(first, part)
+        return
+    lock = threading.Lock()
+    inference = torch.is_inference_mode_enabled()
+
+    def loop() -> None:
+        torch.set_num_threads(1)
+        with torch.inference_mode(inference), torch.no_grad():
+            while True:
+                with lock:
+                    tile = next(tiles, None)
+                if tile is None:
+                    return
+                for first, part in run.head_chunks(tile):
+                    work(first, part)
+
+    threads = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="s2attn-cpu") as pool:
+            for done in [pool.submit(loop) for _ in range(workers)]:
+                done.result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _packed_sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
@@ -285,13 +334,14 @@ def blockwise_forward(
 
     Memory beyond the inputs and the outputs (``out`` in the compute dtype first): k and v
     in the compute dtype, padded to whole blocks, of one packed sequence at a time; and the work
-    buffers of one query tile of ``T = max(128, block)`` rows for ``G`` pattern heads: scores
+    buffers of one query tile of ``T = max(128, block)`` rows for ``G`` pattern heads, one set
+    per worker (:func:`_each_tile`, one per torch thread): scores
     ``batch * G * per * T * keys`` elements (``per`` query heads a pattern head, ``keys`` the
     most keys one head's tile keeps: its blocks' union, under ``(window + T / block +
     seq_k / stride) * block`` for a local-stride pattern), gathered keys and values ``batch * G
     * keys * dim`` each, and ``batch * G * per * T * dim`` twice. ``G`` is every head, or as many
-    as keep the scores within ``2**24`` elements (at least one): linear in the length, never
-    (seq_q, seq_k).
+    as keep every worker's scores together within ``2**24`` elements (at least one): linear in
+    the length, never (seq_q, seq_k).
     """
     compute = _compute_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=compute, device=q.device)
@@ -320,9 +370,8 @@ def _forward_run(pattern, q, k, v, scale, compute, out, lse) -> None:
         return
     run = _Run(pattern, q, k, v, scale, compute)
     out, lse = run.query_view(out), run.query_view(lse)
-    for tile in _tiles(pattern, run.seq_q, run.seq_k, q.device):
-        for first, part in run.head_chunks(tile):
-            _forward_tile(run, first, part, out, lse)
+    tiles = _tiles(pattern, run.seq_q, run.seq_k, q.device)
+    _each_tile(run, tiles, lambda first, part: _forward_tile(run, first, part, out, lse))
 
 
 def _forward_tile(run: _Run, first: int, tile: _Tile, out, lse) -> None:
@@ -369,7 +418,8 @@ def blockwise_backward(
     (in the compute dtype first): k, v and their gradients in the compute dtype padded to whole
     blocks, of one packed sequence at a time; and :func:`blockwise_forward`'s work buffers, with
     the scores' gradient (as large as the scores) and the gathered blocks' gradients (as large
-    as the gathered keys).
+    as the gathered keys). With more than one worker, dk and dv add the tiles' shares in an
+    order that varies from call to call: they agree to rounding, not to the bit.
     """
     compute = _compute_dtype(q.dtype)
     packed = cu_seqlens_q is not None
@@ -415,9 +465,11 @@ def _backward_run(pattern, rows, inputs, grads, scale, compute) -> None:
     grad_out, lse, row_term = (None if t is None else run.query_view(t) for t in rows)
     dq = run.query_view(grads[0])
     dk, dv = torch.zeros_like(run.k), torch.zeros_like(run.v)
-    for tile in _tiles(pattern, run.seq_q, run.seq_k, q.device):
-        for first, part in run.head_chunks(tile):
-            _backward_tile(run, first, part, lse, row_term, grad_out, (dq, dk, dv))
+    _each_tile(
+        run,
+        _tiles(pattern, run.seq_q, run.seq_k, q.device),
+        lambda first, part: _backward_tile(run, first, part, lse, row_term, grad_out, (dq, dk, dv)),
+    )
     dk /= _LOG2E  # of queries scaled by softmax_scale * log2(e)
     grads[1].copy_(run.from_key_layout(dk))
     grads[2].copy_(run.from_key_layout(dv))

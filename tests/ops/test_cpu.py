@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -232,3 +233,40 @@ def test_blockwise_dense_heads_and_bidirectional():
         causal=False,
     )
     _check(*_qkv((1,), 100, 180, 4, 4, 16, seed=7), pattern)
+
+
+def _count_threads(into: list) -> None:
+    into.append(torch.get_num_threads())
+
+
+def test_blockwise_workers_match_one_thread_and_leave_the_thread_count():
+    """Three torch threads make three workers taking tiles as they go: the same results as one
+    thread (the forward to the bit; dK, dV summed in another order), under inference mode too,
+    and the caller's thread count, and the one a new thread starts with, are as before."""
+    pattern = s2attn.local_stride_pattern(
+        4, max_seq_len=1024, block_size=16, local_blocks=2, vert_stride=3, num_kv_heads=2
+    )
+    q, k, v = _qkv((2,), 300, 300, 4, 2, 16, seed=8)
+    grad_out = torch.randn_like(q)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            out, lse = blockwise_forward(q, k, v, pattern, softmax_scale=0.3)
+            grads = blockwise_backward(grad_out, None, q, k, v, out, lse, pattern,
+                                       softmax_scale=0.3)  # fmt: skip
+            with torch.inference_mode():
+                inference_out, _ = blockwise_forward(q, k, v, pattern, softmax_scale=0.3)
+            results[threads] = out, lse, inference_out, grads
+            seen = []
+            new_thread = threading.Thread(target=_count_threads, args=(seen,))
+            new_thread.start()
+            new_thread.join()
+            assert torch.get_num_threads() == threads and seen == [threads]
+    finally:
+        torch.set_num_threads(before)
+    (out1, lse1, inf1, grads1), (out3, lse3, inf3, grads3) = results[1], results[3]
+    assert torch.equal(out1, out3) and torch.equal(lse1, lse3) and torch.equal(inf1, inf3)
+    for one, three in zip(grads1, grads3):
+        torch.testing.assert_close(three, one, rtol=1e-5, atol=1e-6)
