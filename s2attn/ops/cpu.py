@@ -232,10 +232,11 @@ class _Run:
         g = tile.cols.shape[0]
         picked = t[:, first : first + g, :, tile.row0 : tile.row1]
         rows = self.buffer(name, *picked.shape)
-        if scale == 1.0:
-            rows.copy_(picked)
-        else:
-            torch.mul(picked, scale, out=rows)
+        rows.copy_(picked)
+        if scale != 1.0:
+            # In the compute dtype: mul(picked, scale, out=rows) would round the product to a
+            # half-precision input's dtype before storing it.
+            rows.mul_(scale)
         return rows.view(self.batch * g, -1, *picked.shape[4:])
 
     def queries(self, first: int, tile: _Tile) -> torch.Tensor:

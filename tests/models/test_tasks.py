@@ -305,11 +305,13 @@ class _Causal(torch.nn.Module):
     def __init__(self):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.embed = torch.randn(VOCAB_SIZE, 16, generator=g)
-        self.out = torch.randn(16, VOCAB_SIZE, generator=g)
+        # Buffers, so that .to(device) moves them as position_bpb's device moves the tokens.
+        self.register_buffer("embed", torch.randn(VOCAB_SIZE, 16, generator=g))
+        self.register_buffer("out", torch.randn(16, VOCAB_SIZE, generator=g))
 
     def forward(self, input_ids):
-        e = self.embed[input_ids].cumsum(1) / torch.arange(1, input_ids.shape[1] + 1)[:, None]
+        count = torch.arange(1, input_ids.shape[1] + 1, device=input_ids.device)
+        e = self.embed[input_ids].cumsum(1) / count[:, None]
         return _Output(logits=e @ self.out)
 
 
@@ -324,7 +326,7 @@ def test_position_bpb_is_the_per_position_cross_entropy_by_bucket(model_kind, mo
     sequences = torch.randint(0, 256, (5, 41))
     edges = [0, 3, 10, 25, 40]
     if model_kind == "stub":
-        model = _Causal()
+        model = _Causal().to(DEVICE)
     else:
         model = presets.build_model(presets.model_config("tiny", "dense", seq_len=64), seed=0)
         model = model.to(DEVICE)
@@ -443,7 +445,7 @@ def test_eval_memory_check_covers_the_task_lengths(tmp_path, corpus_root, monkey
     # Room for the validation pass at 64 tokens, not for a task pass at 512.
     free = (evaluate.forward_memory(config, 64, activation_bytes=4) * 3) // 2
     assert evaluate.forward_memory(config, LIMIT, activation_bytes=4) > free
-    monkeypatch.setattr(evaluate, "_free_memory", lambda device: free)
+    monkeypatch.setattr(evaluate, "free_memory", lambda device: free)
     argv = [str(model_dir), "--tasks", "positions", "--lengths", str(LIMIT), "--batch-size", "1"]
     with pytest.raises(ValueError, match=f"evaluating 1 x {LIMIT} tokens a forward pass needs"):
         evaluate.run(_eval_args([*argv, "--val-batches", "0", "--device", "cpu"]))

@@ -188,6 +188,21 @@ _ROUTE = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_blockwise_half_inputs_compute_in_float32(dtype):
+    """Half-precision inputs are upcast before anything is computed: the LSE (float32) agrees with
+    the float64 reference of the same rounded inputs to float32's tolerance, which a product
+    rounded to bfloat16 on the way (2.6e-4 here) would not meet."""
+    pattern = s2attn.local_stride_pattern(2, max_seq_len=64, block_size=16, local_blocks=1,
+                                          vert_stride=2)  # fmt: skip
+    q, k, v = _qkv((2,), 64, 64, 2, 2, 16, dtype, seed=3)
+    out, lse = blockwise_forward(q, k, v, pattern, softmax_scale=0.25)
+    ref_out, ref_lse, _ = _reference(q, k, v, pattern, 0.25)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(lse, ref_lse, torch.float32, f"lse from {dtype} inputs")
+    assert_close(out, ref_out, dtype, f"out from {dtype} inputs")
+
+
 def test_cpu_call_without_interpreter_is_blockwise_and_bounded():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
     result = subprocess.run([sys.executable, "-c", _ROUTE], env=env, capture_output=True,
