@@ -8,7 +8,8 @@ that step's forward call, the forward+backward column the whole step. The median
 ``--repeats`` steps is reported, with the host's load average read before the row starts.
 
     python benchmarks/bench_cpu.py --smoke        # a small shape, seconds
-    python benchmarks/bench_cpu.py                # the full shape, about 15 minutes on 2 cores
+    python benchmarks/bench_cpu.py                # the full shape: about 20 minutes on 2 cores
+    python benchmarks/bench_cpu.py --repeats 1    # about 7 minutes
     python benchmarks/bench_cpu.py --repeats 1 --threads 2 --competing off
 
 Prints a table and writes markdown and JSON with the host, versions and date to
