@@ -9,8 +9,8 @@ Two operators in namespace ``s2attn``:
 
 with fake implementations (exact shapes, strides and dtypes, so the compiler allocates around
 them) and the forward's autograd registered through the library. Each runs the kernels where a
-Triton backend runs (a GPU, or the CPU under the interpreter) and the block-by-block reference
-(``s2attn.reference.blockwise_forward``) elsewhere.
+Triton backend runs (a GPU, or the CPU under the interpreter) and the exact PyTorch path over the
+kept blocks (``s2attn.ops.cpu.blockwise_forward``) elsewhere.
 
 A pattern is not a tensor: the operators take an integer key (:func:`pattern_key`, the pattern's
 ``op_key``, given at construction) naming it among the process's live patterns. ``torch.compile``

@@ -23,7 +23,7 @@
                       a static cache, for compiled graphs
 
 Kernels are chosen through ``s2attn.ops.dispatch``; the decode lists come from ``s2attn.layout``,
-the plain-PyTorch reference over pages from ``s2attn.reference``.
+the plain-PyTorch path over pages from ``s2attn.ops.cpu``.
 """
 
 from .attention import MAX_DECODE_TOKENS, capture_decode_step, sparse_attention_with_kvcache

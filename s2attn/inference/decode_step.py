@@ -9,7 +9,7 @@ is fixed). It touches no host state, so a graph that records it serves every ste
 (:func:`write_pages`) and the attention (:func:`attend`) are also what a cache's small append and
 a read of the cache as it is run. The kernels are
 chosen through :mod:`s2attn.ops.dispatch`; where no Triton backend runs, the plain-PyTorch
-reference over pages (:func:`s2attn.reference.paged_attention_reference`) computes the same.
+reference over pages (:func:`s2attn.ops.cpu.paged_attention`) computes the same.
 """
 
 from __future__ import annotations

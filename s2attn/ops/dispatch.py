@@ -64,7 +64,8 @@ def interpreter_upcasts(q: torch.Tensor) -> bool:
 
 def supports_triton(device: torch.device) -> bool:
     """Whether the Triton kernels run on ``device``: a CUDA GPU, or the CPU under the
-    interpreter. They take every call there; elsewhere callers use the dense-mask reference."""
+    interpreter. They take every call there; elsewhere callers take the PyTorch path
+    over the kept blocks (``s2attn.ops.cpu``)."""
     return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)
 
 
