@@ -95,7 +95,7 @@ from long_context_report import (
     train_seconds,
     write_report,
 )
-from run_info import environment
+from run_info import environment, site_source_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -246,6 +246,8 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
         *o.device_args,
     ]
     extra = shlex.split(o.train_args)
+    if "--data-root" not in extra:
+        extra += site_source_args()
     trains, evals = [], []
 
     def train(variant: str, seed: int, out: Path, deps: list[str], *args: str) -> None:

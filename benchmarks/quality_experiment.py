@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from run_info import environment, result_stem, versions_line, write_results
+from run_info import environment, result_stem, site_source_args, versions_line, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -278,7 +278,7 @@ def main() -> int:
         print(f"training {len(args.only)} variants, {args.parallel} at once", flush=True)
 
         def train(name: str, steps: int, seed: int, seq_len: int, out: Path, *extra: str):
-            return [
+            command = [
                 *python,
                 "train",
                 "--preset",
@@ -299,6 +299,9 @@ def main() -> int:
                 *extra,
                 *args.train_args.split(),
             ]
+            if "--data-root" not in args.train_args.split():
+                command += site_source_args()
+            return command
 
         jobs = {}
         for name in args.only:

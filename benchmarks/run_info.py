@@ -41,6 +41,21 @@ def environment() -> dict:
     )
 
 
+def site_source_args() -> list[str]:
+    """``--data-root`` flags for the standard library and the site-packages directories of this
+    interpreter: the data the committed quality and long-context runs trained on (``s2attn
+    train``'s default then; it is the standard library alone now, so that an install cannot move
+    a user's run). A benchmark names them so that its command still makes its results."""
+    import sysconfig
+
+    roots: list[str] = []
+    for name in ("stdlib", "purelib", "platlib"):
+        root = Path(sysconfig.get_paths()[name]).resolve()
+        if root.is_dir() and str(root) not in roots:
+            roots.append(str(root))
+    return [flag for root in roots for flag in ("--data-root", root)]
+
+
 def versions_line(env: dict) -> str:
     return (
         f"{env['date']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']} · "
