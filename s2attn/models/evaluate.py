@@ -13,7 +13,7 @@ Three functions serve training and the ``s2attn eval`` command alike:
 Every function takes any callable model that maps ``(batch, seq)`` int64 token ids to an object
 with ``.logits`` of shape ``(batch, seq, vocab)`` (a transformers causal LM, or a stub in tests).
 A transformers causal LM is run as its decoder, and its output head applied to at most
-``_LOGIT_ROWS`` positions at a time (the needle answers' only, for retrieval), so no
+``scoring._LOGIT_ROWS`` positions at a time (the needle answers' only, for retrieval), so no
 ``(batch, seq, vocab)`` float32 tensor is ever made at long lengths.
 
 ``python -m s2attn eval DIR`` (:func:`add_arguments`, :func:`run`) loads a model saved by
@@ -42,12 +42,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from transformers import PreTrainedModel
 
+from . import scoring, tasks
 from .data import NeedleSample, SourceCorpus, TokenStream, make_needle_sample, needle_filler
 from .dependencies import INSTALL, OPTIONAL, missing
 from .presets import check_weights_file, parameter_count
+from .scoring import _check_batch, _evaluating, _length_label, _sum_cross_entropy, needle_accuracy
 
 __all__ = [
     "add_arguments",
@@ -65,97 +65,11 @@ __all__ = [
 # with the data module's default key and value lengths.
 _KEY_LEN, _VALUE_LEN = 4, 6
 _NEEDLE_OVERHEAD = 2 * (2 + _KEY_LEN + _VALUE_LEN)
-# Positions whose logits exist at once: (8192, vocab) float32 is a few MiB for bytes, while a
-# (batch, 128k, vocab) float32 tensor would be GiBs for a larger vocabulary.
-_LOGIT_ROWS = 8192
 # Tokens a forward pass of `s2attn eval` reads by default: one sequence from 32k tokens on.
 _BATCH_TOKENS = 32768
 
 
 # ------------------------------------------------------------------------ shared functions
-@contextlib.contextmanager
-def _evaluating(model, device, autocast_dtype: torch.dtype | None):
-    """Eval mode, no autograd and optional autocast for the block; the model's training flag
-    is restored afterwards, so training can call these functions between steps."""
-    was_training = getattr(model, "training", None)
-    if was_training is not None:
-        model.eval()
-    device_type = torch.device(device).type
-    try:
-        with (
-            torch.no_grad(),
-            torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
-        ):
-            yield
-    finally:
-        if was_training:
-            model.train()
-
-
-def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    # A transformers model would otherwise build a KV cache that nothing reads.
-    if isinstance(model, PreTrainedModel):
-        return model(input_ids, use_cache=False).logits
-    return model(input_ids).logits
-
-
-def _decoder_and_head(model):
-    """(decoder, output head) of a transformers causal LM whose logits are the head applied to
-    the decoder's last hidden state (Llama and its kin); None for anything else."""
-    if not isinstance(model, PreTrainedModel):
-        return None
-    decoder, head = model.base_model, model.get_output_embeddings()
-    if decoder is model or not isinstance(head, torch.nn.Linear):
-        return None
-    if getattr(model.config, "final_logit_softcapping", None):
-        return None
-    return decoder, head
-
-
-def _hidden(decoder, input_ids: torch.Tensor) -> torch.Tensor:
-    return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-
-
-def _sum_cross_entropy(model, batch: torch.Tensor) -> float:
-    """Summed next-token cross-entropy (nats) of ``batch`` (``(b, n + 1)`` ids), in float32, with
-    at most ``_LOGIT_ROWS`` positions' logits at a time where the model allows it."""
-    inputs, targets = batch[:, :-1], batch[:, 1:].flatten()
-    split = _decoder_and_head(model)
-    if split is None:
-        logits = _logits(model, inputs)
-        # The loss in float32 whatever the model computes in: bf16 logits would round it.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum").item()
-    decoder, head = split
-    hidden = _hidden(decoder, inputs).flatten(0, 1)
-    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
-    for first in range(0, hidden.shape[0], _LOGIT_ROWS):
-        rows = slice(first, first + _LOGIT_ROWS)
-        total += F.cross_entropy(head(hidden[rows]).float(), targets[rows], reduction="sum")
-    return total.item()
-
-
-def _predictions(model, tokens: torch.Tensor, positions: list[slice]) -> list[torch.Tensor]:
-    """Greedy next-token predictions of ``model`` reading ``tokens`` (``(b, n)``): for row ``r``
-    the argmax at ``positions[r]``."""
-    split = _decoder_and_head(model)
-    if split is None:
-        predicted = _logits(model, tokens).argmax(dim=-1)
-        return [predicted[r, where] for r, where in enumerate(positions)]
-    decoder, head = split
-    hidden = _hidden(decoder, tokens)
-    return [head(hidden[r, where]).argmax(dim=-1) for r, where in enumerate(positions)]
-
-
-def _check_batch(batch: object, what: str) -> None:
-    if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.shape[1] < 2:
-        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
-        raise ValueError(
-            f"{what} must be a (batch, seq_len + 1) tensor with seq_len >= 1, got {shape}"
-        )
-    if batch.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{what} must hold int64 token ids, got {batch.dtype}")
-
-
 def validation_bpb(
     model,
     batches: Sequence[torch.Tensor],
@@ -195,62 +109,6 @@ def validation_bpb(
     return total_nats / tokens / math.log(2)
 
 
-def needle_accuracy(
-    model,
-    samples: Sequence[NeedleSample],
-    *,
-    device: str | torch.device,
-    autocast_dtype: torch.dtype | None = None,
-    batch_size: int = 8,
-) -> float:
-    """The fraction of ``samples`` whose whole answer ``model`` predicts exactly.
-
-    The model reads each sample but its last token (``(batch, length - 1)`` ids, one forward
-    pass per batch); answer token ``t`` counts as predicted when the argmax of the logits at
-    position ``t - 1`` is that token. Since every earlier answer token must be right too, this
-    equals greedy generation of the answer after the question.
-
-    Args:
-        model: as for :func:`validation_bpb`, already on ``device``.
-        samples: :class:`~s2attn.models.data.NeedleSample` s; samples of equal length share a
-            batch, so any mix of lengths works.
-        device, autocast_dtype: as for :func:`validation_bpb`.
-        batch_size: samples per forward pass.
-
-    Returns a number in ``[0, 1]``.
-    """
-    if len(samples) == 0:
-        raise ValueError("samples must hold at least one NeedleSample, got none")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    for i, s in enumerate(samples):
-        if not isinstance(s, NeedleSample):
-            raise ValueError(f"samples[{i}] must be a NeedleSample, got {type(s).__name__}")
-        if not 1 <= s.answer_start <= s.answer_start + s.answer_len <= len(s.tokens):
-            raise ValueError(
-                f"samples[{i}]: answer [{s.answer_start}, "
-                f"{s.answer_start + s.answer_len}) lies outside its "
-                f"{len(s.tokens)} tokens or at position 0"
-            )
-    by_length: dict[int, list[NeedleSample]] = {}
-    for s in samples:
-        by_length.setdefault(len(s.tokens), []).append(s)
-    correct = 0
-    with _evaluating(model, device, autocast_dtype):
-        for group in by_length.values():
-            for first in range(0, len(group), batch_size):
-                chunk = group[first : first + batch_size]
-                tokens = torch.stack([s.tokens for s in chunk]).to(device=device, dtype=torch.int64)
-                guesses = [
-                    slice(s.answer_start - 1, s.answer_start + s.answer_len - 1) for s in chunk
-                ]
-                predicted = _predictions(model, tokens[:, :-1], guesses)
-                for row, s in enumerate(chunk):
-                    answer = slice(s.answer_start, s.answer_start + s.answer_len)
-                    correct += bool(torch.equal(predicted[row], tokens[row, answer]))
-    return correct / len(samples)
-
-
 def forward_memory(config, tokens: int, *, weight_bytes: int = 4, activation_bytes: int = 2) -> int:
     """Estimated peak bytes of a no-grad forward pass of a transformers Llama model of
     ``config`` over ``tokens`` tokens (batch times length), logits as :func:`validation_bpb`
@@ -275,7 +133,7 @@ def forward_memory(config, tokens: int, *, weight_bytes: int = 4, activation_byt
     attention = activation_bytes * (2 * q + 2 * kv + h) + 3 * 4 * (q + kv)
     mlp = activation_bytes * (4 * f + h)
     per_token = residual + max(attention, mlp) + 2 * 4 * head_dim
-    logits = min(tokens, _LOGIT_ROWS) * v * (activation_bytes + 8)
+    logits = min(tokens, scoring._LOGIT_ROWS) * v * (activation_bytes + 8)
     weights = parameter_count(config) * weight_bytes
     return int(1.25 * (weights + tokens * per_token + logits))
 
@@ -369,10 +227,6 @@ def validation_batches(
 
 
 # -------------------------------------------------------------------------------- heat maps
-def _length_label(length: int) -> str:
-    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
-
-
 def _depth_key(depth: float) -> str:
     return f"{depth:g}"
 
@@ -486,8 +340,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated needle depths in [0, 1] (0 = start, 1 = end)",
     )
     parser.add_argument("--samples", type=int, default=20, help="samples per grid cell")
-    from . import tasks
-
     tasks.add_arguments(parser)
     parser.add_argument(
         "--out",
@@ -696,8 +548,6 @@ def run(args: argparse.Namespace) -> int:
                     "patterns' / position table's length; train with a larger --max-seq-len)"
                 )
         depths = _check_depths(args.depths)
-    from . import tasks
-
     task_plan = tasks.plan(
         args.tasks, lengths, args.task_samples, limit=limit, roots=roots, val_fraction=val_fraction
     )

@@ -19,7 +19,7 @@ assignments in chain order) and ends with a question and its answer:
 
 Keys are lowercase letters, values digits; ``KEY`` and ``VALUE`` never occur in the filler, so
 every item is found only where it was planted. A :class:`TaskSample` is a
-:class:`~s2attn.models.data.NeedleSample`, so :func:`~s2attn.models.evaluate.needle_accuracy`
+:class:`~s2attn.models.data.NeedleSample`, so :func:`~s2attn.models.scoring.needle_accuracy`
 scores every task alike: the whole answer, by greedy argmax under teacher forcing.
 :func:`task_samples` builds them deterministically from a seed over the validation text (sample
 ``i`` of every task has the filler of the needle grid's sample ``i``), :func:`task_accuracy`
@@ -30,7 +30,7 @@ position (:func:`position_edges`: the first 1k bytes predicted, then doubling ra
 length), over windows that begin at the start of long validation documents
 (:func:`long_documents`): far context there is the same file, so a model that ignores it predicts
 the late buckets no better than the early ones. Logits are made for at most
-``evaluate._LOGIT_ROWS`` positions at a time, as for :func:`~s2attn.models.evaluate.validation_bpb`.
+``scoring._LOGIT_ROWS`` positions at a time, as for :func:`~s2attn.models.evaluate.validation_bpb`.
 The interval of a bucket's mean is a percentile bootstrap over sequences
 (:func:`bootstrap_interval`), since every sequence has the same tokens in a bucket.
 
@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import evaluate
+from . import scoring
 from .data import BOS, KEY, VALUE, NeedleSample, SourceCorpus, needle_filler
 
 __all__ = [
@@ -472,9 +472,9 @@ def task_accuracy(
     batch_size: int = 8,
     level: float = LEVEL,
 ) -> dict:
-    """:func:`~s2attn.models.evaluate.needle_accuracy` of ``samples``, with its count and
+    """:func:`~s2attn.models.scoring.needle_accuracy` of ``samples``, with its count and
     Wilson score interval: ``{"n", "correct", "accuracy", "ci": [low, high]}``."""
-    accuracy = evaluate.needle_accuracy(
+    accuracy = scoring.needle_accuracy(
         model, samples, device=device, autocast_dtype=autocast_dtype, batch_size=batch_size
     )
     correct = round(accuracy * len(samples))
@@ -542,16 +542,16 @@ def _token_cross_entropy(model, batch: torch.Tensor) -> torch.Tensor:
     computed in float32, with at most ``_LOGIT_ROWS`` positions' logits at a time where the model
     allows it (see :func:`~s2attn.models.evaluate.validation_bpb`)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    split = evaluate._decoder_and_head(model)
+    split = scoring._decoder_and_head(model)
     if split is None:
-        logits = evaluate._logits(model, inputs).float()
+        logits = scoring._logits(model, inputs).float()
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return loss.double().view(targets.shape)
     decoder, head = split
-    hidden = evaluate._hidden(decoder, inputs).flatten(0, 1)
+    hidden = scoring._hidden(decoder, inputs).flatten(0, 1)
     flat = targets.flatten()
     loss = torch.empty(flat.shape, dtype=torch.float64, device=hidden.device)
-    rows = evaluate._LOGIT_ROWS
+    rows = scoring._LOGIT_ROWS
     for first in range(0, hidden.shape[0], rows):
         part = slice(first, first + rows)
         loss[part] = F.cross_entropy(head(hidden[part]).float(), flat[part], reduction="none")
@@ -581,7 +581,7 @@ def position_bpb(
     Returns ``(count, len(edges) - 1)`` float64 CPU: the mean cross-entropy in bits of each
     sequence's targets in each bucket.
     """
-    evaluate._check_batch(sequences, "sequences")
+    scoring._check_batch(sequences, "sequences")
     n = sequences.shape[1] - 1
     edges = list(edges)
     if (
@@ -593,7 +593,7 @@ def position_bpb(
         raise ValueError(f"edges must be increasing ints from 0 to {n} (the targets), got {edges}")
     _check_int("batch_size", batch_size, 1)
     out = []
-    with evaluate._evaluating(model, device, autocast_dtype):
+    with scoring._evaluating(model, device, autocast_dtype):
         for first in range(0, sequences.shape[0], batch_size):
             batch = sequences[first : first + batch_size].to(device=device, dtype=torch.int64)
             loss = _token_cross_entropy(model, batch).cpu()
@@ -765,7 +765,7 @@ def _print_tables(result: dict) -> None:
             chance = "-" if c["chance"] is None else f"{c['chance']:.3f}"
             ci = f"[{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]"
             print(
-                f"{t:<11} {evaluate._length_label(int(n)):>7} {c['n']:>5} "
+                f"{t:<11} {scoring._length_label(int(n)):>7} {c['n']:>5} "
                 f"{c['accuracy']:>9.3f} {ci:>16} {chance:>7}"
             )
     if POSITIONS in result:
@@ -779,10 +779,10 @@ def _print_tables(result: dict) -> None:
                 where = f"[{_label(b['start'])}, {_label(b['end'])})"
                 ci = f"[{b['ci'][0]:.4f}, {b['ci'][1]:.4f}]"
                 print(
-                    f"{evaluate._length_label(int(n)):>7} {c['n']:>5} {where:>15} "
+                    f"{scoring._length_label(int(n)):>7} {c['n']:>5} {where:>15} "
                     f"{b['bpb']:>8.4f} {ci:>18}"
                 )
 
 
 def _label(position: int) -> str:
-    return evaluate._length_label(position) if position else "0"
+    return scoring._length_label(position) if position else "0"

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from s2attn.integrations import transformers as s2hf
-from s2attn.models import data, evaluate, presets, train
+from s2attn.models import data, evaluate, presets, scoring, train
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -263,8 +263,8 @@ def test_chunked_logits_match_the_whole_logits(base, corpus_root, monkeypatch):
         def forward(self, input_ids):
             return self.inner(input_ids, use_cache=False)
 
-    monkeypatch.setattr(evaluate, "_LOGIT_ROWS", 7)
-    assert evaluate._decoder_and_head(model) is not None
+    monkeypatch.setattr(scoring, "_LOGIT_ROWS", 7)
+    assert scoring._decoder_and_head(model) is not None
     chunked = evaluate.validation_bpb(model, batches, device="cpu")
     whole = evaluate.validation_bpb(Whole(), batches, device="cpu")
     print(f"chunked {chunked:.6f}, whole {whole:.6f}")
@@ -272,7 +272,7 @@ def test_chunked_logits_match_the_whole_logits(base, corpus_root, monkeypatch):
     tokens = torch.stack([s.tokens for s in needles])[:, :-1]
     where = [slice(s.answer_start - 1, s.answer_start + s.answer_len - 1) for s in needles]
     with torch.no_grad():
-        got = evaluate._predictions(model, tokens, where)
+        got = scoring._predictions(model, tokens, where)
         want = Whole()(tokens).logits.argmax(-1)
     for row, w in enumerate(where):
         assert torch.equal(got[row], want[row, w])

@@ -20,7 +20,7 @@ pytest.importorskip("tqdm")
 
 from helpers import DEVICE, assert_close
 
-from s2attn.models import evaluate, presets, tasks
+from s2attn.models import evaluate, presets, scoring, tasks
 from s2attn.models.data import BOS, KEY, VALUE, VOCAB_SIZE, SourceCorpus
 
 DIGITS = set(b"0123456789")
@@ -331,7 +331,7 @@ def test_position_bpb_is_the_per_position_cross_entropy_by_bucket(model_kind, mo
         model = presets.build_model(presets.model_config("tiny", "dense", seq_len=64), seed=0)
         model = model.to(DEVICE)
         # Logits in chunks that split sequences and batches unevenly.
-        monkeypatch.setattr(evaluate, "_LOGIT_ROWS", 17)
+        monkeypatch.setattr(scoring, "_LOGIT_ROWS", 17)
     got = tasks.position_bpb(model, sequences, edges, device=DEVICE, batch_size=2)
     with torch.no_grad():
         logits = model(sequences[:, :-1].to(DEVICE)).logits.cpu()
