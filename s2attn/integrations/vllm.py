@@ -53,6 +53,7 @@ try:
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.attention.backend import (
         AttentionBackend,
+        AttentionCGSupport,
         AttentionImpl,
         AttentionMetadataBuilder,
         AttentionType,
@@ -72,7 +73,15 @@ except ImportError:
 
 from ..pattern import BlockPattern, shared_dense_pattern
 from . import vllm_kv
-from .vllm_paged import paged_attention_torch, paged_decode_triton, paged_prefill, write_kv
+from .vllm_paged import (
+    DecodeBuffers,
+    PagedDecodeBatch,
+    decode_splits,
+    paged_attention_torch,
+    paged_decode_triton,
+    paged_prefill,
+    write_kv,
+)
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -267,20 +276,49 @@ class S2LlamaForCausalLM(LlamaForCausalLM):
 # ------------------------------------------------------------------------------ backend
 @dataclasses.dataclass
 class S2AttentionMetadata:
-    """One step's requests: what the S2 layers read (host copies of the per-request lengths,
-    since the PyTorch path loops over requests)."""
+    """One step's requests as the S2 layers read them.
+
+    A step of one new token per request on a GPU, with vLLM's page equal to the pattern's block,
+    carries ``decode`` (the decode kernel's page table and lengths, in the builder's persistent
+    buffers: a CUDA graph of the step reads them) and no host copies. Any other step carries
+    host copies of the per-request offsets and lengths, which its paths loop over."""
 
     num_actual_tokens: int
     max_query_len: int
     query_start_loc: torch.Tensor  # (requests + 1,) int32
-    query_start_loc_host: list[int]
     seq_lens: torch.Tensor  # (requests,) int32
-    seq_lens_host: list[int]
     block_table: torch.Tensor  # (requests, max_blocks) int32
     slot_mapping: torch.Tensor  # (tokens,) int64
+    decode: PagedDecodeBatch | None = None
+    query_start_loc_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+
+
+def _decodes_in_place(vllm_config: VllmConfig, kv_cache_spec: KVCacheSpec) -> bool:
+    """Whether decode steps of this group run the decode kernel over vLLM's pages in place (a CUDA
+    device, pages of the pattern's block): those steps hold no host sync, so CUDA graphs can."""
+    device = vllm_config.device_config.device
+    return (
+        getattr(device, "type", device) == "cuda"
+        and isinstance(kv_cache_spec, vllm_kv.S2AttentionSpec)
+        and kv_cache_spec.pattern_block_size == kv_cache_spec.block_size
+    )
 
 
 class S2AttentionMetadataBuilder(AttentionMetadataBuilder[S2AttentionMetadata]):
+    # Set per group by get_cudagraph_support: full CUDA graphs of batches of single-token decodes
+    # where the decode kernel reads vLLM's pages in place; other steps run between vLLM's
+    # piecewise graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(
+        cls, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec
+    ) -> AttentionCGSupport:
+        if _decodes_in_place(vllm_config, kv_cache_spec):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
     def __init__(
         self,
         kv_cache_spec: AttentionSpec,
@@ -301,6 +339,11 @@ class S2AttentionMetadataBuilder(AttentionMetadataBuilder[S2AttentionMetadata]):
                     f"page of {page} tokens: pass block_size={block} to LLM(...) (--block-size "
                     f"{block} for vllm serve)"
                 )
+        # Speculative decoding's optimistic lengths would make the host's copy inexact.
+        self._exact_host_lengths = vllm_config.speculative_config is None
+        self._decodes_in_place = _decodes_in_place(vllm_config, kv_cache_spec)
+        self._max_requests = vllm_config.scheduler_config.max_num_seqs
+        self._decode_buffers: DecodeBuffers | None = None
 
     def build(
         self,
@@ -309,16 +352,31 @@ class S2AttentionMetadataBuilder(AttentionMetadataBuilder[S2AttentionMetadata]):
         fast_build: bool = False,
     ) -> S2AttentionMetadata:
         m = common_attn_metadata
-        return S2AttentionMetadata(
+        requests = m.num_reqs
+        metadata = S2AttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             query_start_loc=m.query_start_loc,
-            query_start_loc_host=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
-            seq_lens=m.seq_lens[: m.num_reqs],
-            seq_lens_host=m.seq_lens[: m.num_reqs].cpu().tolist(),
-            block_table=m.block_table_tensor[: m.num_reqs],
+            seq_lens=m.seq_lens[:requests],
+            block_table=m.block_table_tensor[:requests],
             slot_mapping=m.slot_mapping,
         )
+        if self._decodes_in_place and m.max_query_len == 1 and m.num_actual_tokens == requests:
+            if self._decode_buffers is None:  # sized by vLLM's block table, fixed from here on
+                self._decode_buffers = DecodeBuffers(
+                    self._max_requests,
+                    self.kv_cache_spec.num_kv_heads,
+                    metadata.block_table.shape[1],
+                    self.device,
+                )
+            metadata.decode = self._decode_buffers.fill(metadata.block_table, metadata.seq_lens)
+            return metadata
+        metadata.query_start_loc_host = m.query_start_loc_cpu[: requests + 1].tolist()
+        host_lengths = getattr(m, "seq_lens_cpu_upper_bound", None)
+        if host_lengths is None or not self._exact_host_lengths:
+            host_lengths = metadata.seq_lens.cpu()
+        metadata.seq_lens_host = host_lengths[:requests].tolist()
+        return metadata
 
 
 class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
@@ -365,6 +423,7 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         self.kv_sharing_target_layer_name = None
         self.attn_type = attn_type
         self.pattern = s2_pattern
+        self._splits: dict[int, int] = {}
 
     def do_kv_cache_update(
         self,
@@ -395,10 +454,15 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         m = attn_metadata
         tokens = m.num_actual_tokens
         out = output.view(-1, self.num_heads, self.head_size)[:tokens]
-        if self._decode_on_gpu(query, kv_cache, m):
+        if m.decode is not None:
             out.copy_(
                 paged_decode_triton(
-                    query[:tokens], kv_cache, m.block_table, m.seq_lens, self.pattern, self.scale
+                    query[:tokens],
+                    kv_cache,
+                    m.decode,
+                    self.pattern,
+                    self.scale,
+                    num_splits=self._decode_splits(tokens, query.device),
                 )
             )
         else:
@@ -417,14 +481,13 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
             )
         return output
 
-    def _decode_on_gpu(self, query, kv_cache, m: S2AttentionMetadata) -> bool:
-        """A step of one new token per request, on a GPU, with vLLM's page equal to the block."""
-        return (
-            query.device.type == "cuda"
-            and m.max_query_len == 1
-            and m.num_actual_tokens == len(m.seq_lens_host)
-            and kv_cache.shape[2] == self.pattern.block_size
-        )
+    def _decode_splits(self, requests: int, device: torch.device) -> int:
+        # Per batch size: a piecewise step runs this eagerly in every S2 layer.
+        if requests not in self._splits:
+            self._splits[requests] = decode_splits(
+                self.pattern, self.num_kv_heads, requests, device
+            )
+        return self._splits[requests]
 
 
 class S2AttentionBackend(AttentionBackend):

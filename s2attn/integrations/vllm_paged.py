@@ -23,14 +23,21 @@ Three functions serve the plugin (``s2attn.integrations.vllm``) and are tested s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..attention import sparse_attention
+from ..inference.decode_plan import DecodePlan, split_count
+from ..inference.decode_step import attend
 from ..layout import decode_layout, group_block_mask
 from ..ops.cpu import paged_attention as paged_attention_reference
 from ..pattern import BlockPattern
 
 __all__ = [
+    "DecodeBuffers",
+    "PagedDecodeBatch",
+    "decode_splits",
     "paged_attention_torch",
     "paged_decode_triton",
     "paged_prefill",
@@ -56,19 +63,19 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store ``key``/``value`` (tokens, kv_heads, dim) at ``slot_mapping`` (tokens,); slots of -1
-    (vLLM's padding) are skipped."""
+    """Store ``key``/``value`` (tokens, kv_heads, dim) at ``slot_mapping`` (tokens,).
+
+    Slots of -1 (vLLM's padding) land in row 0 of vLLM's null block (block 0, which its block pool
+    keeps for padding and never gives a request): skipping them would need their count on the
+    host, a sync that a CUDA graph of the step cannot hold."""
     key_cache, value_cache = split_kv_cache(kv_cache)
     page = key_cache.shape[2]
     tokens = slot_mapping.shape[0]
-    slots = slot_mapping.to(torch.int64)
-    stored = slots >= 0
-    if not bool(stored.all()):
-        slots, key, value = slots[stored], key[:tokens][stored], value[:tokens][stored]
+    slots = slot_mapping.to(torch.int64).clamp(min=0)
     blocks, rows = slots // page, slots % page
     # Advanced indices on either side of a slice put the token axis first: (tokens, heads, dim).
-    key_cache[blocks, :, rows] = key[: slots.shape[0]].to(key_cache.dtype)
-    value_cache[blocks, :, rows] = value[: slots.shape[0]].to(value_cache.dtype)
+    key_cache[blocks, :, rows] = key[:tokens].to(key_cache.dtype)
+    value_cache[blocks, :, rows] = value[:tokens].to(value_cache.dtype)
 
 
 def paged_attention_torch(
@@ -195,13 +202,98 @@ def _slots(pos: torch.Tensor, table: torch.Tensor, page: int):
     return table[(pos // page).to(table.device)], (pos % page).to(table.device)
 
 
+class DecodeBuffers:
+    """What the decode kernel reads besides vLLM's pages, in tensors allocated once: vLLM replays a
+    CUDA graph of its decode steps, and a graph reads the addresses it captured, so each step's
+    page table and lengths are written into these same tensors (:meth:`fill`).
+
+    Args:
+        max_requests: the most requests of one step (vLLM's ``max_num_seqs``).
+        num_kv_heads: the layers' KV heads.
+        max_blocks: the block table's width (vLLM's blocks per request at ``max_model_len``).
+        device: the pages' device.
+    """
+
+    def __init__(
+        self, max_requests: int, num_kv_heads: int, max_blocks: int, device: torch.device
+    ) -> None:
+        self.num_kv_heads = num_kv_heads
+        self.page_table = torch.zeros(
+            max_requests, num_kv_heads, max_blocks, dtype=torch.int32, device=device
+        )
+        self.seq_lens = torch.ones(max_requests, dtype=torch.int32, device=device)
+        # The kernel's count of finished splits per (request, KV head), zero between launches: the
+        # layers of a group launch one after another, so they share it.
+        self.split_counters = torch.zeros(
+            max_requests * num_kv_heads, dtype=torch.int32, device=device
+        )
+        self._heads = torch.arange(num_kv_heads, dtype=torch.int32, device=device)
+
+    def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> PagedDecodeBatch:
+        """This step's batch: ``block_table`` (requests, width) and ``seq_lens`` (requests,), each
+        request's length with its new token, both on the buffers' device. No host sync.
+
+        vLLM pads a graph's batch with requests of length 0 whose table rows hold its null block
+        (block 0, which no request owns): their length is raised to 1, so the kernel reads one
+        position of a real page for them, and vLLM drops their outputs."""
+        requests, width = block_table.shape
+        if requests > self.page_table.shape[0] or width > self.page_table.shape[2]:
+            raise ValueError(
+                f"a step of {requests} requests and {width} blocks each exceeds the decode "
+                f"buffers' {self.page_table.shape[0]} x {self.page_table.shape[2]}"
+            )
+        # A (vLLM block b, KV head h) pair is page b * kv_heads + h of the flattened pages.
+        table = self.page_table[:requests, :, :width]
+        torch.add(
+            block_table[:, None, :].to(torch.int32) * self.num_kv_heads,
+            self._heads[None, :, None],
+            out=table,
+        )
+        lengths = self.seq_lens[:requests]
+        torch.clamp(seq_lens.to(torch.int32), min=1, out=lengths)
+        counters = self.split_counters[: requests * self.num_kv_heads]
+        return PagedDecodeBatch(table, lengths, counters)
+
+
+@dataclass(frozen=True)
+class PagedDecodeBatch:
+    """One decode step of vLLM's requests as the decode kernel reads it
+    (:meth:`DecodeBuffers.fill`).
+
+    Attributes:
+        page_table: int32 (requests, kv_heads, max_blocks), pages of the flattened cache.
+        seq_lens: int32 (requests,), each request's length with its new token (at least 1).
+        split_counters: int32 (requests * kv_heads,), zero between launches.
+    """
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    split_counters: torch.Tensor
+
+
+def decode_splits(pattern: BlockPattern, num_kv_heads: int, requests: int, device) -> int:
+    """The decode kernel's programs per (request, KV head) for a step of ``requests``: from the
+    longest list of the whole pattern, so that one count serves every length (a CUDA graph of the
+    step is replayed at every length)."""
+    layout = decode_layout(pattern, num_kv_heads, device)
+    return split_count(
+        [int(layout.list_lengths.max())],
+        None,
+        block_size=pattern.block_size,
+        batch=requests,
+        num_kv_heads=num_kv_heads,
+        device=torch.device(device),
+    )
+
+
 def paged_decode_triton(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: PagedDecodeBatch,
     pattern: BlockPattern,
     softmax_scale: float,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """One new token per request through s2attn's Triton decode kernel, over vLLM's pages.
 
@@ -209,34 +301,33 @@ def paged_decode_triton(
         query: (requests, heads, dim): each request's newest token, already written to the cache.
         kv_cache: vLLM's (num_blocks, kv_heads, page, 2 * dim) cache with ``page ==
             pattern.block_size``.
-        block_table: (requests, max_blocks) int, vLLM's block of each page.
-        seq_lens: (requests,) int, each request's length with the new token.
+        batch: the step's page table, lengths and split counters (:meth:`DecodeBuffers.fill`).
         pattern, softmax_scale: as :func:`paged_attention_torch`.
+        num_splits: the kernel's split count (default :func:`decode_splits`'s).
 
     Returns (requests, heads, dim) in query's dtype. Runs on a CUDA GPU, or on the CPU under
-    ``TRITON_INTERPRET=1``. The kernel reads, per (request, KV head), only the pages its decode
-    layout lists for the query's block.
+    ``TRITON_INTERPRET=1``; no host sync, so a CUDA graph can hold it. The kernel reads, per
+    (request, KV head), only the pages its decode layout lists for the query's block.
     """
-    from ..ops import dispatch  # imports Triton: only this path needs it
-
     key_cache, value_cache = split_kv_cache(kv_cache)
-    num_blocks, kv_heads, page, dim = key_cache.shape
+    kv_heads, page = key_cache.shape[1], key_cache.shape[2]
     if page != pattern.block_size:
         raise ValueError(
             f"the Triton decode path needs vLLM's page ({page} tokens) to equal the pattern's "
             f"block ({pattern.block_size})"
         )
+    requests = query.shape[0]
+    if num_splits is None:
+        num_splits = decode_splits(pattern, kv_heads, requests, query.device)
     # Pages keep their strides (2 * page * dim) in the flattened view.
-    k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
-    page_table = _page_table(block_table, kv_heads, -(-int(seq_lens.max()) // page))
-    layout = decode_layout(pattern, kv_heads, query.device)
-    out, _ = dispatch.decode(
-        query[:, None],
-        k_pages,
-        v_pages,
-        page_table,
-        seq_lens.to(torch.int32),
-        layout,
-        softmax_scale=softmax_scale,
+    plan = DecodePlan.build(
+        key_cache.flatten(0, 1),
+        value_cache.flatten(0, 1),
+        batch.page_table,
+        batch.seq_lens,
+        batch.split_counters,
+        pattern,
+        num_splits,
     )
+    out, _ = attend(query[:, None], plan, softmax_scale=softmax_scale)
     return out[:, 0]

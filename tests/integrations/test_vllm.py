@@ -151,6 +151,30 @@ def test_llm_generates_the_reference_tokens(checkpoint, block_size):
     assert got == want
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graphs_serve_the_reference_tokens(checkpoint):
+    """With torch.compile and CUDA graphs, the S2 layers' decode steps join vLLM's full graphs
+    (the mode stays FULL_AND_PIECEWISE instead of falling back to piecewise) and the tokens are
+    the reference's. Three prompts: the decode batch of 3 replays the graph captured for 4, over
+    a padding request."""
+    path, _ = checkpoint(32)
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    gen = torch.Generator().manual_seed(5)
+    prompt_ids = [*prompts(), torch.randint(2, 128, (61,), generator=gen).tolist()]
+    want = transformers_tokens(model, s2hf.REFERENCE_IMPLEMENTATION, prompt_ids)
+    llm = make_llm(
+        path,
+        block_size=32,
+        enforce_eager=False,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
+    )
+    mode = llm.llm_engine.engine_core.engine_core.vllm_config.compilation_config.cudagraph_mode
+    got = vllm_tokens(llm, prompt_ids=prompt_ids)
+    shutdown(llm)
+    assert mode.name == "FULL_AND_PIECEWISE"
+    assert got == want
+
+
 def test_pages_smaller_than_the_block(checkpoint):
     """Pages of 32 tokens under 64-token S2 blocks: each kept block spans two pages."""
     path, want = checkpoint(64)

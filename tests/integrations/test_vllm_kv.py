@@ -9,6 +9,8 @@ behind the local window die. Runs only where vLLM is installed (``make test-vllm
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -150,13 +152,25 @@ def test_peak_pages_bound_what_a_request_holds(striped):
     assert bound == counted_peak(mask, max_len, 64) < -(-max_len // BLOCK)
 
 
+def uninterrupted_tokens(path, prompt_ids, new_tokens):
+    llm = make_llm(path, block_size=BLOCK)
+    return vllm_tokens(llm, prompt_ids=prompt_ids, new_tokens=new_tokens)
+
+
 def test_preempted_requests_recompute_the_same_tokens(striped, monkeypatch):
     """A pool too small for three growing requests at once: vLLM preempts, frees the victims'
-    pages and recomputes them from their first token; every request's tokens are still the
-    reference's."""
-    path, model, _ = striped
+    pages and recomputes them from their first token; every request's tokens are those of the
+    same engine with a pool that preempts nothing.
+
+    Against the same engine, not transformers: on a GPU, request 0 meets a near tie at its 30th
+    token (top two log-probabilities 0.004 apart in vLLM, 0.002 the other way in transformers,
+    float32 both), which the two implementations' roundings split differently, preempted or
+    not."""
+    path, _, _ = striped
     gen = torch.Generator().manual_seed(2)
     prompt_ids = [torch.randint(2, 128, (40,), generator=gen).tolist() for _ in range(3)]
+    want = uninterrupted_tokens(path, prompt_ids, new_tokens=64)
+    gc.collect()  # the first engine gone before the second starts
     preempted = count_preemptions(monkeypatch)
     llm = make_llm(path, block_size=BLOCK, num_gpu_blocks_override=40)
     got = vllm_tokens(llm, prompt_ids=prompt_ids, new_tokens=64)
@@ -164,7 +178,6 @@ def test_preempted_requests_recompute_the_same_tokens(striped, monkeypatch):
     free_after, total = manager.block_pool.get_num_free_blocks(), manager.kv_cache_config.num_blocks
     shutdown(llm)
     assert preempted, "the pool was large enough: nothing was preempted"
-    want = transformers_tokens(model, s2hf.REFERENCE_IMPLEMENTATION, prompt_ids, new_tokens=64)
     assert got == want
     assert free_after == total - 1
 

@@ -14,6 +14,7 @@ from helpers import DEVICE, DTYPES, assert_close
 
 from s2attn import attention_reference, local_stride_pattern
 from s2attn.integrations.vllm_paged import (
+    DecodeBuffers,
     paged_attention_torch,
     paged_decode_triton,
     paged_prefill,
@@ -34,7 +35,8 @@ def make_cache(lengths, page, dtype, seed=0):
     num_blocks = len(lengths) * width + 8  # spare blocks that no request owns
     kv_cache = torch.full((num_blocks, KV_HEADS, page, 2 * DIM), float("nan"), dtype=dtype)
     kv_cache = kv_cache.to(DEVICE)
-    free = torch.randperm(num_blocks, generator=gen)
+    # Block 0 is vLLM's null block, which no request owns (padding writes land there).
+    free = torch.randperm(num_blocks - 1, generator=gen) + 1
     block_table = free[: len(lengths) * width].view(len(lengths), width).to(torch.int32)
     keys, values = [], []
     for r, n in enumerate(lengths):
@@ -109,19 +111,49 @@ def test_paged_paths_match_reference(path, dtype, page):
 @pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_over_vllm_pages_matches_reference(dtype):
+    """A batch padded as vLLM pads a CUDA graph's (requests of length 0 on the null block), filled
+    into buffers twice: the real requests match the reference, and the buffers keep their
+    addresses (a captured graph reads them)."""
     pattern = local_stride_pattern(
         HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
     )
     lengths = [300, 33, 161, 512]
     kv_cache, table, keys, values = make_cache(lengths, 32, dtype)
     assert poison_unread_pages(kv_cache, table, lengths, [1] * len(lengths), pattern) > 0
-    q = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([table, torch.zeros_like(table[:2])])
+    seq_lens = torch.tensor([*lengths, 0, 0], dtype=torch.int32, device=DEVICE)
+    buffers = DecodeBuffers(8, KV_HEADS, table.shape[1] + 3, torch.device(DEVICE))
+    addresses = (buffers.page_table.data_ptr(), buffers.seq_lens.data_ptr())
+    buffers.fill(padded.flip(0), seq_lens.flip(0))  # an earlier step's batch, other values
+    batch = buffers.fill(padded, seq_lens)
+    assert (buffers.page_table.data_ptr(), buffers.seq_lens.data_ptr()) == addresses
+    assert batch.seq_lens.tolist() == [*lengths, 1, 1]
+    q = torch.randn(len(lengths) + 2, HEADS, DIM, generator=torch.Generator().manual_seed(1))
     q = q.to(DEVICE, dtype)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     scale = 1 / math.sqrt(DIM)
-    got = paged_decode_triton(q, kv_cache, table, seq_lens, pattern, scale)
+    got = paged_decode_triton(q, kv_cache, batch, pattern, scale)[: len(lengths)]
     want = reference(q, keys, values, [1] * len(lengths), pattern, scale)
     assert_close(got, want.to(got.dtype), dtype, "Triton decode over vLLM pages")
+
+
+def test_decode_buffers_refuse_a_batch_past_their_size():
+    buffers = DecodeBuffers(2, KV_HEADS, 4, torch.device(DEVICE))
+    lengths = torch.ones(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="3 requests and 4 blocks each exceeds .* 2 x 4"):
+        buffers.fill(torch.zeros(3, 4, dtype=torch.int32, device=DEVICE), lengths)
+    with pytest.raises(ValueError, match="1 requests and 5 blocks each exceeds"):
+        buffers.fill(torch.zeros(1, 5, dtype=torch.int32, device=DEVICE), lengths[:1])
+
+
+def test_padding_slots_write_only_the_null_block():
+    """vLLM's -1 slots land in block 0, which no request owns; every other page is as written."""
+    kv_cache, table, keys, _ = make_cache([40, 70], 16, torch.float32)
+    before = kv_cache.clone()
+    k = torch.randn(3, KV_HEADS, DIM, device=DEVICE)
+    write_kv(k, k, kv_cache, torch.tensor([-1, -1, -1], device=DEVICE))
+    assert torch.equal(kv_cache[1:].nan_to_num(7.0), before[1:].nan_to_num(7.0))
+    # Which of the duplicate writes lands is unspecified on a GPU.
+    assert any(torch.equal(split_kv_cache(kv_cache)[0][0, :, 0], row) for row in k)
 
 
 def test_triton_decode_needs_page_equal_to_block():
@@ -131,8 +163,9 @@ def test_triton_decode_needs_page_equal_to_block():
     kv_cache, table, _, _ = make_cache([40], 16, torch.float32)
     q = torch.zeros(1, HEADS, DIM, device=DEVICE)
     seq_lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    batch = DecodeBuffers(1, KV_HEADS, table.shape[1], torch.device(DEVICE)).fill(table, seq_lens)
     with pytest.raises(ValueError, match="page .16 tokens. to equal the pattern's block .32."):
-        paged_decode_triton(q, kv_cache, table, seq_lens, pattern, 1.0)
+        paged_decode_triton(q, kv_cache, batch, pattern, 1.0)
 
 
 @pytest.mark.parametrize("path", [paged_attention_torch, paged_prefill], ids=["torch", "prefill"])
