@@ -68,13 +68,8 @@ from run_info import (
 )
 
 import s2attn
-from s2attn.distributed import (
-    _CallCommunication,
-    communication_bytes,
-    context_parallel_attention,
-    shard,
-    unshard,
-)
+from s2attn.distributed import communication_bytes, context_parallel_attention, shard, unshard
+from s2attn.distributed.context_parallel import CallCommunication
 from s2attn.reference import key_row_grads
 
 HEADERS = [
@@ -572,7 +567,7 @@ def main() -> int:
     # The call's communication, each part alone: the agreement check, the forward's K/V
     # exchange and the backward's return of their gradients. From this rank's own plan (cached
     # by the call above), as are its bytes: no rank builds the others' plans.
-    comm = _CallCommunication.of(ql.detach(), kl.detach(), vl.detach(), pattern)
+    comm = CallCommunication.of(ql.detach(), kl.detach(), vl.detach(), pattern)
     check_ms = timed_ms(comm.agreement_check, COMM_ITERS)
     exchange_ms = return_ms = None
     if comm.plan is not None:

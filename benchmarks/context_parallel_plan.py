@@ -33,7 +33,7 @@ from run_info import (
 )
 
 import s2attn
-from s2attn import distributed
+from s2attn.distributed.plan import receive_plan
 
 
 def main() -> None:
@@ -60,8 +60,8 @@ def main() -> None:
                 num_kv_heads=args.kv_heads,
             )
             t0, cpu0 = time.perf_counter(), time.process_time()
-            # The plan's local part, as the rank's first call builds it (_exchange_plan).
-            plan = distributed._receive_plan(pattern, seq, args.world, rank, args.kv_heads)
+            # The plan's local part, as the rank's first call builds it (exchange_plan).
+            plan = receive_plan(pattern, seq, args.world, rank, args.kv_heads)
             seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
             row = dict(
                 seq=seq,

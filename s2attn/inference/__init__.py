@@ -5,6 +5,8 @@
     page_pool.py      PagePool: the pages, their free list, holder counts and copy on write
     cache.py          PagedKVCache, what both kinds share (page table, lengths; append, gather,
                       crop, reset, reports)
+    cache_checks.py   the checks at a cache's boundary: its construction arguments, the new
+                      tokens it takes, the arguments of its edits
     dynamic_cache.py  DynamicKVCache: pages taken and freed as the pattern reads them, shared by
                       beams
     static_cache.py   StaticKVCache: every block's page fixed up front, for CUDA graphs and

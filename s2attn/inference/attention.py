@@ -28,7 +28,8 @@ from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern, shared_dense_pattern
 from ..precision import autocast_entry
 from . import step_graph
-from .cache import PagedKVCache, check_new_tokens
+from .cache import PagedKVCache
+from .cache_checks import check_new_tokens
 from .decode_step import MAX_DECODE_TOKENS, attend
 from .static_cache import StaticKVCache
 
@@ -57,9 +58,9 @@ def check_step_inputs(
 ) -> None:
     """Check q and the new k, v (or neither) against a cache of these pages, page table and
     pattern: every call over a cache, eager or compiled, checks its inputs here (k and v as the
-    cache's appends check them, :func:`~.cache.check_new_tokens`). The cache's facts come from
-    its tensors, not its attributes: a compiled graph guards on those tensors anyway. Whether
-    new tokens fit the cache is the cache's own check."""
+    cache's appends check them, :func:`~.cache_checks.check_new_tokens`). The cache's facts
+    come from its tensors, not its attributes: a compiled graph guards on those tensors anyway.
+    Whether new tokens fit the cache is the cache's own check."""
     dtype, device, head_dim = k_pages.dtype, k_pages.device, k_pages.shape[-1]
     batch, kv_heads = page_table.shape[0], page_table.shape[1]
     check_tensor("q", q)

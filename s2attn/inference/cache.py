@@ -35,43 +35,28 @@ from collections.abc import Sequence
 
 import torch
 
-from ..input_checks import check_cu_seqlens, check_int, check_tensor
+from ..input_checks import check_cu_seqlens, check_int
 from ..layout import DecodeLayout
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern
+from .cache_checks import (
+    cache_sizes,
+    check_gather_lengths,
+    check_keep_from,
+    check_new_tokens,
+    check_sequence_indices,
+    pool_device,
+)
 from .decode_plan import DecodePlan, split_count, step_layout
 from .decode_step import MAX_DECODE_TOKENS, write_pages
 from .eviction import EvictionSchedule
 from .page_pool import PagePool, upload
 
-__all__ = ["PagedKVCache", "check_new_tokens"]
+__all__ = ["PagedKVCache"]
 
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Appends of more (token, KV head) rows than this are prefills: they filter unstored rows.
 _FILTER_WRITES_ABOVE = 4096
-
-
-def _pool_device(device: torch.device | str | None) -> torch.device:
-    """The page pools' device: ``device``, or when None the current GPU if CUDA is available,
-    else the CPU. A pattern is host metadata and names no device, so it cannot decide."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must name a torch device, got {device!r}") from exc
-    if device.type == "cuda":
-        # Checked here: torch's own error comes at the first allocation, as an AssertionError.
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device={str(device)!r}, but CUDA is not available here: pass device='cpu', or "
-                "leave device out to get the GPU when there is one and the CPU otherwise"
-            )
-        if device.index is None:
-            # Tensors report cuda:N; compare like with like.
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _host_synced(method):
@@ -84,39 +69,6 @@ def _host_synced(method):
         return method(self, *args, **kwargs)
 
     return synced
-
-
-def check_new_tokens(
-    k: object,
-    v: object,
-    k_pages: torch.Tensor,
-    page_table: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-) -> None:
-    """Check new keys and values against a cache of these pages and page table: its dtype and
-    device, (batch, num_new, kv_heads, dim), or packed (total, kv_heads, dim) with
-    ``cu_seqlens``. The cache's facts come from its tensors, which a compiled graph guards on
-    anyway, not from its attributes."""
-    dtype, device = k_pages.dtype, k_pages.device
-    batch, tail = page_table.shape[0], (page_table.shape[1], k_pages.shape[-1])
-    for name, t in (("k", k), ("v", v)):
-        check_tensor(name, t)
-        if t.dtype != dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but the cache holds {dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v differ in shape: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if cu_seqlens is None:
-        if k.dim() != 4 or k.shape[0] != batch or tuple(k.shape[2:]) != tail:
-            raise ValueError(
-                f"k must be (batch={batch}, num_new, kv_heads={tail[0]}, dim={tail[1]}), got "
-                f"{tuple(k.shape)}; packed inputs need cu_seqlens"
-            )
-    elif k.dim() != 3 or tuple(k.shape[1:]) != tail:
-        raise ValueError(
-            f"packed k must be (total, kv_heads={tail[0]}, dim={tail[1]}), got {tuple(k.shape)}"
-        )
 
 
 class PagedKVCache:
@@ -177,63 +129,34 @@ class PagedKVCache:
                 "s2attn.paged_kv_cache(pattern, ..., static=False or True), or with the kind's "
                 "class (DynamicKVCache, StaticKVCache)"
             )
-        batch_size = check_int("batch_size", batch_size)
-        num_kv_heads = check_int("num_kv_heads", num_kv_heads)
-        head_dim = check_int("head_dim", head_dim)
-        if max_seq_len is not None:
-            max_seq_len = check_int("max_seq_len", max_seq_len)
-        if dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
-        if pattern is None:
-            if block_size is None or max_seq_len is None:
-                raise ValueError("a dense cache (pattern=None) needs block_size and max_seq_len")
-            block_size = check_int("block_size", block_size, 16)
-            if block_size & (block_size - 1):
-                raise ValueError(f"block_size must be a power of two, got {block_size}")
-        else:
-            if not isinstance(pattern, BlockPattern):
-                raise TypeError(
-                    f"pattern must be an s2attn.BlockPattern or None, got {type(pattern).__name__}"
-                )
-            if not pattern.causal:
-                raise ValueError("a KV cache needs a causal pattern, got causal=False")
-            if pattern.num_heads % num_kv_heads:
-                raise ValueError(
-                    f"the pattern's {pattern.num_heads} heads are not a multiple of "
-                    f"num_kv_heads ({num_kv_heads})"
-                )
-            if block_size is not None and block_size != pattern.block_size:
-                raise ValueError(
-                    f"block_size={block_size} differs from the pattern's {pattern.block_size}"
-                )
-            block_size = pattern.block_size
-            if max_seq_len is None:
-                max_seq_len = pattern.max_seq_len
-            elif max_seq_len > pattern.max_seq_len:
-                raise ValueError(
-                    f"max_seq_len={max_seq_len} exceeds the pattern's {pattern.max_seq_len}"
-                )
-        max_seq_len = check_int("max_seq_len", max_seq_len)
-
+        sizes = cache_sizes(
+            pattern,
+            batch_size=batch_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+        )
         self.pattern = pattern
-        self.batch_size = batch_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.batch_size = sizes.batch_size
+        self.num_kv_heads = sizes.num_kv_heads
+        self.head_dim = sizes.head_dim
         self.dtype = dtype
-        self.device = _pool_device(device)
-        self.block_size = block_size
-        self.max_seq_len = max_seq_len
-        self.max_blocks = nb = math.ceil(max_seq_len / block_size)
-        self.eviction = EvictionSchedule(pattern, num_kv_heads, nb)
+        self.device = pool_device(device)
+        self.block_size = sizes.block_size
+        self.max_seq_len = sizes.max_seq_len
+        self.max_blocks = nb = math.ceil(self.max_seq_len / self.block_size)
+        self.eviction = EvictionSchedule(pattern, self.num_kv_heads, nb)
         # The kind's class holds its pages its own way.
         self.pool = self._make_pool(num_pages)
         self.num_pages = self.pool.num_pages
         self._table = self._initial_table()
         self.page_table = self._table.to(self.device)
-        self.seq_lens = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
-        self._lengths = [0] * batch_size
+        self.seq_lens = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)
+        self._lengths = [0] * self.batch_size
         # Per sequence: the query block from which on its queries still read the cache.
-        self._keep_block = [0] * batch_size
+        self._keep_block = [0] * self.batch_size
         self._layout: DecodeLayout | None = None
         self._list_lengths: list[int] = []  # the layout's list_lengths, as host ints
         # Made here, not on first use, so that a compiled step only reads it.
@@ -552,21 +475,11 @@ class PagedKVCache:
         if keep_from is None:
             keep_from = old if max(counts) <= MAX_DECODE_TOKENS else new
         else:
-            self._check_keep_from(keep_from, new)
+            check_keep_from(keep_from, new)
         bs = self.block_size
         keep_block = [max(pos // bs, kb) for pos, kb in zip(keep_from, self._keep_block)]
         self._make_room(old, new, keep_block)
         return counts, new, keep_block
-
-    def _check_keep_from(self, keep_from: Sequence[int], new: list[int]) -> None:
-        if len(keep_from) != self.batch_size:
-            raise ValueError(f"keep_from needs one position per sequence, got {len(keep_from)}")
-        for b, pos in enumerate(keep_from):
-            if not isinstance(pos, int) or not 0 <= pos <= new[b]:
-                raise ValueError(
-                    f"keep_from[{b}] must be an integer in [0, {new[b]}] (the sequence's new "
-                    f"length), got {pos!r}"
-                )
 
     def default_num_pages(self) -> int:
         """The default pool: the most the pattern keeps at once for ``batch_size`` sequences of
@@ -655,13 +568,7 @@ class PagedKVCache:
         chunk) and for tests; it materialises what the cache avoids holding, so use it sparingly.
         """
         lengths = self.lengths if lengths is None else list(lengths)
-        if len(lengths) != self.batch_size or any(
-            not 0 <= n <= m for n, m in zip(lengths, self._lengths)
-        ):
-            raise ValueError(
-                f"lengths must give 0 <= n <= the held length per sequence "
-                f"({self._lengths}), got {lengths}"
-            )
+        check_gather_lengths(lengths, self._lengths)
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
         cu = cu.to(self.device)
         seq, pos = self._token_index(lengths, cu, start=[0] * self.batch_size)
@@ -718,21 +625,7 @@ class PagedKVCache:
         a shared page gets its own copy of it first, and pages no sequence holds any more are
         freed. Raises ``ValueError`` and changes nothing when an index is out of range.
         """
-        if isinstance(indices, torch.Tensor):
-            if indices.dim() != 1 or indices.dtype.is_floating_point or indices.is_complex():
-                raise ValueError(
-                    f"indices must be a 1-D integer tensor, got {indices.dtype} of shape "
-                    f"{tuple(indices.shape)}"
-                )
-            indices = indices.tolist()
-        indices = list(indices)
-        if not indices or any(
-            not isinstance(i, int) or not 0 <= i < self.batch_size for i in indices
-        ):
-            raise ValueError(
-                f"indices must be a non-empty list of sequences in [0, {self.batch_size}), "
-                f"got {indices}"
-            )
+        indices = check_sequence_indices(indices, self.batch_size)
         idx = torch.tensor(indices, dtype=torch.int64)
         self._select(idx)
 

@@ -176,16 +176,16 @@ def test_bad_input_raises_on_every_rank():
 
 
 def _lost_plan_body(rank, world, pattern):
-    from s2attn import distributed
+    from s2attn.distributed import plan
 
     q, k, v, _ = _inputs(1, 64, 2, 2, 16)
     ql, kl, vl = (shard(t) for t in (q, k, v))
     first = context_parallel_attention(ql, kl, vl, pattern)
     if rank == 0:  # e.g. its pattern was rebuilt: the others still hold theirs
-        distributed._PLANS.clear()
+        plan._PLANS.clear()
     again = context_parallel_attention(ql, kl, vl, pattern)
     assert torch.equal(first, again)
-    assert distributed._cached_exchange_plan(pattern, 64, world, rank, 2, ql.device) is not None
+    assert plan.cached_exchange_plan(pattern, 64, world, rank, 2, ql.device) is not None
 
 
 def test_a_rank_without_its_plan_rebuilds_it_with_the_others():
@@ -199,12 +199,12 @@ def test_a_rank_without_its_plan_rebuilds_it_with_the_others():
 
 
 def _communication_body(rank, world, pattern, shape):
-    from s2attn.distributed import _CallCommunication
+    from s2attn.distributed.context_parallel import CallCommunication
 
     q, k, v, _ = _inputs(*shape)
     ql, kl, vl = (shard(t) for t in (q, k, v))
     context_parallel_attention(ql, kl, vl, pattern)
-    comm = _CallCommunication.of(ql, kl, vl, pattern)
+    comm = CallCommunication.of(ql, kl, vl, pattern)
     batch, seq, _, kv_heads, dim = shape
     sizes = (pattern, batch, seq, kv_heads, dim, DTYPE, world)
     assert comm.bytes_received() == context_parallel_bytes(*sizes)[rank]

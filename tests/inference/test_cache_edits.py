@@ -347,6 +347,30 @@ def test_reordered_sequences_share_pages_and_copy_on_write():
     assert cache.live_pages == 0 and not cache.pool.holders().any()
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_bad_edit_arguments_name_the_argument_and_change_nothing(static):
+    """A gather's lengths, a reorder's indices and an append's keep_from are refused by name,
+    with the cache left as it was."""
+    torch.manual_seed(7)
+    pattern = s2_pattern()
+    req = Request(make_cache(pattern, 2, static=static), pattern)
+    req.prefill([40, 24])
+    cache = req.cache
+    before = state(cache)
+    for lengths in ([41, 24], [40], [-1, 0]):
+        with pytest.raises(ValueError, match=re.escape("lengths must give 0 <= n <= the held")):
+            cache.gather(lengths)
+    for indices in ([], [0, 2], [0, 1.0], torch.zeros(2, 1, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="indices must be"):
+            cache.select_sequences(indices)
+    k = torch.zeros(2, 1, KV_HEADS, DIM, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="keep_from needs one position per sequence"):
+        cache.append(k, k, keep_from=[41])
+    with pytest.raises(ValueError, match=re.escape("keep_from[1] must be an integer in [0, 25]")):
+        cache.append(k, k, keep_from=[41, 26])
+    assert_unchanged(cache, before)
+
+
 # ------------------------------------------------------------------------- static caches
 @pytest.mark.parametrize("kind", ["s2", "dense"])
 def test_static_cache_decodes_like_the_reference_and_never_changes_its_table(kind):
