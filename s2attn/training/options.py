@@ -376,9 +376,9 @@ def _as_field_type(f: dataclasses.Field, value):
     """``value`` as ``f`` holds it: a preset's int learning rate as a float, a list as a tuple."""
     if value is None:
         return None
-    if f.type == "float":
+    if str(f.type) in ("float", str(float)):
         return float(value)
-    if f.type.startswith("tuple"):
+    if str(f.type).startswith("tuple"):
         return tuple(value)
     return value
 
