@@ -111,7 +111,7 @@ def build_preset(variant: str, seq: int, args, device: str):
     """``variant`` of preset ``args.preset`` at ``seq`` tokens, float32 weights."""
     import transformers
 
-    from s2attn.models import presets
+    from s2attn.training import presets
 
     transformers.AttentionInterface.register(FLOOR_IMPLEMENTATION, floor_attention)
     transformers.AttentionInterface.register(S2_FLOOR_IMPLEMENTATION, s2_layers_floor)
@@ -247,7 +247,7 @@ def model_shape(args) -> dict:
 
 
 def preset_line(args) -> str:
-    from s2attn.models import presets
+    from s2attn.training import presets
 
     p = presets.PRESETS[args.preset]
     s2 = p.s2
@@ -371,7 +371,7 @@ def main() -> int:
             else ["dense-flash", "dense-cudnn", "hhst-V64", "hhst-V16", "floor"]
         )
     if args.preset:
-        from s2attn.models import presets
+        from s2attn.training import presets
 
         if args.preset not in presets.PRESETS:
             ap.error(f"--preset: choose one of {', '.join(presets.PRESETS)}")

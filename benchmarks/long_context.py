@@ -654,7 +654,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not o.gpus:
         ap.error("--gpus: at least one GPU")
 
-    from s2attn.models.presets import PRESETS
+    from s2attn.training.presets import PRESETS
 
     if o.preset not in PRESETS:
         ap.error(f"--preset: one of {', '.join(PRESETS)}")

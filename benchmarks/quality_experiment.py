@@ -85,7 +85,7 @@ def read_metrics(path: Path) -> list[dict]:
     """A run's rows under today's names (``val_bpb``, ``val_needle_acc``), also where an older
     version logged them under others."""
     # Imported here, as main() imports the models: the module loads without transformers.
-    from s2attn.models.train import read_metrics as read
+    from s2attn.training.metrics import read_metrics as read
 
     return read(path)
 
@@ -257,7 +257,7 @@ def main() -> int:
     ap.add_argument("--name", default="quality")
     args = ap.parse_args()
 
-    from s2attn.models.presets import PRESETS, model_config, model_summary
+    from s2attn.training.presets import PRESETS, model_config, model_summary
 
     preset = PRESETS[args.preset]
     args.train_len = args.train_len or preset.seq_len
@@ -396,7 +396,7 @@ def main() -> int:
         + (f"{args.short_steps} steps at {args.short_len} then " if args.short_len else "")
         + f"{args.steps} steps at {args.train_len} tokens",
     )
-    from s2attn.models.evaluate import plot_needle_heatmaps
+    from s2attn.training.evaluate import plot_needle_heatmaps
 
     plot_needle_heatmaps(
         {

@@ -1,5 +1,5 @@
 """The command line: ``s2attn demo`` (also ``python -m s2attn demo``), ``s2attn draw``, and the
-model commands ``s2attn train`` and ``s2attn eval`` (:mod:`s2attn.models`).
+model commands ``s2attn train`` and ``s2attn eval`` (:mod:`s2attn.training`).
 
 ``demo`` builds an HHST-like layer stack for a 32-head model, checks each S2 pattern (density,
 KV-efficiency, union completeness), runs the Triton kernel on one S2 layer and compares it with
@@ -234,8 +234,14 @@ def draw(args: argparse.Namespace) -> int:
 
 
 _MODEL_COMMANDS = {
-    "train": ("s2attn.models.train", "train an HHST (or dense, S2, local, homo) language model"),
-    "eval": ("s2attn.models.evaluate", "validation bits per byte and needle retrieval of a model"),
+    "train": (
+        "s2attn.training.train",
+        "train an HHST (or dense, S2, local, homo) language model",
+    ),
+    "eval": (
+        "s2attn.training.evaluate",
+        "validation bits per byte and needle retrieval of a model",
+    ),
 }
 
 
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from .models.dependencies import missing_required
+    from .training.dependencies import missing_required
 
     parser = argparse.ArgumentParser(
         prog="s2attn",

@@ -171,7 +171,7 @@ def tiny_llama_config(num_layers: int = 3, **overrides):
 def write_source_corpus(root, files: int = 16, functions: int = 30) -> None:
     """Source-like files under ``root/pkg`` that fall in both splits at val_fraction 0.3, for
     training tests that must not walk site-packages."""
-    from s2attn.models import data
+    from s2attn.training import data
 
     names = [f"pkg/mod_{i}.py" for i in range(files)]
     splits = {data.split_of(n, 0.3) for n in names}
@@ -223,7 +223,7 @@ def tiny_train_argv(batch_size: int) -> list[str]:
 def train_args(argv: list[str], out, root, *extra: str) -> argparse.Namespace:
     """``s2attn train``'s parsed arguments: ``argv``, the corpus at ``root``, the run in ``out``,
     then ``extra``."""
-    from s2attn.models import train
+    from s2attn.training import train
 
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)

@@ -208,7 +208,7 @@ def test_model_commands_name_the_extra_they_need(command, absent, tmp_path, monk
 def test_the_models_extra_holds_what_the_commands_check():
     import tomllib
 
-    from s2attn.models import dependencies
+    from s2attn.training import dependencies
 
     pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     extra = pyproject["project"]["optional-dependencies"][dependencies.INSTALL.split("[")[1][:-2]]

@@ -379,7 +379,7 @@ def test_transformers_model_compiles_whole(loaded, reference_ops, tmp_path):
     from transformers import LlamaForCausalLM
 
     from s2attn.integrations import transformers as s2hf
-    from s2attn.models import presets
+    from s2attn.training import presets
 
     model = presets.build_model(presets.model_config("tiny", "hhst", seq_len=128))
     if loaded:
@@ -410,7 +410,7 @@ def test_transformers_padded_batch_compiles_whole(reference_ops):
     """A left-padded batch (training, prefill without a cache): the padding mask goes to the
     attention as data, so the model still traces as one graph, and compiled logits and gradients
     equal eager ones."""
-    from s2attn.models import presets
+    from s2attn.training import presets
 
     model = presets.build_model(presets.model_config("tiny", "hhst", seq_len=128))
     gen = torch.Generator().manual_seed(4)

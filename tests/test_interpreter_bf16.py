@@ -184,7 +184,7 @@ def test_s2attn_train_in_bfloat16_learns(tmp_path):
     import argparse
     import json
 
-    from s2attn.models import train
+    from s2attn.training import train
 
     write_source_corpus(tmp_path / "corpus", files=8)
     parser = argparse.ArgumentParser()

@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 
 from s2attn import dense_pattern, local_stride_pattern
 from s2attn.integrations import transformers as s2hf
-from s2attn.models import presets
 from s2attn.stack import S2Settings
+from s2attn.training import presets
 
 
 def _same_pattern(got, want) -> None:

@@ -29,24 +29,25 @@ next to the estimate).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
 import os
 import random
-import shlex
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import scoring, tasks
-from .data import NeedleSample, SourceCorpus, TokenStream, make_needle_sample, needle_filler
+from .data import SourceCorpus, TokenStream, needle_filler
 from .dependencies import INSTALL, OPTIONAL, missing
-from .presets import check_weights_file, parameter_count
+from .model_dir import load_model, read_model_dir
+from .needles import NeedleSample, make_needle_sample
+from .presets import parameter_count
 from .scoring import _check_batch, _evaluating, _length_label, _sum_cross_entropy, needle_accuracy
 
 __all__ = [
@@ -395,135 +396,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@contextlib.contextmanager
-def _no_hf_progress_bars():
-    """transformers' own bars (loading the weights) off for the block."""
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
-def _run_record(model_dir: Path) -> dict:
-    """``run.json`` of ``model_dir`` flattened: its options (under ``options`` or ``args``) over
-    its top-level entries; empty when there is none."""
-    path = model_dir / "run.json"
-    if not path.is_file():
-        return {}
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not readable JSON: {exc}") from None
-    if not isinstance(record, dict):
-        return {}
-    flat = {k: v for k, v in record.items() if not isinstance(v, dict)}
-    for key in ("options", "args"):
-        if isinstance(record.get(key), dict):
-            flat.update(record[key])
-    return flat
-
-
-# Options that end a training process early: the command that finishes a run leaves them out.
-_STOP_OPTIONS = ("--stop-at", "--time-limit")
-
-
-def _unfinished_run(model_dir: Path, record: dict) -> str:
-    """What to say about a training run's directory that holds no model yet, and the command
-    that finishes it: the run's own, recorded in ``run.json``, with ``--resume``."""
-    started = record.get("command")
-    if isinstance(started, str) and started:
-        words = shlex.split(started)
-        kept: list[str] = []
-        skip = False
-        for word in words:
-            if skip:
-                skip = False
-            elif word in _STOP_OPTIONS:
-                skip = True
-            elif not word.startswith(tuple(f"{o}=" for o in _STOP_OPTIONS)):
-                kept.append(word)
-        command = shlex.join(kept + ([] if "--resume" in kept else ["--resume"]))
-    else:
-        command = (
-            f"python -m s2attn train --out {shlex.quote(str(model_dir))} --resume and the "
-            "options it started with (run.json's)"
-        )
-    checkpoints = ("checkpoint", "checkpoint.old")
-    if any((model_dir / name / "state.pt").is_file() for name in checkpoints):
-        return (
-            f"model_dir {str(model_dir)!r} is an interrupted `s2attn train` run: it holds a "
-            "checkpoint but no model yet (a run saves its model after its last step); finish "
-            f"it with `{command}`, then evaluate it"
-        )
-    return (
-        f"model_dir {str(model_dir)!r} is an `s2attn train` run that has saved no model and no "
-        "checkpoint: it is still starting, or stopped before its first checkpoint (then delete "
-        "it and train again)"
-    )
-
-
-def _context_limit(config) -> int:
-    """The longest input the model covers: its S2 patterns' length, else its RoPE table's."""
-    text = config.get_text_config(decoder=True)
-    settings = getattr(text, "s2attn", None)
-    limit = text.max_position_embeddings
-    if settings:
-        limit = min(limit, settings["max_seq_len"])
-    return limit
-
-
 def _positive(name: str, value: int, allow_zero: bool = False) -> None:
     if value < (0 if allow_zero else 1):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '>= 1'}, got {value}")
 
 
-def run(args: argparse.Namespace) -> int:
-    """``s2attn eval``: print bits per byte (and the needle grid), write ``--out``. Every
-    argument is checked, and the model's context limit read, before any model or data is
-    loaded."""
-    started = time.perf_counter()
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+@dataclass(frozen=True)
+class _Evaluation:
+    """What ``s2attn eval`` was asked for, checked, with ``run.json``'s values (else the
+    defaults) where the command line gives none."""
 
-    import s2attn
+    model_dir: Path
+    record: dict
+    config: object
+    limit: int
+    seq_len: int
+    seed: int
+    val_batches: int
+    val_fraction: float
+    roots: list | None
+    lengths: list[int]
+    depths: list[float] | None
+    device: str
+    batch_size: int
+    task_plan: tasks.TaskPlan
+    # Bytes the largest forward pass needs (an estimate).
+    memory_needed: int
 
+
+def _resolve(args: argparse.Namespace) -> _Evaluation:
+    """Check every argument, and read the model's config and context limit, before any model or
+    data is loaded; raises ``ValueError`` naming the argument at fault."""
     model_dir = Path(args.model_dir)
-    record = _run_record(model_dir)
-    if not (model_dir / "config.json").is_file():
-        if record:
-            raise ValueError(_unfinished_run(model_dir, record))
-        raise ValueError(
-            f"model_dir {str(model_dir)!r} holds no config.json: pass a directory "
-            "written by `s2attn train` or save_pretrained"
-        )
-    try:
-        config = LlamaConfig.from_pretrained(model_dir)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{model_dir / 'config.json'} is not a readable config: {exc}") from None
-    weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights and not any(model_dir.glob("*.bin")):
-        raise ValueError(
-            f"model_dir {str(model_dir)!r} holds a config.json but no weights (model.safetensors)"
-        )
-    for path in weights:
-        check_weights_file(path, "model_dir")
-    limit = _context_limit(config)
+    record, config, limit = read_model_dir(model_dir)
+
+    def recorded(value, key: str, default, kind=int):
+        return value if value is not None else kind(record.get(key, default))
 
     seq_len = args.seq_len or record.get("seq_len") or limit
-    seed = args.seed if args.seed is not None else int(record.get("seed", 0))
-    val_batches = (
-        args.val_batches if args.val_batches is not None else int(record.get("val_batches", 4))
-    )
-    val_fraction = (
-        args.val_fraction
-        if args.val_fraction is not None
-        else float(record.get("val_fraction", 0.05))
-    )
     roots = args.data_root or record.get("data_root") or record.get("data_roots") or None
     lengths = args.lengths or [seq_len]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -531,6 +441,8 @@ def run(args: argparse.Namespace) -> int:
     batch_size = args.batch_size or max(
         1, min(int(record.get("batch_size", 8)), _BATCH_TOKENS // longest)
     )
+    val_batches = recorded(args.val_batches, "val_batches", 4)
+    val_fraction = recorded(args.val_fraction, "val_fraction", 0.05, float)
     _positive("--batch-size", batch_size)
     _positive("--val-batches", val_batches, allow_zero=True)
     _positive("--samples", args.samples)
@@ -539,15 +451,7 @@ def run(args: argparse.Namespace) -> int:
             f"--seq-len {seq_len} exceeds the model's context limit of {limit} "
             "tokens (its S2 patterns' / position table's length)"
         )
-    if args.needle:
-        for n in lengths:
-            _check_length(n, "--lengths entries")
-            if n > limit:
-                raise ValueError(
-                    f"--lengths: {n} exceeds the model's context limit of {limit} tokens (its S2 "
-                    "patterns' / position table's length; train with a larger --max-seq-len)"
-                )
-        depths = _check_depths(args.depths)
+    depths = _check_needle_grid(lengths, args.depths, limit) if args.needle else None
     task_plan = tasks.plan(
         args.tasks, lengths, args.task_samples, limit=limit, roots=roots, val_fraction=val_fraction
     )
@@ -555,6 +459,40 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device is available")
     if args.out is not None and args.out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {str(args.out)!r}")
+    return _Evaluation(
+        model_dir=model_dir,
+        record=record,
+        config=config,
+        limit=limit,
+        seq_len=seq_len,
+        seed=recorded(args.seed, "seed", 0),
+        val_batches=val_batches,
+        val_fraction=val_fraction,
+        roots=roots,
+        lengths=lengths,
+        depths=depths,
+        device=device,
+        batch_size=batch_size,
+        task_plan=task_plan,
+        memory_needed=_check_memory(config, batch_size, longest, device),
+    )
+
+
+def _check_needle_grid(lengths: list[int], depths: Sequence[float], limit: int) -> list[float]:
+    """The grid's depths, checked, once every one of ``lengths`` is checked against ``limit``."""
+    for n in lengths:
+        _check_length(n, "--lengths entries")
+        if n > limit:
+            raise ValueError(
+                f"--lengths: {n} exceeds the model's context limit of {limit} tokens (its S2 "
+                "patterns' / position table's length; train with a larger --max-seq-len)"
+            )
+    return _check_depths(depths)
+
+
+def _check_memory(config, batch_size: int, longest: int, device: str) -> int:
+    """The bytes the largest forward pass needs; raises ``ValueError`` when the device has less
+    free."""
     # Weights as saved (float32 master weights, or bf16: 4 bytes bounds both); float32 weights
     # run under bf16 autocast on CUDA, as training ran, and in float32 on the CPU.
     needed = forward_memory(
@@ -567,6 +505,15 @@ def run(args: argparse.Namespace) -> int:
             f"{needed / 2**30:.2f} GiB on {device}, and {free / 2**30:.2f} GiB is free: lower "
             "--batch-size (1 reads one sequence a pass), --seq-len or --lengths"
         )
+    return needed
+
+
+def run(args: argparse.Namespace) -> int:
+    """``s2attn eval``: print bits per byte (and the needle grid), write ``--out``. Every
+    argument is checked, and the model's context limit read, before any model or data is
+    loaded."""
+    started = time.perf_counter()
+    ev = _resolve(args)
     draw_heatmap = args.needle and args.out is not None
     absent = missing(OPTIONAL) if draw_heatmap else []
     if absent:
@@ -576,94 +523,31 @@ def run(args: argparse.Namespace) -> int:
             f"no heat map next to it ({INSTALL})",
             file=sys.stderr,
         )
-    corpus = SourceCorpus(roots, split="val", val_fraction=val_fraction)
+    corpus = SourceCorpus(ev.roots, split="val", val_fraction=ev.val_fraction)
     # Bars in a log file are lines of carriage returns: only on a terminal.
     progress = not args.no_progress and sys.stderr.isatty()
-
-    with contextlib.nullcontext() if progress else _no_hf_progress_bars():
-        model = LlamaForCausalLM.from_pretrained(model_dir)
-    autocast_dtype = None
-    if device == "cpu":
-        model = model.float()
-    elif next(model.parameters()).dtype == torch.float32:
-        autocast_dtype = torch.bfloat16  # float32 master weights: evaluate as training ran
-    model.to(device)
-    if device == "cuda":
+    model, autocast_dtype = load_model(ev.model_dir, ev.device, progress)
+    if ev.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    title = " ".join(str(record[k]) for k in ("variant", "preset") if record.get(k))
-    title = title or model_dir.name
+    title = " ".join(str(ev.record[k]) for k in ("variant", "preset") if ev.record.get(k))
+    title = title or ev.model_dir.name
     print(
-        f"{title}: {model_dir} on {device}"
+        f"{title}: {ev.model_dir} on {ev.device}"
         f"{' (bf16 autocast)' if autocast_dtype else ''}; val corpus {corpus!r}"
     )
-
-    result: dict = {
-        "model_dir": str(model_dir),
-        "variant": record.get("variant"),
-        "preset": record.get("preset"),
-        "seed": seed,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "s2attn": s2attn.__version__,
-        },
-        "context_limit": limit,
-        "corpus": corpus.describe(),
-    }
-    if val_batches:
-        batches = validation_batches(corpus, seq_len, batch_size, val_batches, seed)
-        bpb = validation_bpb(model, batches, device=device, autocast_dtype=autocast_dtype)
-        tokens = sum(b[:, 1:].numel() for b in batches)
-        print(
-            f"validation: {bpb:.4f} bits per byte over {tokens} tokens "
-            f"({val_batches} x {batch_size} x {seq_len})"
-        )
-        result.update(val_bpb=bpb, val_seq_len=seq_len, val_tokens=tokens)
+    result = _result_header(ev, corpus)
+    scored = {"device": ev.device, "autocast_dtype": autocast_dtype, "batch_size": ev.batch_size}
+    if ev.val_batches:
+        result.update(_validation(model, corpus, ev, scored))
     if args.needle:
-        result.update(
-            samples_per_cell=args.samples,
-            lengths=lengths,
-            depths=depths,
-            accuracy=_needle_grid(
-                model,
-                corpus,
-                lengths,
-                depths,
-                args.samples,
-                seed,
-                device,
-                autocast_dtype,
-                batch_size,
-                progress,
-            ),
+        grid = _needle_grid(
+            model, corpus, ev.lengths, ev.depths, args.samples, ev.seed, progress, **scored
         )
-        _print_grid(result["accuracy"])
-    result.update(
-        task_plan.run(
-            model,
-            corpus,
-            seed=seed,
-            device=device,
-            autocast_dtype=autocast_dtype,
-            batch_size=batch_size,
-            progress=progress,
-        )
-    )
-    result.update(
-        batch_size=batch_size,
-        memory_estimate_gib=needed / 2**30,
-        wall_s=time.perf_counter() - started,
-    )
-    memory = f"estimated {needed / 2**30:.2f} GiB"
-    if device == "cuda":
-        result["max_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        memory = f"peak {result['max_mem_gib']:.2f} GiB, {memory}"
-    print(
-        f"eval time: {result['wall_s']:.1f} s ({batch_size} sequence(s) a forward pass; "
-        f"memory {memory})"
-    )
+        result.update(samples_per_cell=args.samples, lengths=ev.lengths, depths=ev.depths)
+        result["accuracy"] = grid
+        _print_grid(grid)
+    result.update(ev.task_plan.run(model, corpus, seed=ev.seed, progress=progress, **scored))
+    _report_cost(ev, result, started)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -674,6 +558,62 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _result_header(ev: _Evaluation, corpus: SourceCorpus) -> dict:
+    """The eval's JSON before any measurement: what was evaluated, where and with what."""
+    import transformers
+
+    import s2attn
+
+    return {
+        "model_dir": str(ev.model_dir),
+        "variant": ev.record.get("variant"),
+        "preset": ev.record.get("preset"),
+        "seed": ev.seed,
+        "device": torch.cuda.get_device_name() if ev.device == "cuda" else "cpu",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "s2attn": s2attn.__version__,
+        },
+        "context_limit": ev.limit,
+        "corpus": corpus.describe(),
+    }
+
+
+def _validation(model, corpus: SourceCorpus, ev: _Evaluation, scored: dict) -> dict:
+    """Validation bits per byte, printed, and its entries of the eval's JSON."""
+    batches = validation_batches(corpus, ev.seq_len, ev.batch_size, ev.val_batches, ev.seed)
+    bpb = validation_bpb(
+        model, batches, device=scored["device"], autocast_dtype=scored["autocast_dtype"]
+    )
+    tokens = sum(b[:, 1:].numel() for b in batches)
+    print(
+        f"validation: {bpb:.4f} bits per byte over {tokens} tokens "
+        f"({ev.val_batches} x {ev.batch_size} x {ev.seq_len})"
+    )
+    return {"val_bpb": bpb, "val_seq_len": ev.seq_len, "val_tokens": tokens}
+
+
+def _report_cost(ev: _Evaluation, result: dict, started: float) -> None:
+    """Add the batch size, the memory (estimated, and on CUDA the peak) and the wall time to
+    ``result``, and print them."""
+    needed = ev.memory_needed
+    result.update(
+        batch_size=ev.batch_size,
+        memory_estimate_gib=needed / 2**30,
+        wall_s=time.perf_counter() - started,
+    )
+    memory = f"estimated {needed / 2**30:.2f} GiB"
+    if ev.device == "cuda":
+        result["max_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        memory = f"peak {result['max_mem_gib']:.2f} GiB, {memory}"
+    print(
+        f"eval time: {result['wall_s']:.1f} s ({ev.batch_size} sequence(s) a forward pass; "
+        f"memory {memory})"
+    )
+
+
 def _needle_grid(
     model,
     corpus,
@@ -681,10 +621,11 @@ def _needle_grid(
     depths,
     samples,
     seed,
+    progress: bool,
+    *,
     device,
     autocast_dtype,
     batch_size,
-    progress: bool,
 ) -> dict[str, dict[str, float]]:
     from tqdm.auto import tqdm
 

@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..integrations import transformers as s2hf
 from ..stack import S2Settings
-from .data import VOCAB_SIZE
+from .vocab import VOCAB_SIZE
 
 __all__ = [
     "PRESETS",

@@ -19,20 +19,17 @@ assignments in chain order) and ends with a question and its answer:
 
 Keys are lowercase letters, values digits; ``KEY`` and ``VALUE`` never occur in the filler, so
 every item is found only where it was planted. A :class:`TaskSample` is a
-:class:`~s2attn.models.data.NeedleSample`, so :func:`~s2attn.models.scoring.needle_accuracy`
+:class:`~s2attn.training.needles.NeedleSample`, so :func:`~s2attn.training.scoring.needle_accuracy`
 scores every task alike: the whole answer, by greedy argmax under teacher forcing.
 :func:`task_samples` builds them deterministically from a seed over the validation text (sample
 ``i`` of every task has the filler of the needle grid's sample ``i``), :func:`task_accuracy`
-scores them with a Wilson score interval (:func:`wilson_interval`, 95%).
+scores them with a Wilson score interval
+(:func:`~s2attn.training.intervals.wilson_interval`, 95%).
 
-**Natural text**: :func:`position_bpb` is the bits per byte of each sequence in buckets of target
-position (:func:`position_edges`: the first 1k bytes predicted, then doubling ranges up to the
-length), over windows that begin at the start of long validation documents
-(:func:`long_documents`): far context there is the same file, so a model that ignores it predicts
-the late buckets no better than the early ones. Logits are made for at most
-``scoring._LOGIT_ROWS`` positions at a time, as for :func:`~s2attn.models.evaluate.validation_bpb`.
-The interval of a bucket's mean is a percentile bootstrap over sequences
-(:func:`bootstrap_interval`), since every sequence has the same tokens in a bucket.
+**Natural text** (``positions``): bits per byte by target position
+(:func:`~s2attn.training.positions.position_bpb`). The interval of a bucket's mean is a
+percentile bootstrap over sequences (:func:`~s2attn.training.intervals.bootstrap_interval`),
+since every sequence has the same tokens in a bucket.
 
 **The command**: ``s2attn eval --tasks multikey,multivalue,vartrack,aggregate,positions`` at each
 of ``--lengths`` (:func:`add_arguments`, :func:`plan`, :meth:`TaskPlan.run`) prints a table with
@@ -42,19 +39,26 @@ every cell's n and interval and writes them under ``"tasks"`` in the eval's JSON
 from __future__ import annotations
 
 import argparse
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from statistics import NormalDist
 from typing import ClassVar
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import scoring
-from .data import BOS, KEY, VALUE, NeedleSample, SourceCorpus, needle_filler
+from .data import SourceCorpus, needle_filler
+from .intervals import (
+    LEVEL,
+    MIN_SEQUENCES,
+    RESAMPLES,
+    _check_int,
+    bootstrap_interval,
+    wilson_interval,
+)
+from .needles import NeedleSample, plant
+from .positions import long_documents, position_bpb, position_edges, too_few_documents
+from .vocab import KEY, VALUE
 
 __all__ = [
     "TASKS",
@@ -66,27 +70,18 @@ __all__ = [
     "TaskSample",
     "VariableTracking",
     "add_arguments",
-    "bootstrap_interval",
-    "long_documents",
     "plan",
-    "position_bpb",
-    "position_edges",
     "task_accuracy",
     "task_samples",
-    "wilson_interval",
 ]
 
 _LETTERS = b"abcdefghijklmnopqrstuvwxyz"
 _DIGITS = b"0123456789"
-LEVEL = 0.95
-_RESAMPLES = 10_000
-# A bootstrap over one sequence has no spread to resample.
-_MIN_SEQUENCES = 2
 
 
 @dataclass
 class TaskSample(NeedleSample):
-    """A :class:`~s2attn.models.data.NeedleSample` of a synthetic task.
+    """A :class:`~s2attn.training.needles.NeedleSample` of a synthetic task.
 
     Attributes (besides ``tokens``, ``answer_start``, ``answer_len``; ``needle_start`` is the
     first of ``evidence_starts``):
@@ -97,11 +92,6 @@ class TaskSample(NeedleSample):
 
     task: str
     evidence_starts: list[int]
-
-
-def _check_int(name: str, value: object, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 def _words(rng: random.Random, count: int, length: int, alphabet: bytes, taken: set) -> list:
@@ -135,33 +125,6 @@ def _ids(*parts: int | bytes) -> torch.Tensor:
     for p in parts:
         out.extend(p if isinstance(p, bytes) else [p])
     return torch.tensor(out, dtype=torch.int64)
-
-
-def _context(
-    filler: torch.Tensor, filler_len: int, items: list[torch.Tensor], depths: list[float]
-) -> tuple[torch.Tensor, list[int]]:
-    """``BOS``, then the first ``filler_len`` filler tokens with item ``i`` inserted before filler
-    token ``round(depths[i] * filler_len)`` (items at one place keep their index order); and
-    where each item begins."""
-    filler = torch.as_tensor(filler).reshape(-1)
-    if filler.numel() < filler_len:
-        raise ValueError(f"filler must hold at least {filler_len} tokens, got {filler.numel()}")
-    filler = filler[:filler_len].to(torch.int64)
-    if filler_len and (int(filler.min()) < 0 or int(filler.max()) >= KEY):
-        raise ValueError(f"filler must hold token ids in [0, {KEY}) (no KEY/VALUE tokens)")
-    cuts = [round(d * filler_len) for d in depths]
-    pieces = [_ids(BOS)]
-    starts = [0] * len(items)
-    prev, at = 0, 1
-    for i in sorted(range(len(items)), key=cuts.__getitem__):
-        pieces.append(filler[prev : cuts[i]])
-        at += cuts[i] - prev
-        starts[i] = at
-        pieces.append(items[i])
-        at += len(items[i])
-        prev = cuts[i]
-    pieces.append(filler[prev:])
-    return torch.cat(pieces), starts
 
 
 @dataclass(frozen=True)
@@ -220,7 +183,7 @@ class Task:
         if not isinstance(rng, random.Random):
             raise TypeError(f"rng must be a random.Random, got {type(rng).__name__}")
         items, depths, evidence, question, answer = self._sample(rng)
-        context, starts = _context(filler, length - self.min_length(), items, depths)
+        context, starts = plant(filler, length - self.min_length(), items, depths)
         tokens = torch.cat([context, question, answer])
         evidence_starts = sorted(starts[i] for i in evidence)
         return TaskSample(
@@ -427,42 +390,6 @@ def task_samples(
     return out
 
 
-# ------------------------------------------------------------------------------ intervals
-def wilson_interval(correct: int, n: int, level: float = LEVEL) -> tuple[float, float]:
-    """The Wilson score interval of a proportion ``correct / n`` at ``level`` (two-sided)."""
-    _check_int("n", n, 1)
-    if isinstance(correct, bool) or not isinstance(correct, int) or not 0 <= correct <= n:
-        raise ValueError(f"correct must be an int in [0, n={n}], got {correct!r}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1), got {level!r}")
-    z = NormalDist().inv_cdf(0.5 + level / 2)
-    p, z2 = correct / n, z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def bootstrap_interval(
-    values: np.ndarray | torch.Tensor,
-    level: float = LEVEL,
-    resamples: int = _RESAMPLES,
-    seed: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile bootstrap interval of the mean over the rows of ``values`` (``(n, k)``: one row
-    per sequence, one column per quantity), at ``level``: ``resamples`` resamples of n rows with
-    replacement, from a generator seeded by ``seed``. Returns (low, high), each ``(k,)``."""
-    values = np.asarray(values, dtype=np.float64)
-    if values.ndim != 2 or values.shape[0] < _MIN_SEQUENCES:
-        raise ValueError(
-            f"values must be (n, k) with n >= {_MIN_SEQUENCES} rows, got shape {values.shape}"
-        )
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, values.shape[0], size=(resamples, values.shape[0]))
-    means = np.stack([values[:, j][picks].mean(axis=1) for j in range(values.shape[1])], axis=1)
-    tail = 100 * (1 - level) / 2
-    return np.percentile(means, tail, axis=0), np.percentile(means, 100 - tail, axis=0)
-
-
 def task_accuracy(
     model,
     samples: Sequence[NeedleSample],
@@ -472,7 +399,7 @@ def task_accuracy(
     batch_size: int = 8,
     level: float = LEVEL,
 ) -> dict:
-    """:func:`~s2attn.models.scoring.needle_accuracy` of ``samples``, with its count and
+    """:func:`~s2attn.training.scoring.needle_accuracy` of ``samples``, with its count and
     Wilson score interval: ``{"n", "correct", "accuracy", "ci": [low, high]}``."""
     accuracy = scoring.needle_accuracy(
         model, samples, device=device, autocast_dtype=autocast_dtype, batch_size=batch_size
@@ -484,121 +411,6 @@ def task_accuracy(
         "accuracy": accuracy,
         "ci": list(wilson_interval(correct, len(samples), level)),
     }
-
-
-# ------------------------------------------------------------------ bits per byte by position
-def position_edges(length: int) -> list[int]:
-    """Bucket boundaries for :func:`position_bpb` at ``length`` target positions: ``[0, first,
-    2 first, 4 first, ..., length]`` with ``first`` 1024, or the largest power of two within an
-    eighth of a shorter length. At 131072: 0, 1k, 2k, ..., 64k, 128k (8 buckets)."""
-    _check_int("length", length, 1)
-    first = min(1024, 2 ** max(0, math.floor(math.log2(max(1, length // 8)))))
-    edges = [0]
-    while first < length:
-        edges.append(first)
-        first *= 2
-    return [*edges, length]
-
-
-def long_documents(corpus: SourceCorpus, length: int, count: int, seed: int) -> torch.Tensor:
-    """``(k, length + 1)`` int64: ``BOS`` and the first ``length`` bytes of up to ``count``
-    documents of ``corpus`` that hold at least ``length`` bytes, picked in an order shuffled by
-    ``seed``; ``k`` is ``count`` or every such document there is. Raises ``ValueError`` when fewer
-    than two are readable."""
-    _check_int("length", length, 1)
-    _check_int("count", count, 1)
-    eligible = [i for i, size in enumerate(corpus.sizes) if size >= length]
-    random.Random(f"long-documents/{seed}").shuffle(eligible)
-    rows = []
-    for i in eligible:
-        try:
-            with open(corpus.path(i), "rb") as f:
-                data = f.read(length)
-        except OSError:
-            continue
-        if len(data) < length:  # shrunk since the corpus was listed
-            continue
-        row = torch.empty(length + 1, dtype=torch.int64)
-        row[0] = BOS
-        row[1:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        rows.append(row)
-        if len(rows) == count:
-            break
-    if len(rows) < _MIN_SEQUENCES:
-        raise ValueError(_too_few_documents(corpus, length, len(rows)))
-    return torch.stack(rows)
-
-
-def _too_few_documents(corpus: SourceCorpus, length: int, found: int) -> str:
-    return (
-        f"bits per byte by position at length {length} needs at least {_MIN_SEQUENCES} "
-        f"validation documents of {length} bytes or more, and {corpus!r} has {found} (the longest "
-        f"holds {max(corpus.sizes)} bytes): lower the length or add --data-root"
-    )
-
-
-def _token_cross_entropy(model, batch: torch.Tensor) -> torch.Tensor:
-    """``(b, n)`` float64 next-token cross-entropy (nats) of ``batch`` (``(b, n + 1)`` ids), each
-    computed in float32, with at most ``_LOGIT_ROWS`` positions' logits at a time where the model
-    allows it (see :func:`~s2attn.models.evaluate.validation_bpb`)."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    split = scoring._decoder_and_head(model)
-    if split is None:
-        logits = scoring._logits(model, inputs).float()
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        return loss.double().view(targets.shape)
-    decoder, head = split
-    hidden = scoring._hidden(decoder, inputs).flatten(0, 1)
-    flat = targets.flatten()
-    loss = torch.empty(flat.shape, dtype=torch.float64, device=hidden.device)
-    rows = scoring._LOGIT_ROWS
-    for first in range(0, hidden.shape[0], rows):
-        part = slice(first, first + rows)
-        loss[part] = F.cross_entropy(head(hidden[part]).float(), flat[part], reduction="none")
-    return loss.view(targets.shape)
-
-
-def position_bpb(
-    model,
-    sequences: torch.Tensor,
-    edges: Sequence[int],
-    *,
-    device: str | torch.device,
-    autocast_dtype: torch.dtype | None = None,
-    batch_size: int = 1,
-) -> torch.Tensor:
-    """Bits per byte of each sequence in each bucket of target positions.
-
-    Args:
-        model: as for :func:`~s2attn.models.evaluate.validation_bpb`, already on ``device``.
-        sequences: ``(count, n + 1)`` int64 ids; the model reads ``x[:, :-1]`` and predicts
-            ``x[:, 1:]``, whose entry ``t`` (its target position) follows ``t + 1`` tokens.
-        edges: increasing ints from 0 to ``n``: bucket ``b`` holds target positions
-            ``[edges[b], edges[b + 1])`` (:func:`position_edges` gives the default).
-        device, autocast_dtype: as for :func:`~s2attn.models.evaluate.validation_bpb`.
-        batch_size: sequences per forward pass.
-
-    Returns ``(count, len(edges) - 1)`` float64 CPU: the mean cross-entropy in bits of each
-    sequence's targets in each bucket.
-    """
-    scoring._check_batch(sequences, "sequences")
-    n = sequences.shape[1] - 1
-    edges = list(edges)
-    if (
-        len(edges) < 2
-        or edges[0] != 0
-        or edges[-1] != n
-        or any(not isinstance(e, int) or a >= e for a, e in zip(edges, edges[1:]))
-    ):
-        raise ValueError(f"edges must be increasing ints from 0 to {n} (the targets), got {edges}")
-    _check_int("batch_size", batch_size, 1)
-    out = []
-    with scoring._evaluating(model, device, autocast_dtype):
-        for first in range(0, sequences.shape[0], batch_size):
-            batch = sequences[first : first + batch_size].to(device=device, dtype=torch.int64)
-            loss = _token_cross_entropy(model, batch).cpu()
-            out.append(torch.stack([loss[:, a:b].mean(1) for a, b in zip(edges, edges[1:])], 1))
-    return torch.cat(out) / math.log(2)
 
 
 # ---------------------------------------------------------------------------- the command
@@ -658,7 +470,7 @@ class TaskPlan:
         result: dict = {
             "level": LEVEL,
             "accuracy_interval": "Wilson score",
-            "bpb_interval": f"percentile bootstrap over sequences ({_RESAMPLES} resamples)",
+            "bpb_interval": f"percentile bootstrap over sequences ({RESAMPLES} resamples)",
             "seed": seed,
         }
         cells = [(t, n) for t in self.tasks for n in self.lengths]
@@ -743,8 +555,8 @@ def plan(
         corpus = SourceCorpus(roots, split="val", val_fraction=val_fraction)
         for n in lengths:
             found = sum(size >= n for size in corpus.sizes)
-            if found < _MIN_SEQUENCES:
-                raise ValueError(f"--tasks positions: {_too_few_documents(corpus, n, found)}")
+            if found < MIN_SEQUENCES:
+                raise ValueError(f"--tasks positions: {too_few_documents(corpus, n, found)}")
     return TaskPlan(tasks, tuple(lengths), samples)
 
 

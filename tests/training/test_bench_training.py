@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from s2attn.integrations import transformers as s2hf
-from s2attn.models import presets
+from s2attn.training import presets
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -1,5 +1,5 @@
-"""What scoring a language model takes, shared by :mod:`s2attn.models.evaluate` (validation bits
-per byte, the needle grid, ``s2attn eval``) and :mod:`s2attn.models.tasks` (the long-context
+"""What scoring a language model takes, shared by :mod:`s2attn.training.evaluate` (validation bits
+per byte, the needle grid, ``s2attn eval``) and :mod:`s2attn.training.tasks` (the long-context
 tasks): eval mode under optional autocast, logits or greedy predictions at most ``_LOGIT_ROWS``
 positions at a time, and the exact-answer accuracy of retrieval samples
 (:func:`needle_accuracy`). A module of its own so that the tasks and the command that runs them
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from .data import NeedleSample
+from .needles import NeedleSample
 
 __all__ = ["needle_accuracy"]
 
@@ -123,7 +123,7 @@ def needle_accuracy(
 
     Args:
         model: as for :func:`validation_bpb`, already on ``device``.
-        samples: :class:`~s2attn.models.data.NeedleSample` s; samples of equal length share a
+        samples: :class:`~s2attn.training.needles.NeedleSample` s; samples of equal length share a
             batch, so any mix of lengths works.
         device, autocast_dtype: as for :func:`validation_bpb`.
         batch_size: samples per forward pass.

@@ -1,4 +1,4 @@
-"""Evaluation (s2attn.models.evaluate): bits per byte against a hand computation, needle accuracy
+"""Evaluation (s2attn.training.evaluate): bits per byte against a hand computation, needle accuracy
 on models that know or cannot know the answer, and the ``s2attn eval`` command end to end."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ pytest.importorskip("tqdm")
 
 from helpers import DEVICE, HANG_GUARD_S, assert_close
 
-from s2attn.models import evaluate, presets
-from s2attn.models.data import VOCAB_SIZE, SourceCorpus
+from s2attn.training import evaluate, presets
+from s2attn.training.data import SourceCorpus
+from s2attn.training.vocab import VOCAB_SIZE
 
 # Small enough that the grid cells of the CLI test cost little, long enough for a needle.
 LENGTH = 48

@@ -1,5 +1,5 @@
-"""Training (s2attn.models.train): a tiny model learns, a resumed run repeats the uninterrupted one
-exactly, the saved model loads back as S2, and bad input fails before anything is written."""
+"""Training (s2attn.training.train): a tiny model learns, a resumed run repeats the uninterrupted
+one exactly, the saved model loads back as S2, and bad input fails before anything is written."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from s2attn import cli
-from s2attn.models import data, presets, train
+from s2attn.training import data, metrics, presets, run_directory, run_plan, train, vocab
 
 SMALL = tiny_train_argv(batch_size=4)
 # Everything but time varies with the weights; time fields differ run to run.
@@ -92,7 +92,7 @@ def test_tiny_model_learns_and_logs(trained):
     # Uniform guessing over 260 tokens is ln 260 = 5.56 nats; this repetitive code falls well
     # below 4 within 30 steps.
     assert first > 4.5 and last < 0.75 * first
-    assert val[-1]["val_bpb"] < val[0]["val_bpb"] < math.log2(data.VOCAB_SIZE)
+    assert val[-1]["val_bpb"] < val[0]["val_bpb"] < math.log2(vocab.VOCAB_SIZE)
 
     record = json.loads((trained / "run.json").read_text())
     assert record["options"]["variant"] == "hhst" and record["options"]["seq_len"] == 64
@@ -116,7 +116,7 @@ def test_metrics_of_older_runs_read_under_todays_names(tmp_path):
         "elapsed_s": 4.0,
         "max_mem_gib": 1.5,
     }
-    new = train.metrics_row(old)
+    new = metrics.metrics_row(old)
     assert new == {
         "step": 10,
         "loss_nats": 2.5,
@@ -130,16 +130,16 @@ def test_metrics_of_older_runs_read_under_todays_names(tmp_path):
         "elapsed_s": 4.0,
         "max_mem_gib": 1.5,
     }
-    assert train.metrics_row(new) == new
+    assert metrics.metrics_row(new) == new
     # A run resumed by today's code after an older one logged part of it, killed mid-line.
     path = tmp_path / "metrics.jsonl"
     path.write_text(f'{json.dumps(old)}\n{json.dumps({**new, "step": 11})}\n{{"step": 12, "lo')
-    rows = train.read_metrics(tmp_path)
+    rows = metrics.read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [10, 11]
     assert all(r["val_bpb"] == 3.1 and r["loss_nats"] == 2.5 for r in rows)
     path.write_text(f'{{"step": 1\n{json.dumps(new)}\n')
     with pytest.raises(ValueError, match="line 1 is not JSON"):
-        train.read_metrics(path)
+        metrics.read_metrics(path)
 
 
 def test_schedule_warms_up_then_decays_to_a_tenth():
@@ -180,7 +180,7 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, corpus_root, monkeypatch
 
     # A crash at the start of step 4: the last checkpoint is step 2's, and the log already has
     # step 3's row, which the resumed run must replace rather than repeat.
-    real_stream = train._train_stream
+    real_stream = run_plan.train_stream
 
     def crashing_stream(options, corpus):
         stream = real_stream(options, corpus)
@@ -195,10 +195,10 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, corpus_root, monkeypatch
         return stream
 
     split = tmp_path / "split"
-    monkeypatch.setattr(train, "_train_stream", crashing_stream)
+    monkeypatch.setattr(run_plan, "train_stream", crashing_stream)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train.run(_args(split, corpus_root, *opts))
-    monkeypatch.setattr(train, "_train_stream", real_stream)
+    monkeypatch.setattr(run_plan, "train_stream", real_stream)
     assert [r["step"] for r in _rows(split)] == [1, 2, 3]
     assert train.run(_args(split, corpus_root, *opts, "--resume")) == 0
 
@@ -300,7 +300,7 @@ def test_the_model_is_saved_before_the_curves_are_drawn(tmp_path, corpus_root, m
         assert (out / "model.safetensors").is_file(), "the curves came before the model"
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(train, "_plot_curves", plot)
+    monkeypatch.setattr(train, "plot_curves", plot)
     with pytest.raises(RuntimeError, match="plotting failed"):
         train.run(_args(out, corpus_root, "--steps", "2"))
     assert (out / "model.safetensors").is_file()
@@ -312,7 +312,7 @@ def test_the_model_is_saved_before_the_curves_are_drawn(tmp_path, corpus_root, m
 _HELD_TRAIN = """
 import os, sys, time
 from s2attn.cli import main
-from s2attn.models import data
+from s2attn.training import data
 metrics, go, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 next_batch = data.TokenStream.next_batch_with_answers
 def rows():
@@ -395,30 +395,35 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_goes_on(tmp_path, corpus_root
 
 
 def _ctrl_c_in_stream(monkeypatch, at_row: int | None, times: int) -> None:
-    """Ctrl-C ``times`` times (os.kill runs the handler before it returns) when the training
-    stream is made (``at_row`` None) or asked for row ``at_row``."""
-    real_stream, made = train._train_stream, []
+    """Ctrl-C ``times`` times (os.kill runs the handler before it returns) when the model is
+    built, in the output directory, before the first step (``at_row`` None), or when the
+    training stream is asked for row ``at_row``."""
+    if at_row is None:
+        real_model = train._initial_model
+
+        def model_with_ctrl_c(plan, resuming):
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+            return real_model(plan, resuming)
+
+        monkeypatch.setattr(train, "_initial_model", model_with_ctrl_c)
+        return
+    real_stream = run_plan.train_stream
 
     def stream_with_ctrl_c(options, corpus):
         stream = real_stream(options, corpus)
-        made.append(stream)
-        # The first stream is _prepare's check; the second trains.
-        if len(made) == 2 and at_row is None:
-            for _ in range(times):
-                os.kill(os.getpid(), signal.SIGINT)
-        elif len(made) == 2:
-            batches = stream.next_batch_with_answers
+        batches = stream.next_batch_with_answers
 
-            def next_batch_with_answers():
-                if stream.rows == at_row:
-                    for _ in range(times):
-                        os.kill(os.getpid(), signal.SIGINT)
-                return batches()
+        def next_batch_with_answers():
+            if stream.rows == at_row:
+                for _ in range(times):
+                    os.kill(os.getpid(), signal.SIGINT)
+            return batches()
 
-            stream.next_batch_with_answers = next_batch_with_answers
+        stream.next_batch_with_answers = next_batch_with_answers
         return stream
 
-    monkeypatch.setattr(train, "_train_stream", stream_with_ctrl_c)
+    monkeypatch.setattr(run_plan, "train_stream", stream_with_ctrl_c)
 
 
 def test_ctrl_c_before_the_first_step_leaves_a_resumable_run(tmp_path, corpus_root, monkeypatch):
@@ -448,6 +453,31 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, corpus_root, monkeypatch, capsy
     assert [r["step"] for r in _rows(out)] == [1, 2, 3]
     assert train.run(_args(out, corpus_root, *opts, "--resume")) == 0
     assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_run_builds_its_stream_and_checks_its_directory_once(tmp_path, corpus_root, monkeypatch):
+    """The training stream that prepare checks is the one that trains, and the output
+    directory is checked once, under the lock; a resumed run alike."""
+    calls = {"stream": 0, "check": 0}
+
+    def counted(module, name, key):
+        real = getattr(module, name)
+
+        def call(*args):
+            calls[key] += 1
+            return real(*args)
+
+        monkeypatch.setattr(module, name, call)
+
+    counted(run_plan, "train_stream", "stream")
+    counted(run_directory, "_check_out_dir", "check")
+    out = tmp_path / "run"
+    opts = ["--variant", "dense", "--steps", "2", "--log-every", "1"]
+    assert train.run(_args(out, corpus_root, *opts, "--stop-at", "1")) == 0
+    assert calls == {"stream": 1, "check": 1}
+    assert train.run(_args(out, corpus_root, *opts, "--resume")) == 0
+    assert calls == {"stream": 2, "check": 2}
+    assert [r["step"] for r in _rows(out)] == [1, 2]
 
 
 def test_a_stale_lock_file_does_not_block(tmp_path, corpus_root):
@@ -696,7 +726,7 @@ def test_validation_data_follow_val_seed_not_seed(tmp_path, corpus_root):
     that their losses compare; another --val-seed reads other text."""
 
     def plan(*extra):
-        return train._prepare(_args(tmp_path / "run", corpus_root, "--val-needles", "4", *extra))
+        return run_plan.prepare(_args(tmp_path / "run", corpus_root, "--val-needles", "4", *extra))
 
     a, b, c = plan("--seed", "0"), plan("--seed", "5"), plan("--seed", "0", "--val-seed", "3")
     assert a.val_batches and len(a.val_batches) == len(b.val_batches)

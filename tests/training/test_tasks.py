@@ -1,4 +1,4 @@
-"""Long-context tasks (s2attn.models.tasks): each generator's samples decoded and their answers
+"""Long-context tasks (s2attn.training.tasks): each generator's samples decoded and their answers
 derived from the context alone, the scorer on models that know or guess the answer, the intervals
 against hand computations, bits per byte by position against a float64 computation, and ``s2attn
 eval --tasks`` end to end."""
@@ -20,8 +20,9 @@ pytest.importorskip("tqdm")
 
 from helpers import DEVICE, assert_close
 
-from s2attn.models import evaluate, presets, scoring, tasks
-from s2attn.models.data import BOS, KEY, VALUE, VOCAB_SIZE, SourceCorpus
+from s2attn.training import evaluate, intervals, positions, presets, scoring, tasks
+from s2attn.training.data import SourceCorpus
+from s2attn.training.vocab import BOS, KEY, VALUE, VOCAB_SIZE
 
 DIGITS = set(b"0123456789")
 
@@ -232,7 +233,7 @@ def test_scorer_gives_one_for_an_oracle_and_chance_for_a_guess(val_corpus, name)
 
     oracle = score(_Stub(samples))
     assert oracle["n"] == n and oracle["correct"] == n and oracle["accuracy"] == 1.0
-    assert oracle["ci"] == pytest.approx(list(tasks.wilson_interval(n, n)))
+    assert oracle["ci"] == pytest.approx(list(intervals.wilson_interval(n, n)))
     assert score(_Stub())["accuracy"] == 0.0  # random logits: chance is 260**-answer_len
 
     guess = score(_Stub(samples, answers=_guess_value(task), seed=1))
@@ -265,22 +266,22 @@ def test_multivalue_counts_only_every_value_in_order(val_corpus):
 def test_wilson_interval_matches_a_hand_computation():
     # 7 of 20 at 95%, z = 1.959964: centre (0.35 + z^2/40) / (1 + z^2/20) = 0.37417, half-width
     # z / (1 + z^2/20) * sqrt(0.35 * 0.65 / 20 + z^2/1600) = 0.19298.
-    low, high = tasks.wilson_interval(7, 20)
+    low, high = intervals.wilson_interval(7, 20)
     assert low == pytest.approx(0.18119, abs=2e-5) and high == pytest.approx(0.56715, abs=2e-5)
     # 0 of 10: [0, z^2 / (10 + z^2)] = [0, 0.27753]; 10 of 10 mirrors it.
-    assert tasks.wilson_interval(0, 10) == pytest.approx((0.0, 0.27753), abs=2e-5)
-    assert tasks.wilson_interval(10, 10) == pytest.approx((0.72247, 1.0), abs=2e-5)
+    assert intervals.wilson_interval(0, 10) == pytest.approx((0.0, 0.27753), abs=2e-5)
+    assert intervals.wilson_interval(10, 10) == pytest.approx((0.72247, 1.0), abs=2e-5)
     # 99%: z = 2.575829 widens it.
-    assert tasks.wilson_interval(7, 20, 0.99)[0] < low
+    assert intervals.wilson_interval(7, 20, 0.99)[0] < low
     for bad in ((21, 20), (-1, 20), (1, 0)):
         with pytest.raises(ValueError):
-            tasks.wilson_interval(*bad)
+            intervals.wilson_interval(*bad)
 
 
 def test_bootstrap_interval_covers_the_mean_with_the_normal_width():
     values = np.random.default_rng(0).normal(size=(400, 2)) * [1.0, 3.0] + [5.0, -1.0]
-    low, high = tasks.bootstrap_interval(values, seed=1)
-    again = tasks.bootstrap_interval(values, seed=1)
+    low, high = intervals.bootstrap_interval(values, seed=1)
+    again = intervals.bootstrap_interval(values, seed=1)
     assert np.array_equal(low, again[0]) and np.array_equal(high, again[1])
     mean, sem = values.mean(0), values.std(0, ddof=1) / math.sqrt(400)
     assert np.all(low < mean) and np.all(mean < high)
@@ -288,15 +289,15 @@ def test_bootstrap_interval_covers_the_mean_with_the_normal_width():
     print(f"bootstrap half-widths {half}, normal {1.96 * sem}")
     assert np.allclose(half, 1.96 * sem, rtol=0.1)
     with pytest.raises(ValueError, match="n >= 2"):
-        tasks.bootstrap_interval(values[:1])
+        intervals.bootstrap_interval(values[:1])
 
 
 # ------------------------------------------------------------------ bits per byte by position
 def test_position_edges():
-    assert tasks.position_edges(131072) == [0] + [1024 * 2**k for k in range(8)]
-    assert tasks.position_edges(32768) == [0, 1024, 2048, 4096, 8192, 16384, 32768]
-    assert tasks.position_edges(64) == [0, 8, 16, 32, 64]
-    assert tasks.position_edges(5) == [0, 1, 2, 4, 5]
+    assert positions.position_edges(131072) == [0] + [1024 * 2**k for k in range(8)]
+    assert positions.position_edges(32768) == [0, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert positions.position_edges(64) == [0, 8, 16, 32, 64]
+    assert positions.position_edges(5) == [0, 1, 2, 4, 5]
 
 
 class _Causal(torch.nn.Module):
@@ -332,7 +333,7 @@ def test_position_bpb_is_the_per_position_cross_entropy_by_bucket(model_kind, mo
         model = model.to(DEVICE)
         # Logits in chunks that split sequences and batches unevenly.
         monkeypatch.setattr(scoring, "_LOGIT_ROWS", 17)
-    got = tasks.position_bpb(model, sequences, edges, device=DEVICE, batch_size=2)
+    got = positions.position_bpb(model, sequences, edges, device=DEVICE, batch_size=2)
     with torch.no_grad():
         logits = model(sequences[:, :-1].to(DEVICE)).logits.cpu()
     expected = _bucket_means(logits, sequences, edges)
@@ -340,24 +341,24 @@ def test_position_bpb_is_the_per_position_cross_entropy_by_bucket(model_kind, mo
     assert_close(got, expected, torch.float32, f"bucket bits per byte ({model_kind})")
     for bad in ([0, 10, 10, 40], [1, 40], [0, 39], [0]):
         with pytest.raises(ValueError, match="edges must be increasing"):
-            tasks.position_bpb(model, sequences, bad, device=DEVICE)
+            positions.position_bpb(model, sequences, bad, device=DEVICE)
 
 
 def test_long_documents_start_at_a_document_and_are_refused_when_too_few(val_corpus):
     length = 1000
-    rows = tasks.long_documents(val_corpus, length, count=3, seed=4)
+    rows = positions.long_documents(val_corpus, length, count=3, seed=4)
     assert rows.shape == (3, length + 1) and torch.equal(
-        rows, tasks.long_documents(val_corpus, length, count=3, seed=4)
+        rows, positions.long_documents(val_corpus, length, count=3, seed=4)
     )
     files = {val_corpus.read(i)[:length] for i, s in enumerate(val_corpus.sizes) if s >= length}
     for row in rows:
         assert row[0] == BOS and bytes(row[1:].tolist()) in files
     assert len({bytes(r[1:].tolist()) for r in rows}) == 3
-    every = tasks.long_documents(val_corpus, length, count=1000, seed=4)
+    every = positions.long_documents(val_corpus, length, count=1000, seed=4)
     assert every.shape[0] == len(files)
     longest = max(val_corpus.sizes)
     with pytest.raises(ValueError, match=f"length {longest + 1} needs at least 2 .*{longest}"):
-        tasks.long_documents(val_corpus, longest + 1, count=5, seed=0)
+        positions.long_documents(val_corpus, longest + 1, count=5, seed=0)
 
 
 # ---------------------------------------------------------------------------- the command
@@ -400,11 +401,11 @@ def test_eval_command_runs_every_task_and_writes_them(tmp_path, corpus_root, cap
             cell = result[name][str(n)]
             assert cell["n"] == 3 and 0 <= cell["accuracy"] <= 1
             assert cell["correct"] == round(3 * cell["accuracy"])
-            assert cell["ci"] == pytest.approx(list(tasks.wilson_interval(cell["correct"], 3)))
+            assert cell["ci"] == pytest.approx(list(intervals.wilson_interval(cell["correct"], 3)))
             assert f"{name:<11} {n:>7} {3:>5}" in printed
     for n in lengths:
         cell = result["positions"][str(n)]
-        edges = tasks.position_edges(n)
+        edges = positions.position_edges(n)
         assert [(b["start"], b["end"]) for b in cell["buckets"]] == list(zip(edges, edges[1:]))
         per_sequence = np.array(cell["per_sequence"])
         assert per_sequence.shape == (cell["n"], len(edges) - 1) and cell["n"] >= 2

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from s2attn.models import data as D
+from s2attn.training import data as D
+from s2attn.training import needles, vocab
 
 
 def _write_corpus(root: Path, num_files: int = 40, seed: int = 0) -> dict[str, bytes]:
@@ -54,10 +55,10 @@ def _concat(batches: list[torch.Tensor]) -> list[int]:
 
 def _documents(tokens: list[int]) -> list[bytes]:
     """Split a BOS-separated stream into documents; the first starts with BOS."""
-    assert tokens[0] == D.BOS
+    assert tokens[0] == vocab.BOS
     docs, cur = [], []
     for t in tokens[1:]:
-        if t == D.BOS:
+        if t == vocab.BOS:
             docs.append(bytes(cur))
             cur = []
         else:
@@ -68,13 +69,16 @@ def _documents(tokens: list[int]) -> list[bytes]:
 
 def test_encode_decode_round_trip():
     text = "déf f(x):\n    return x  # 数\n"
-    ids = D.encode(text)
-    assert ids == list(text.encode("utf-8")) and max(ids) < D.NUM_BYTES
-    assert D.decode(ids) == text
-    assert D.decode([D.BOS, *D.encode("a"), D.KEY, D.VALUE, D.PAD]) == "<BOS>a<KEY><VALUE><PAD>"
-    assert D.decode(torch.tensor(D.encode(b"xy"))) == "xy"
+    ids = vocab.encode(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < vocab.NUM_BYTES
+    assert vocab.decode(ids) == text
+    assert (
+        vocab.decode([vocab.BOS, *vocab.encode("a"), vocab.KEY, vocab.VALUE, vocab.PAD])
+        == "<BOS>a<KEY><VALUE><PAD>"
+    )
+    assert vocab.decode(torch.tensor(vocab.encode(b"xy"))) == "xy"
     with pytest.raises(ValueError, match="ids"):
-        D.decode([D.VOCAB_SIZE])
+        vocab.decode([vocab.VOCAB_SIZE])
 
 
 def test_split_is_deterministic_disjoint_and_complete(corpus_root):
@@ -158,9 +162,9 @@ def test_stream_is_every_document_once_per_epoch(corpus_root):
     batches = [stream.next_batch() for _ in range(2 * total // (3 * 64) + 2)]
     for b in batches:
         assert b.shape == (3, 64) and b.dtype == torch.int64
-        assert int(b.min()) >= 0 and int(b.max()) <= D.BOS
+        assert int(b.min()) >= 0 and int(b.max()) <= vocab.BOS
     tokens = _concat(batches)
-    assert D.PAD not in tokens and D.KEY not in tokens
+    assert vocab.PAD not in tokens and vocab.KEY not in tokens
     docs = _documents(tokens)
     n = len(expected)
     assert sorted(docs[:n]) == sorted(expected.values())
@@ -197,7 +201,7 @@ def test_stream_seed_reaches_needle_rows(tmp_path):
 
     a = take(7)
     assert torch.equal(a, take(7)) and not torch.equal(a, take(8))
-    assert 0 < int((a == D.KEY).any(dim=1).sum()) < len(a)  # a mix of needle and text rows
+    assert 0 < int((a == vocab.KEY).any(dim=1).sum()) < len(a)  # a mix of needle and text rows
 
 
 @pytest.mark.parametrize("needle_fraction", [0.0, 0.5])
@@ -250,14 +254,14 @@ def test_stream_skips_file_gone_after_listing(corpus_root):
 
 def _filler(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, D.KEY, (n,), generator=g)
+    return torch.randint(0, vocab.KEY, (n,), generator=g)
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
 def test_needle_sample_layout(depth):
     key_len, value_len, length = 4, 6, 300
     filler = _filler(400)
-    s = D.make_needle_sample(filler, length, depth, random.Random(5), key_len, value_len)
+    s = needles.make_needle_sample(filler, length, depth, random.Random(5), key_len, value_len)
     needle_len = 2 + key_len + value_len
     filler_len = length - 1 - 2 * needle_len
     assert s.tokens.shape == (length,) and s.tokens.dtype == torch.int64
@@ -267,45 +271,45 @@ def test_needle_sample_layout(depth):
     t = s.tokens.tolist()
     p = s.needle_start
     # BOS, then the filler's first filler_len tokens with the needle spliced in at p.
-    assert t[0] == D.BOS and D.BOS not in filler.tolist()
+    assert t[0] == vocab.BOS and vocab.BOS not in filler.tolist()
     context = t[1:p] + t[p + needle_len : 1 + filler_len + needle_len]
     assert context == filler[:filler_len].tolist()
     needle = t[p : p + needle_len]
     question = t[1 + filler_len + needle_len :]
-    assert needle[0] == D.KEY and needle[1 + key_len] == D.VALUE
+    assert needle[0] == vocab.KEY and needle[1 + key_len] == vocab.VALUE
     assert question == needle  # the question repeats the key; the answer is the value
     key, value = needle[1 : 1 + key_len], needle[2 + key_len :]
     assert all(chr(c).islower() for c in key) and all(chr(c).isdigit() for c in value)
     assert t[s.answer_start : s.answer_start + s.answer_len] == value
-    assert t.count(D.KEY) == 2 and t.count(D.VALUE) == 2
+    assert t.count(vocab.KEY) == 2 and t.count(vocab.VALUE) == 2
 
 
 def test_needle_sample_errors():
     rng = random.Random(0)
     with pytest.raises(ValueError, match="length"):
-        D.make_needle_sample(_filler(100), 24, 0.5, rng)  # needs 1 + 2 * (2 + 4 + 6) = 25
-    D.make_needle_sample(_filler(100), 25, 0.5, rng)  # no filler at all is allowed
+        needles.make_needle_sample(_filler(100), 24, 0.5, rng)  # needs 1 + 2 * (2 + 4 + 6) = 25
+    needles.make_needle_sample(_filler(100), 25, 0.5, rng)  # no filler at all is allowed
     for depth in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match="depth"):
-            D.make_needle_sample(_filler(100), 60, depth, rng)
+            needles.make_needle_sample(_filler(100), 60, depth, rng)
     with pytest.raises(ValueError, match="filler"):
-        D.make_needle_sample(_filler(10), 60, 0.5, rng)
+        needles.make_needle_sample(_filler(10), 60, 0.5, rng)
     with pytest.raises(ValueError, match="filler"):
-        D.make_needle_sample(torch.full((60,), D.KEY), 60, 0.5, rng)
+        needles.make_needle_sample(torch.full((60,), vocab.KEY), 60, 0.5, rng)
 
 
 def test_multi_needle_answers_match_needles():
     n, key_len, value_len, length = 5, 3, 4, 500
     depths = [0.9, 0.1, 0.5, 0.5, 0.0]
-    s = D.make_multi_needle_sample(
+    s = needles.make_multi_needle_sample(
         _filler(600), length, depths, random.Random(2), key_len, value_len
     )
     t = s.tokens.tolist()
     assert len(t) == length and len(set(s.keys)) == n
-    assert t.count(D.KEY) == 2 * n
+    assert t.count(vocab.KEY) == 2 * n
     needle_len = 2 + key_len + value_len
     filler_len = length - 1 - 2 * n * needle_len
-    assert t[0] == D.BOS
+    assert t[0] == vocab.BOS
     # Planted in depth order; equal depths keep their index order.
     by_position = sorted(range(n), key=lambda i: s.needle_starts[i])
     assert by_position == sorted(range(n), key=lambda i: depths[i])
@@ -313,13 +317,13 @@ def test_multi_needle_answers_match_needles():
         start = s.needle_starts[i]
         planted_before = sum(s.needle_starts[j] < start for j in range(n))
         assert start - 1 - planted_before * needle_len == round(depths[i] * filler_len)
-        assert t[start : start + needle_len] == [D.KEY, *s.keys[i], D.VALUE, *s.values[i]]
+        assert t[start : start + needle_len] == [vocab.KEY, *s.keys[i], vocab.VALUE, *s.values[i]]
         answer = t[s.answer_starts[i] : s.answer_starts[i] + s.answer_len]
         assert answer == list(s.values[i])
         assert t[s.answer_starts[i] - 2 - key_len : s.answer_starts[i]] == [
-            D.KEY,
+            vocab.KEY,
             *s.keys[i],
-            D.VALUE,
+            vocab.VALUE,
         ]
         assert s.answer_starts[i] >= 1 + filler_len + n * needle_len
 
@@ -339,8 +343,8 @@ def test_stream_needle_rows_answer_their_keys(corpus_root):
         value_len=value_len,
     )
     for row in stream.next_batch().tolist():
-        assert row[0] == D.BOS
-        keys = [i for i, t in enumerate(row) if t == D.KEY]
+        assert row[0] == vocab.BOS
+        keys = [i for i, t in enumerate(row) if t == vocab.KEY]
         assert len(keys) == 2 * n
         spans = [tuple(row[i : i + 2 + key_len + value_len]) for i in keys]
         needles, questions = spans[:n], spans[n:]
@@ -363,7 +367,7 @@ def test_stream_edge_fraction_plants_needles_at_the_ends(corpus_root):
             needles_per_sample=1,
             edge_fraction=edge_fraction,
         )
-        return [row.index(D.KEY) for row in stream.next_batch().tolist()]
+        return [row.index(vocab.KEY) for row in stream.next_batch().tolist()]
 
     first, last = 1, 400 - 2 * needle_len  # right after the BOS; right before the question
     ends = needle_starts(1.0)
@@ -376,12 +380,12 @@ def test_needle_filler_is_deterministic(corpus_root):
     corpus = D.SourceCorpus([root], val_fraction=0.0)
     a = D.needle_filler(corpus, 500, seed=1)
     # The stream's leading BOS is dropped: the retrieval sample brings its own.
-    assert a.shape == (500,) and a[0] != D.BOS and int(a.max()) <= D.BOS
+    assert a.shape == (500,) and a[0] != vocab.BOS and int(a.max()) <= vocab.BOS
     assert torch.equal(a, D.needle_filler(corpus, 500, seed=1))
     assert not torch.equal(a, D.needle_filler(corpus, 500, seed=2))
-    s = D.make_needle_sample(a, 500, 0.0, random.Random(0))
-    assert s.tokens.shape == (500,) and s.tokens[0] == D.BOS and s.needle_start == 1
-    assert s.tokens.tolist().count(D.BOS) == a[: 500 - 1 - 2 * 12].tolist().count(D.BOS) + 1
+    s = needles.make_needle_sample(a, 500, 0.0, random.Random(0))
+    assert s.tokens.shape == (500,) and s.tokens[0] == vocab.BOS and s.needle_start == 1
+    assert s.tokens.tolist().count(vocab.BOS) == a[: 500 - 1 - 2 * 12].tolist().count(vocab.BOS) + 1
 
 
 def test_stream_rejects_bad_arguments(corpus_root):
@@ -409,7 +413,7 @@ def test_default_roots_list_and_stream():
     stream = D.TokenStream(train, seq_len=1023, batch_size=2, seed=0, needle_fraction=0.5)
     for _ in range(3):
         x = stream.next_batch()
-        assert x.shape == (2, 1024) and int(x.max()) < D.VOCAB_SIZE
+        assert x.shape == (2, 1024) and int(x.max()) < vocab.VOCAB_SIZE
 
 
 def test_installing_a_package_leaves_the_default_corpus_as_it_was(tmp_path, monkeypatch):
@@ -466,12 +470,12 @@ def test_stream_marks_exactly_the_answers(corpus_root):
     stream.load_state_dict(state)
     assert torch.equal(stream.next_batch(), tokens)  # the same batch either way
     for row, marked in zip(tokens.tolist(), answers.tolist()):
-        keys = [i for i, t in enumerate(row) if t == D.KEY]
+        keys = [i for i, t in enumerate(row) if t == vocab.KEY]
         if not keys:  # a plain text row: nothing to retrieve
             assert not any(marked)
             continue
-        assert row[0] == D.BOS
+        assert row[0] == vocab.BOS
         # The answers follow the questions' VALUE markers, the last n of the row.
-        values = [i for i, t in enumerate(row) if t == D.VALUE][n:]
+        values = [i for i, t in enumerate(row) if t == vocab.VALUE][n:]
         want = {i for v in values for i in range(v + 1, v + 1 + value_len)}
         assert {i for i, m in enumerate(marked) if m} == want

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from s2attn.integrations import transformers as s2hf
-from s2attn.models import data, evaluate, presets, scoring, train
+from s2attn.training import data, evaluate, presets, run_plan, scoring, train
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -113,8 +113,8 @@ def test_init_from_extends_across_variants_and_eval_loads_it(tmp_path, corpus_ro
         "--rope-factor",
         "2",
     ]
-    plan = train._prepare(_args(out, corpus_root, *extend))
-    model = train._initial_model(plan)
+    plan = run_plan.prepare(_args(out, corpus_root, *extend))
+    model = train._initial_model(plan, resuming=False)
     saved = load_file(str(base / "model.safetensors"))
     state = model.state_dict()
     assert set(saved) | {"lm_head.weight"} == set(state)
@@ -129,7 +129,7 @@ def test_init_from_extends_across_variants_and_eval_loads_it(tmp_path, corpus_ro
         "rope_scaling": "linear",
         "rope_factor": 2.0,
     }
-    again = train._prepare(
+    again = run_plan.prepare(
         _args(
             tmp_path / "next",
             corpus_root,
