@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import ClassVar
 
 import torch
@@ -44,6 +45,7 @@ import torch
 try:
     import vllm
     from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
+    from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.llama import (
         LlamaAttention,
@@ -76,11 +78,16 @@ from . import vllm_kv
 from .vllm_paged import (
     DecodeBuffers,
     PagedDecodeBatch,
+    StripeLayout,
     decode_splits,
+    kv_head_pages,
     paged_attention_torch,
     paged_decode_triton,
     paged_prefill,
+    stripe_layout,
+    stripe_pages,
     write_kv,
+    write_stripes,
 )
 
 __all__ = [
@@ -103,6 +110,11 @@ SUPPORTED_VLLM = ((0, 26), (0, 32))
 ARCHITECTURES = ("S2LlamaForCausalLM", "LlamaForCausalLM")
 # vLLM's enum member for out-of-tree backends (0.26 takes no new names; 0.32 would).
 BACKEND_NAME = "CUSTOM"
+# How S2 layers keep their KV pages in vLLM: "per-head" (the default where it applies: each KV
+# head keeps its own stripes, in a stripe group beside the window group) or "union" (one group
+# per layer, freeing the blocks no KV head reads). For comparisons; read when the model is built.
+KV_PAGES_ENV = "S2ATTN_VLLM_KV_PAGES"
+KV_PAGES = ("per-head", "union")
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -202,6 +214,21 @@ def _check_serving_config(vllm_config: VllmConfig, settings: dict) -> None:
         )
 
 
+def _stripe_layout(pattern: BlockPattern, num_kv_heads: int, settings: dict) -> StripeLayout | None:
+    """How the layer's KV heads keep their stripes apart, or None for the union over KV heads:
+    asked for by ``KV_PAGES_ENV``, with vLLM's hybrid KV cache manager on and vLLM's page equal
+    to the pattern's block (a stripe page holds one block of every KV head)."""
+    mode = os.environ.get(KV_PAGES_ENV, KV_PAGES[0])
+    if mode not in KV_PAGES:
+        raise ValueError(f"{KV_PAGES_ENV} must be one of {KV_PAGES}, got {mode!r}")
+    config = get_current_vllm_config()
+    if mode == "union" or config.scheduler_config.disable_hybrid_kv_cache_manager:
+        return None
+    if config.cache_config.block_size != pattern.block_size:
+        return None
+    return stripe_layout(pattern, num_kv_heads, settings["vert_stride"])
+
+
 # ------------------------------------------------------------------------------ model
 class S2LlamaAttention(LlamaAttention):
     """vLLM's Llama attention, on :class:`S2AttentionBackend` for the config's S2 layers.
@@ -238,6 +265,12 @@ class S2LlamaAttention(LlamaAttention):
                 f"{' and '.join(TESTED_VLLM)} do; s2attn's plugin cannot replace layer {name!r}"
             )
         del context[name]
+        settings = _s2_settings(config)
+        stripes = (
+            None
+            if _layer_pattern(config, layer_idx) is None
+            else _stripe_layout(pattern, self.num_kv_heads, settings)
+        )
         self.attn = S2Attention(
             self.num_heads,
             self.head_dim,
@@ -247,7 +280,23 @@ class S2LlamaAttention(LlamaAttention):
             prefix=name,
             attn_backend=S2AttentionBackend,
             s2_pattern=pattern,
+            stripes=stripes,
         )
+        if stripes is not None:
+            # The stripe group's layer: vLLM gives it a KV cache group (and block table) of its
+            # own; it computes nothing, the S2 layer reads and writes its pages.
+            self.attn_stripes = S2StripeAttention(
+                self.num_heads,
+                self.head_dim,
+                self.scaling,
+                num_kv_heads=self.num_kv_heads,
+                cache_config=cache_config,
+                prefix=f"{name}_stripes",
+                attn_backend=_stripe_backend(stripes.period),
+                s2_pattern=pattern,
+                stripes=stripes,
+            )
+            self.attn.impl.stripe_layer = self.attn_stripes.layer_name
 
 
 class S2Attention(Attention):
@@ -256,7 +305,22 @@ class S2Attention(Attention):
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
         spec = super().get_kv_cache_spec(vllm_config)
-        return vllm_kv.s2_kv_cache_spec(spec, self.impl.pattern, self.num_kv_heads, vllm_config)
+        impl = self.impl
+        return vllm_kv.s2_kv_cache_spec(
+            spec, impl.pattern, self.num_kv_heads, vllm_config, impl.stripes
+        )
+
+
+class S2StripeAttention(Attention):
+    """The stripe group of an S2 layer whose KV heads keep their stripes apart: a layer vLLM
+    gives pages (:class:`s2attn.integrations.vllm_kv.S2StripeSpec`) and never runs."""
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
+        spec = super().get_kv_cache_spec(vllm_config)
+        impl = self.impl
+        return vllm_kv.stripe_kv_cache_spec(
+            spec, impl.pattern, self.num_kv_heads, vllm_config, impl.stripes
+        )
 
 
 class S2LlamaForCausalLM(LlamaForCausalLM):
@@ -396,6 +460,7 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         s2_pattern: BlockPattern | None = None,
         sinks: torch.Tensor | None = None,
+        stripes: StripeLayout | None = None,
     ) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes,
@@ -423,6 +488,14 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         self.kv_sharing_target_layer_name = None
         self.attn_type = attn_type
         self.pattern = s2_pattern
+        # Each KV head's stripes in the stripe layer's group (named once that layer exists).
+        self.stripes = stripes
+        self.stripe_layer: str | None = None
+        if stripes is not None:
+            self._stripe_offsets = stripes.offsets_on(
+                get_current_vllm_config().device_config.device
+            )
+        self._shares_pages = False
         self._splits: dict[int, int] = {}
 
     def do_kv_cache_update(
@@ -434,6 +507,13 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         slot_mapping: torch.Tensor,
     ) -> None:
         write_kv(key, value, kv_cache, slot_mapping)
+        if self.stripes is not None:
+            stripe_slots = get_forward_context().slot_mapping.get(self.stripe_layer)
+            if stripe_slots is not None:
+                self._check_shared_pages(kv_cache)
+                write_stripes(
+                    key, value, kv_cache, stripe_slots, self.stripes.period, self._stripe_offsets
+                )
 
     def forward(
         self,
@@ -455,11 +535,14 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         tokens = m.num_actual_tokens
         out = output.view(-1, self.num_heads, self.head_size)[:tokens]
         if m.decode is not None:
+            batch = m.decode
+            if self.stripes is not None:
+                batch = dataclasses.replace(batch, page_table=self._page_table(m))
             out.copy_(
                 paged_decode_triton(
                     query[:tokens],
                     kv_cache,
-                    m.decode,
+                    batch,
                     self.pattern,
                     self.scale,
                     num_splits=self._decode_splits(tokens, query.device),
@@ -472,7 +555,7 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
                 step(
                     query[:tokens],
                     kv_cache,
-                    m.block_table,
+                    self._page_table(m),
                     m.query_start_loc_host,
                     m.seq_lens_host,
                     self.pattern,
@@ -480,6 +563,30 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
                 )
             )
         return output
+
+    def _page_table(self, m: S2AttentionMetadata) -> torch.Tensor:
+        """Per KV head, the flattened page of each block: the window group's, or for a head's own
+        stripe blocks the stripe group's (both groups' pages share the layer's tensor)."""
+        if self.stripes is None:
+            return kv_head_pages(m.block_table, self.num_kv_heads)
+        stripe_table = get_forward_context().attn_metadata[self.stripe_layer].block_table
+        return stripe_pages(m.block_table, stripe_table, self.stripes.period, self._stripe_offsets)
+
+    def _check_shared_pages(self, kv_cache: torch.Tensor) -> None:
+        # vLLM lays the groups' pages out in tensors shared by one layer of each group; the
+        # stripe specs mirror the window specs so that a layer and its stripe layer share one.
+        if self._shares_pages:
+            return
+        layer = get_forward_context().no_compile_layers[self.stripe_layer]
+        stripe_cache = layer.kv_cache
+        if isinstance(stripe_cache, (list, tuple)):
+            stripe_cache = stripe_cache[0]
+        if stripe_cache.data_ptr() != kv_cache.data_ptr():
+            raise RuntimeError(
+                f"vLLM {vllm.__version__} placed the stripe pages of {self.stripe_layer!r} in "
+                f"another tensor than its layer's: serve with {KV_PAGES_ENV}=union"
+            )
+        self._shares_pages = True
 
     def _decode_splits(self, requests: int, device: torch.device) -> int:
         # Per batch size: a piecewise step runs this eagerly in every S2 layer.
@@ -530,3 +637,76 @@ class S2AttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[S2AttentionMetadataBuilder]:
         return S2AttentionMetadataBuilder
+
+
+# ------------------------------------------------------------------------- the stripe layers
+@dataclasses.dataclass
+class S2StripeMetadata:
+    """A step's view of a stripe group: its block table, which the S2 layer reads."""
+
+    block_table: torch.Tensor  # (requests, periods) int32
+
+
+class S2StripeMetadataBuilder(AttentionMetadataBuilder[S2StripeMetadata]):
+    # Views of vLLM's persistent tables only: any CUDA graph may hold them.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> S2StripeMetadata:
+        m = common_attn_metadata
+        return S2StripeMetadata(block_table=m.block_table_tensor[: m.num_reqs])
+
+
+class S2StripeImpl(AttentionImpl[S2StripeMetadata]):
+    """A stripe layer computes nothing: its S2 layer writes and reads its pages."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, *args, **kwargs) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.pattern = kwargs.get("s2_pattern")
+        self.stripes = kwargs.get("stripes")
+        self.kv_cache_dtype = kwargs.get("kv_cache_dtype", "auto")
+        self.kv_sharing_target_layer_name = None
+        self.attn_type = AttentionType.DECODER
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a stripe layer is never run: its S2 layer reads its pages")
+
+
+class S2StripeBackend(S2AttentionBackend):
+    """The stripe layers' backend: a page spans ``period`` pattern blocks of tokens and holds one
+    block of every KV head, in the S2 layers' head-major layout."""
+
+    period: ClassVar[int] = 1
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size // cls.period, 2 * head_size)
+
+    @staticmethod
+    def get_impl_cls() -> type[S2StripeImpl]:
+        return S2StripeImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[S2StripeMetadataBuilder]:
+        return S2StripeMetadataBuilder
+
+
+@functools.cache
+def _stripe_backend(period: int) -> type[S2StripeBackend]:
+    return type(f"S2StripeBackend{period}", (S2StripeBackend,), {"period": period})

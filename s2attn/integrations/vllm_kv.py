@@ -34,25 +34,34 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Self
 
+import torch
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from ..inference.eviction import EvictionSchedule
 from ..pattern import BlockPattern
+from .vllm_paged import StripeLayout, window_last_read
 
 __all__ = [
     "S2AttentionManager",
     "S2AttentionSpec",
+    "S2StripeManager",
+    "S2StripeSpec",
     "dead_from",
     "peak_pages_per_request",
     "register",
     "s2_kv_cache_spec",
+    "stripe_kv_cache_spec",
 ]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def dead_from(last_read: Sequence[int]) -> list[int]:
@@ -144,7 +153,40 @@ class S2AttentionSpec(AttentionSpec):
         return dataclasses.replace(first, last_read=last_read)
 
 
-class S2AttentionManager(SingleTypeKVCacheManager):
+class _NoPrefixCache:
+    """A manager that never serves or records prefix-cache hits: a page an S2 group frees (or a
+    stripe page that holds only some positions) must never come back as another request's hit."""
+
+    def cache_blocks(
+        self,
+        request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int] = (),  # vLLM 0.32's
+    ) -> None:
+        return None
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        return 0
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ):
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+
+class S2AttentionManager(_NoPrefixCache, SingleTypeKVCacheManager):
     """Frees, before each allocation, the pages of the pattern blocks no query still to come reads
     (:class:`S2AttentionSpec`); never serves or records prefix-cache hits."""
 
@@ -196,34 +238,81 @@ class S2AttentionManager(SingleTypeKVCacheManager):
         self._freed_through.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
-    def cache_blocks(
-        self,
-        request,
-        num_tokens: int,
-        retention_interval: int | None = None,
-        *,
-        replay_boundaries: Sequence[int] = (),  # vLLM 0.32's
-    ) -> None:
-        # No hashes: a page freed mid-sequence must never come back as another request's hit.
-        return None
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        return 0
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class S2StripeSpec(AttentionSpec):
+    """The stripes of S2 layers whose KV heads each keep their own: one page per stripe period
+    (``block_size`` = ``period`` pattern blocks of tokens) holding, per KV head, the one block of
+    the period that the head keeps (the block whose index is the head's offset modulo the
+    period). A page of this group has the bytes of one pattern block of every KV head, as the
+    window group's pages do (vLLM pools pages of one size).
+
+    Fields beyond vLLM's: ``pattern_block_size``, ``period`` (in pattern blocks),
+    ``window_last_read`` (the partner window spec's, so that vLLM groups and pairs these specs
+    as it does their layers'), ``max_model_len`` and ``max_in_flight_tokens``.
+    """
+
+    pattern_block_size: int
+    period: int
+    window_last_read: tuple[int, ...]
+    max_model_len: int
+    max_in_flight_tokens: int
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return (
+            2
+            * self.pattern_block_size
+            * self.num_kv_heads
+            * self.head_size
+            * _dtype_bytes(self.dtype)
+        )
+
+    @property
+    def unpadded_page_size_bytes(self) -> int:
+        return self.real_page_size_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.real_page_size_bytes
+
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int
+    ) -> int:
+        # Stripes are read to the end: a request holds a page of every period it has reached.
+        return _cdiv(max_model_len, self.block_size)
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        pages = self.max_admission_blocks_per_request(
+            vllm_config.max_in_flight_tokens, vllm_config.model_config.max_model_len
+        )
+        return pages * self.page_size_bytes
 
     @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes,
-        max_length: int,
-        kv_cache_group_ids: list[int],
-        block_pool,
-        kv_cache_spec: KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-    ):
-        return tuple([] for _ in kv_cache_group_ids), 0
+    def merge(cls, specs: list[Self]) -> Self:
+        first = specs[0]
+        for spec in specs[1:]:
+            if spec != first:
+                raise AssertionError(f"stripe specs of one group differ: {spec} and {first}")
+        return first
+
+
+class S2StripeManager(_NoPrefixCache, SingleTypeKVCacheManager):
+    """A stripe group's pages: one per period reached, kept until the request ends."""
+
+    def __init__(self, kv_cache_spec: S2StripeSpec, **kwargs) -> None:
+        kwargs["max_admission_blocks_per_request"] = kv_cache_spec.max_admission_blocks_per_request(
+            kv_cache_spec.max_in_flight_tokens, kv_cache_spec.max_model_len
+        )
+        super().__init__(kv_cache_spec, **kwargs)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        return None
 
 
 def register() -> None:
@@ -233,14 +322,21 @@ def register() -> None:
     the lookup here makes it do so before the S2 type enters. Safe to call again."""
     KVCacheSpecRegistry.check_kv_cache_spec_registry({})
     KVCacheSpecRegistry.register(S2AttentionSpec, S2AttentionManager)
+    KVCacheSpecRegistry.register(S2StripeSpec, S2StripeManager)
 
 
 def s2_kv_cache_spec(
-    spec: KVCacheSpec | None, pattern: BlockPattern, num_kv_heads: int, vllm_config
+    spec: KVCacheSpec | None,
+    pattern: BlockPattern,
+    num_kv_heads: int,
+    vllm_config,
+    stripes: StripeLayout | None = None,
 ) -> KVCacheSpec | None:
     """An S2 layer's spec: ``spec`` (vLLM's full-attention spec for the layer) as an
     :class:`S2AttentionSpec` when the pattern frees blocks, else ``spec`` unchanged (a dense
-    pattern; or vLLM's hybrid KV cache manager turned off, which serves one spec type only)."""
+    pattern; or vLLM's hybrid KV cache manager turned off, which serves one spec type only).
+    With ``stripes``, the window group's: each KV head's stripe blocks are read from the layer's
+    stripe group (:func:`stripe_kv_cache_spec`)."""
     if type(spec) is not FullAttentionSpec:
         return spec
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
@@ -249,11 +345,37 @@ def s2_kv_cache_spec(
     if not schedule.evicts:
         return spec
     register()
-    base = {f.name: getattr(spec, f.name) for f in dataclasses.fields(AttentionSpec) if f.init}
     return S2AttentionSpec(
-        **base,
+        **_attention_fields(spec),
         pattern_block_size=pattern.block_size,
-        last_read=tuple(schedule.last_use.max(dim=0).values.tolist()),
+        last_read=window_last_read(pattern, num_kv_heads, stripes),
         max_model_len=vllm_config.model_config.max_model_len,
         max_in_flight_tokens=vllm_config.max_in_flight_tokens,
     )
+
+
+def stripe_kv_cache_spec(
+    spec: FullAttentionSpec,
+    pattern: BlockPattern,
+    num_kv_heads: int,
+    vllm_config,
+    stripes: StripeLayout,
+) -> S2StripeSpec:
+    """The stripe group's spec of an S2 layer whose window spec ``s2_kv_cache_spec(spec,
+    pattern, num_kv_heads, vllm_config, stripes)`` gives."""
+    register()
+    fields = {**_attention_fields(spec), "block_size": stripes.period * pattern.block_size}
+    if "tokens_per_state" in fields:  # vLLM 0.32 lays a page out by its states: a block a head
+        fields["tokens_per_state"] = stripes.period
+    return S2StripeSpec(
+        **fields,
+        pattern_block_size=pattern.block_size,
+        period=stripes.period,
+        window_last_read=window_last_read(pattern, num_kv_heads, stripes),
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+    )
+
+
+def _attention_fields(spec: KVCacheSpec) -> dict:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(AttentionSpec) if f.init}

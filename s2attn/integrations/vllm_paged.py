@@ -30,6 +30,7 @@ import torch
 from ..attention import sparse_attention
 from ..inference.decode_plan import DecodePlan, split_count
 from ..inference.decode_step import attend
+from ..inference.eviction import EvictionSchedule
 from ..layout import decode_layout, group_block_mask
 from ..ops.cpu import paged_attention as paged_attention_reference
 from ..pattern import BlockPattern
@@ -37,13 +38,61 @@ from ..pattern import BlockPattern
 __all__ = [
     "DecodeBuffers",
     "PagedDecodeBatch",
+    "StripeLayout",
     "decode_splits",
+    "kv_head_pages",
     "paged_attention_torch",
     "paged_decode_triton",
     "paged_prefill",
     "split_kv_cache",
+    "stripe_layout",
+    "stripe_pages",
+    "window_last_read",
     "write_kv",
+    "write_stripes",
 ]
+
+
+@dataclass(frozen=True)
+class StripeLayout:
+    """Per KV head, the block of each stripe period that the layer's stripe group keeps for it.
+
+    ``period`` is in pattern blocks; KV head ``h`` keeps block ``j`` in the stripe group when
+    ``j % period == offsets[h]``, and reads every other block from the window group."""
+
+    period: int
+    offsets: tuple[int, ...]
+
+    def offsets_on(self, device) -> torch.Tensor:
+        """``offsets`` as an int64 tensor on ``device``: made before a CUDA graph is captured,
+        since the copy from the host cannot be captured."""
+        return torch.tensor(self.offsets, dtype=torch.int64, device=device)
+
+
+def stripe_layout(pattern: BlockPattern, num_kv_heads: int, period: int) -> StripeLayout | None:
+    """Each KV head's offset: the residue modulo ``period`` of most of the blocks it reads to
+    the pattern's end (its stripe). None when the pattern frees nothing or spans under two
+    periods (the union over KV heads then costs as little)."""
+    if period < 2 or pattern.num_kv_blocks < 2 * period:
+        return None
+    schedule = EvictionSchedule(pattern, num_kv_heads, pattern.num_kv_blocks)
+    if not schedule.evicts:
+        return None
+    read_to_end = schedule.last_use >= pattern.num_q_blocks - 1
+    offsets = tuple(
+        int(max(range(period), key=lambda r: int(row[r::period].sum()))) for row in read_to_end
+    )
+    return StripeLayout(period, offsets)
+
+
+def window_last_read(pattern: BlockPattern, num_kv_heads: int, stripes: StripeLayout | None):
+    """Per pattern block, the last query block that reads it from the window group: any KV
+    head's read (the union), less each head's stripe blocks when ``stripes`` keeps them apart."""
+    last = EvictionSchedule(pattern, num_kv_heads, pattern.num_kv_blocks).last_use.clone()
+    if stripes is not None:
+        for head, offset in enumerate(stripes.offsets):
+            last[head, offset :: stripes.period] = -1
+    return tuple(last.max(dim=0).values.tolist())
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +130,7 @@ def write_kv(
 def paged_attention_torch(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     query_start_loc: list[int],
     seq_lens: list[int],
     pattern: BlockPattern,
@@ -92,7 +141,9 @@ def paged_attention_torch(
     Args:
         query: (tokens, heads, dim), the requests' new tokens packed in order.
         kv_cache: vLLM's (num_blocks, kv_heads, page, 2 * dim) cache, the new tokens already in it.
-        block_table: (requests, max_blocks) vLLM block of each page of each request.
+        page_table: int32 (requests, kv_heads, max_pages), per KV head the page of the flattened
+            cache (``kv_cache.flatten(0, 1)``) holding each of its positions' page:
+            :func:`kv_head_pages` of vLLM's block table, or :func:`stripe_pages`.
         query_start_loc: requests + 1 offsets into ``query``.
         seq_lens: per request, its length with the new tokens (they are its last positions).
         pattern: causal, over at least ``max(seq_lens)`` tokens, heads a multiple of kv_heads.
@@ -111,7 +162,7 @@ def paged_attention_torch(
         query,
         k_pages,
         v_pages,
-        _page_table(block_table, key_cache.shape[1]),
+        page_table,
         query_start_loc,
         seq_lens,
         masks.flatten(0, 1),
@@ -124,7 +175,7 @@ def paged_attention_torch(
 def paged_prefill(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     query_start_loc: list[int],
     seq_lens: list[int],
     pattern: BlockPattern,
@@ -138,15 +189,16 @@ def paged_prefill(
     num_heads = query.shape[1]
     kv_heads, page, dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     _, masks = _kv_head_masks(num_heads, kv_heads, pattern)
+    k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
     out = torch.empty_like(query)
     for r, start, end, _, kept in _requests(masks, query_start_loc, seq_lens, pattern):
         shape = (1, seq_lens[r], kv_heads, dim)
         k = torch.zeros(shape, dtype=query.dtype, device=query.device)
         v = torch.zeros(shape, dtype=query.dtype, device=query.device)
         for h, pos in enumerate(kept):
-            pages, in_page = _slots(pos, block_table[r], page)
-            k[0, pos.to(k.device), h] = key_cache[pages, h, in_page].to(k.dtype)
-            v[0, pos.to(v.device), h] = value_cache[pages, h, in_page].to(v.dtype)
+            pages, in_page = _slots(pos, page_table[r, h], page)
+            k[0, pos.to(k.device), h] = k_pages[pages, in_page].to(k.dtype)
+            v[0, pos.to(v.device), h] = v_pages[pages, in_page].to(v.dtype)
         q = query[start:end][None]
         out[start:end] = sparse_attention(q, k, v, pattern, softmax_scale=softmax_scale)[0]
     return out
@@ -187,17 +239,68 @@ def _check_length(request: int, length: int, pattern: BlockPattern) -> None:
         )
 
 
-def _page_table(block_table: torch.Tensor, kv_heads: int, num_blocks: int | None = None):
+def kv_head_pages(block_table: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """vLLM's (requests, max_blocks) block table as s2attn's int32 (requests, kv_heads, blocks)
     page table over ``key_cache.flatten(0, 1)``: a (vLLM block b, KV head h) pair is page
     ``b * kv_heads + h`` (flattening is a view, since a block's heads are consecutive)."""
-    heads = torch.arange(kv_heads, device=block_table.device, dtype=torch.int64)
-    table = block_table[:, :num_blocks].to(torch.int64)[:, None, :] * kv_heads
-    return (table + heads[None, :, None]).to(torch.int32).contiguous()
+    heads = torch.arange(kv_heads, device=block_table.device, dtype=torch.int32)
+    table = block_table.to(torch.int32)[:, None, :] * kv_heads
+    return (table + heads[None, :, None]).contiguous()
+
+
+def stripe_pages(
+    window_table: torch.Tensor, stripe_table: torch.Tensor, period: int, offsets: torch.Tensor
+) -> torch.Tensor:
+    """The per-KV-head page table of a layer whose KV heads keep their stripes apart: KV head
+    ``h`` reads block ``j`` from the stripe group's page of ``j``'s period when ``j % period ==
+    offsets[h]`` (:func:`write_stripes` stored it there), from the window group's page of ``j``
+    otherwise. Both tables are vLLM's, of the two groups, whose pages share one tensor;
+    ``offsets`` (kv_heads,) int64 on their device (:meth:`StripeLayout.offsets_on`). No host
+    sync or copy: a CUDA graph holds it."""
+    kv_heads = offsets.shape[0]
+    device = window_table.device
+    blocks = torch.arange(window_table.shape[1], device=device)
+    in_stripe = (blocks[None, :] % period) == offsets[:, None]  # (kv_heads, width)
+    periods = (blocks // period).clamp(max=stripe_table.shape[1] - 1)
+    blocks_of = torch.where(
+        in_stripe[None], stripe_table[:, periods][:, None, :], window_table[:, None, :]
+    )
+    heads = torch.arange(kv_heads, device=device, dtype=torch.int32)
+    return (blocks_of.to(torch.int32) * kv_heads + heads[None, :, None]).contiguous()
+
+
+def write_stripes(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    stripe_slots: torch.Tensor,
+    period: int,
+    offsets: torch.Tensor,
+) -> None:
+    """Store each KV head's keys and values of its stripe blocks in the stripe group's pages.
+
+    ``stripe_slots`` is vLLM's slot mapping of the stripe group (a page per period of
+    ``period * page`` tokens): a token at offset ``o`` of its period belongs to block ``o //
+    page`` of the period, which KV head ``h`` keeps when that is ``offsets[h]``; it goes to row
+    ``o % page`` of the head's part of the period's page. The other heads' writes land in vLLM's
+    null block (as padding's do, :func:`write_kv`): a write per (token, KV head), no host sync."""
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    page = key_cache.shape[2]
+    tokens = stripe_slots.shape[0]
+    slots = stripe_slots.to(torch.int64)
+    period_tokens = period * page
+    pages, offset = slots.clamp(min=0) // period_tokens, slots.clamp(min=0) % period_tokens
+    kept = ((offset // page)[:, None] == offsets[None, :]) & (slots >= 0)[:, None]
+    dest = torch.where(kept, pages[:, None], 0)  # (tokens, kv_heads)
+    heads = torch.arange(offsets.shape[0], device=slots.device)[None, :]
+    rows = (offset % page)[:, None]
+    key_cache[dest, heads, rows] = key[:tokens].to(key_cache.dtype)
+    value_cache[dest, heads, rows] = value[:tokens].to(value_cache.dtype)
 
 
 def _slots(pos: torch.Tensor, table: torch.Tensor, page: int):
-    """(vLLM blocks, rows in them) of a request's token positions ``pos``, given its table row."""
+    """(flattened pages, rows in them) of a request's token positions ``pos``, given one KV
+    head's row of the page table."""
     table = table.to(torch.int64)
     return table[(pos // page).to(table.device)], (pos % page).to(table.device)
 

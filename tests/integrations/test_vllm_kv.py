@@ -17,6 +17,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 s2hf = pytest.importorskip("s2attn.integrations.transformers")
 vllm_kv = pytest.importorskip("s2attn.integrations.vllm_kv")
+vllm_paged = pytest.importorskip("s2attn.integrations.vllm_paged")
+s2vllm = pytest.importorskip("s2attn.integrations.vllm")
 
 from test_vllm import (  # noqa: E402
     make_llm,
@@ -40,6 +42,20 @@ def striped(tmp_path_factory):
     path = tmp_path_factory.mktemp("hhst_striped")
     model = save_tiny_llama(path, block_size=BLOCK, vert_stride=STRIDE)
     return path, model, s2hf.layer_pattern(model.config, 1)
+
+
+def window_mask(pattern):
+    """The block mask the window groups serve when each KV head keeps its stripes apart: each
+    head's blocks at its stripe offset (``vllm_paged.stripe_layout``) leave it."""
+    mask = group_block_mask(pattern, KV_HEADS).clone()
+    stripes = vllm_paged.stripe_layout(pattern, KV_HEADS, STRIDE)
+    for head, offset in enumerate(stripes.offsets):
+        mask[head, ..., offset::STRIDE] = False
+    return mask
+
+
+def stripe_pages_per_request(length: int) -> int:
+    return -(-length // (STRIDE * BLOCK))
 
 
 def predicted_pages(mask, processed: int, allocated: int) -> int:
@@ -85,16 +101,21 @@ def count_preemptions(monkeypatch):
     return preempted
 
 
-def test_s2_groups_free_the_pages_the_pattern_no_longer_reads(striped, monkeypatch):
+@pytest.mark.parametrize("kv_pages", ["per-head", "union"])
+def test_s2_groups_free_the_pages_the_pattern_no_longer_reads(striped, monkeypatch, kv_pages):
     """Chunked prefill (100-token prompt in chunks of 64) and decode: after every free, each S2
-    group holds the predicted pages; the dense layer keeps vLLM's full-attention group; the tokens
-    are the reference's; a finished request holds nothing."""
+    window group holds the predicted pages (per-head: every block but each KV head's stripes,
+    which its stripe group keeps, one page per period; union: the blocks any KV head reads);
+    the dense layer keeps vLLM's full-attention group; the tokens are the reference's; a
+    finished request holds nothing."""
+    monkeypatch.setenv(s2vllm.KV_PAGES_ENV, kv_pages)
     path, model, pattern = striped
     calls = record_frees(monkeypatch)
     llm = make_llm(path, block_size=BLOCK)
     manager = kv_cache_manager(llm)
     specs = [type(g.kv_cache_spec).__name__ for g in manager.kv_cache_config.kv_cache_groups]
-    assert specs == ["FullAttentionSpec", "S2AttentionSpec", "S2AttentionSpec"]
+    stripe_groups = ["S2StripeSpec"] * 2 if kv_pages == "per-head" else []
+    assert sorted(specs) == sorted(["FullAttentionSpec", *["S2AttentionSpec"] * 2, *stripe_groups])
     got = vllm_tokens(llm)
     pool = manager.block_pool
     free_after, total = pool.get_num_free_blocks(), manager.kv_cache_config.num_blocks
@@ -102,11 +123,24 @@ def test_s2_groups_free_the_pages_the_pattern_no_longer_reads(striped, monkeypat
     want = transformers_tokens(model, s2hf.REFERENCE_IMPLEMENTATION)
     print(f"vLLM {got}\nreference {want}")
     assert got == want
-    mask = group_block_mask(pattern, KV_HEADS)
+    mask = window_mask(pattern) if kv_pages == "per-head" else group_block_mask(pattern, KV_HEADS)
     wrong = [c for c in calls if c[2] != predicted_pages(mask, c[0], c[1])]
     assert not wrong, f"(processed, allocated, held) off the prediction: {wrong[:5]}"
     assert any(held < allocated for _, allocated, held in calls), "nothing was freed"
     assert free_after == total - 1  # all but vLLM's null block
+
+
+def test_kv_heads_keeping_their_stripes_hold_less(striped):
+    """Far from the start, the window group of KV heads that keep their stripes apart holds the
+    local window alone (a sliding window), and with the stripe group's pages fewer pages than
+    the union over KV heads."""
+    _, _, pattern = striped
+    query_block = pattern.num_q_blocks - 1
+    n = query_block * BLOCK
+    union = predicted_pages(group_block_mask(pattern, KV_HEADS), n, query_block + 1)
+    window = predicted_pages(window_mask(pattern), n, query_block + 1)
+    assert window == 2  # the 2-block local window, the query's own block in it
+    assert window + stripe_pages_per_request(n + BLOCK) < union
 
 
 def test_a_model_whose_first_layer_is_s2_is_served(tmp_path):
@@ -216,12 +250,14 @@ def test_prompt_past_the_patterns_is_refused_at_admission(striped):
 
 def test_pool_too_small_for_one_request_fails_at_start(striped):
     """vLLM's start-up check counts what one request of max_model_len (256) holds: the dense
-    layer's every page, each S2 layer's peak. A pool (num_gpu_blocks_override) one block short of
-    that fails when the engine starts, naming the length; a pool of that and vLLM's null block
-    serves."""
+    layer's every page, each S2 window group's peak and each stripe group's page per period. A
+    pool (num_gpu_blocks_override) one block short of that fails when the engine starts, naming
+    the length; a pool of that and vLLM's null block serves."""
     path, model, pattern = striped
-    peak = counted_peak(group_block_mask(pattern, KV_HEADS), pattern.max_seq_len, 64)
-    needed = pattern.max_seq_len // BLOCK + 2 * peak  # groups: the dense layer, two S2 layers
+    max_len = pattern.max_seq_len
+    peak = counted_peak(window_mask(pattern), max_len, 64)
+    # groups: the dense layer, two window groups, two stripe groups
+    needed = max_len // BLOCK + 2 * peak + 2 * stripe_pages_per_request(max_len)
     with pytest.raises(ValueError, match="serve at least one request with the model's max seq len"):
         make_llm(path, block_size=BLOCK, num_gpu_blocks_override=needed - 1)
     llm = make_llm(path, block_size=BLOCK, num_gpu_blocks_override=needed + 1)

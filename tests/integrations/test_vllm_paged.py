@@ -6,6 +6,7 @@ does not keep hold NaN, so a path that read one would fail."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,11 +16,15 @@ from helpers import DEVICE, DTYPES, assert_close
 from s2attn import attention_reference, local_stride_pattern
 from s2attn.integrations.vllm_paged import (
     DecodeBuffers,
+    kv_head_pages,
     paged_attention_torch,
     paged_decode_triton,
     paged_prefill,
     split_kv_cache,
+    stripe_layout,
+    stripe_pages,
     write_kv,
+    write_stripes,
 )
 from s2attn.layout import group_block_mask
 from s2attn.ops.dispatch import supports_triton
@@ -103,7 +108,7 @@ def test_paged_paths_match_reference(path, dtype, page):
     q = q.to(DEVICE, dtype)
     starts = [0, *torch.tensor(num_new).cumsum(0).tolist()]
     scale = 1 / math.sqrt(DIM)
-    got = path(q, kv_cache, table, starts, lengths, pattern, scale)
+    got = path(q, kv_cache, kv_head_pages(table, KV_HEADS), starts, lengths, pattern, scale)
     want = reference(q, keys, values, num_new, pattern, scale)
     assert_close(got, want.to(got.dtype), dtype, f"vLLM layout, {path.__name__}")
 
@@ -176,9 +181,72 @@ def test_paged_paths_refuse_requests_past_the_pattern(path):
     kv_cache, table, _, _ = make_cache([80], 16, torch.float32)
     q = torch.zeros(1, HEADS, DIM, device=DEVICE)
     with pytest.raises(ValueError, match="past the pattern's max_seq_len 64"):
-        path(q, kv_cache, table, [0, 1], [80], pattern, 1.0)
+        path(q, kv_cache, kv_head_pages(table, KV_HEADS), [0, 1], [80], pattern, 1.0)
 
 
 def test_split_kv_cache_checks_the_shape():
     with pytest.raises(ValueError, match="2 \\* head_dim"):
         split_kv_cache(torch.zeros(4, 2, 16, 33))
+
+
+def stripe_cache(dtype):
+    """Two requests as a layer whose KV heads keep their stripes apart stores them: every token
+    in the window group's pages, each head's stripe blocks also in the stripe group's pages (one
+    per period of 4 blocks, from the spare blocks), then NaN in the window pages of every head's
+    stripe blocks, which that head must read from its stripe pages."""
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4, num_kv_heads=KV_HEADS
+    )
+    stripes = stripe_layout(pattern, KV_HEADS, 4)
+    offsets = stripes.offsets_on(DEVICE)
+    lengths = [300, 161]
+    kv_cache, window_table, keys, values = make_cache(lengths, 32, dtype)
+    spare = sorted(set(range(1, kv_cache.shape[0])) - set(window_table.flatten().tolist()))
+    stripe_table = torch.tensor(spare[:6], dtype=torch.int32, device=DEVICE).view(2, 3)
+    for r, n in enumerate(lengths):
+        pos = torch.arange(n, device=DEVICE)
+        slots = stripe_table[r, pos // 128].to(torch.int64) * 128 + pos % 128
+        write_stripes(keys[r], values[r], kv_cache, slots, 4, offsets)
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    for r, n in enumerate(lengths):
+        for h, offset in enumerate(stripes.offsets):
+            for j in range(offset, -(-n // 32), 4):
+                key_cache[window_table[r, j], h] = float("nan")
+                value_cache[window_table[r, j], h] = float("nan")
+    table = stripe_pages(window_table, stripe_table, 4, offsets)
+    return pattern, stripes, kv_cache, table, keys, values, lengths
+
+
+def test_stripe_offsets_are_each_kv_heads_stripe_residue():
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4, num_kv_heads=KV_HEADS
+    )
+    stripes = stripe_layout(pattern, KV_HEADS, 4)
+    masks = group_block_mask(pattern, KV_HEADS)
+    last = pattern.num_q_blocks - 1
+    for h, offset in enumerate(stripes.offsets):
+        read_at_end = masks[h, :, last].any(dim=0).nonzero().flatten().tolist()
+        far = [j for j in read_at_end if j < last - 2]  # behind the local window
+        assert far and all(j % 4 == offset for j in far)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_heads_read_their_stripes_from_the_stripe_pages(dtype):
+    """Per KV head page tables (stripe_pages) over a cache written by write_kv and write_stripes:
+    the PyTorch path, and the Triton decode kernel where it runs, match the reference though
+    every head's stripe blocks are NaN in the window pages."""
+    pattern, _, kv_cache, table, keys, values, lengths = stripe_cache(dtype)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(3))
+    q = q.to(DEVICE, dtype)
+    scale = 1 / math.sqrt(DIM)
+    want = reference(q, keys, values, [1] * len(lengths), pattern, scale)
+    got = paged_attention_torch(q, kv_cache, table, [0, 1, 2], lengths, pattern, scale)
+    assert_close(got, want.to(got.dtype), dtype, "stripe pages, PyTorch path")
+    if supports_triton(torch.device(DEVICE)):
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        batch = DecodeBuffers(2, KV_HEADS, table.shape[2], torch.device(DEVICE)).fill(
+            torch.zeros(2, table.shape[2], dtype=torch.int32, device=DEVICE), seq_lens
+        )
+        batch = dataclasses.replace(batch, page_table=table)
+        got = paged_decode_triton(q, kv_cache, batch, pattern, scale)
+        assert_close(got, want.to(got.dtype), dtype, "stripe pages, Triton decode")
