@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..attention import sparse_attention
-from ..layout import decode_layout, group_block_mask
 from ..ops.cpu import paged_attention as paged_attention_reference
+from ..ops.decode_layout import decode_layout, group_block_mask
 from ..pattern import BlockPattern
 
 __all__ = [

@@ -2,6 +2,8 @@
 patterns.
 
     dispatch.py   the entry points (forward, backward): which backend runs each pass
+    layout.py     pattern -> the passes' tile layouts (forward, dK/dV transpose, dQ)
+    decode_layout.py  pattern -> a decode step's lists over a paged KV cache
     options.py    KernelOptions: backends and launch settings callers may pin (tests, sweeps)
     env.py        facts of the machine and process (interpreter, GPU capability, TMA, switches)
     shapes.py     what every launcher derives from the inputs and a layout: sequence lengths

@@ -22,8 +22,9 @@ from typing import Literal
 
 import torch
 
-from ..layout import DecodeLayout, TileLayout
+from .decode_layout import DecodeLayout
 from .env import GLUON_ENABLED, INTERPRETED, POISON_OUTPUTS, device_capability, tma_allowed
+from .layout import TileLayout
 from .options import KernelOptions
 from .shapes import Varlen, keys_need_bounds, lse_dtype, sequence_lengths
 from .triton import backward as triton_backward

@@ -12,9 +12,9 @@ import torch
 from helpers import DEVICE, DTYPES, ON_GPU, LaunchSpy, assert_close
 
 import s2attn
-from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
 from s2attn.ops.env import INTERPRETED
+from s2attn.ops.layout import backward_layout, forward_layout
 from s2attn.ops.options import (
     GluonDqConfig,
     KernelOptions,

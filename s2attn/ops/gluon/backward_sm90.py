@@ -37,9 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...layout import TileLayout
 from ...memory import build_outside_graph_pool
 from ..launcher import Launcher
+from ..layout import TileLayout
 from ..options import GluonDkdvConfig, GluonDqConfig
 from ..shapes import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from .common_sm90 import (

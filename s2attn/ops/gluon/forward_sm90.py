@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ...layout import TileLayout
 from ..launcher import Launcher
+from ..layout import TileLayout
 from ..options import GluonForwardConfig
 from ..shapes import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from .common_sm90 import (

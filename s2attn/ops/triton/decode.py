@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layout import DecodeLayout
+from ..decode_layout import DecodeLayout
 from ..env import POISON_OUTPUTS
 from ..launcher import Launcher
 from ..options import TritonDecodeConfig
