@@ -529,13 +529,6 @@ def decode_num_splits(
     return max(1, min(splits, longest_list, MAX_SPLITS))
 
 
-def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> int:
-    """The split count for every step of a captured or compiled run: from the layout's longest
-    list over all query blocks (host data), so the launch never changes from step to step."""
-    longest = int(layout.list_lengths.max())
-    return decode_num_splits(batch, layout.num_kv_heads, longest, device)
-
-
 @functools.cache
 def default_config(block_size: int) -> TritonDecodeConfig:
     """The launch for pages of ``block_size`` tokens.
