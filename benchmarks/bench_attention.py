@@ -32,7 +32,7 @@ from run_info import cell, heading, median_ms, parser, result_stem, start, table
 from shapes import BLOCK, DIM, HEADS, KV_HEADS, LOCAL_BLOCKS
 
 import s2attn
-from s2attn.layout import forward_layout
+from s2attn.ops.layout import forward_layout
 
 PROVIDERS = ("s2attn", "flash", "cudnn", "flex", "fa4-flex")
 SPARSE_PROVIDERS = ("s2attn", "flex", "fa4-flex")  # credited with the kept FLOPs

@@ -54,7 +54,7 @@ LIST_CHECKS = ["density()", "num_kept_blocks", "is_kv_efficient()", "is_union_co
 # The layouts of a CUDA call at head dim 128 in bf16 on Triton's tiles (forward 128x64, dK/dV
 # and dQ 64x64: dispatch.forward_tile_sizes, backward_tile_sizes), built here on the host as a
 # GPU call builds them on its device. Their answer: the GiB the layout holds.
-LAYOUTS = {  # check -> (builder in s2attn.layout, block_m, block_n)
+LAYOUTS = {  # check -> (builder in s2attn.ops.layout, block_m, block_n)
     "forward_layout (128x64), GiB": ("forward_layout", 128, 64),
     "backward_layout (dK/dV, 64x64), GiB": ("backward_layout", 64, 64),
     "forward_layout (dQ, 64x64), GiB": ("forward_layout", 64, 64),
@@ -62,7 +62,7 @@ LAYOUTS = {  # check -> (builder in s2attn.layout, block_m, block_n)
 
 
 def _build_layout(check: str, p):
-    from s2attn import layout
+    from s2attn.ops import layout
 
     builder, block_m, block_n = LAYOUTS[check]
     # The per-KV-tile lists run to the end of the pattern: a call crops them to its length.

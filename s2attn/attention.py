@@ -27,6 +27,41 @@ def _validate(
 ):
     """Check every user input; return (packed, seq_q lengths, seq_k lengths, scale, query heads
     per pattern head)."""
+    packed = _check_tensors(q, k, v, pattern, cu_seqlens_q, cu_seqlens_k)
+    q_heads_per_pattern_head = check_heads(q, k, pattern.num_heads)
+    if packed and torch.compiler.is_compiling():
+        # Offsets are data: reading them here would break the graph. The operator reads the
+        # longest lengths at run time; lengths past the pattern are not checked.
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D int32 tensor for packed (3-D) inputs")
+        scale = check_softmax_scale(softmax_scale, q.shape[-1])
+        return packed, [max_seqlen_q], [max_seqlen_k], scale, q_heads_per_pattern_head
+    if packed:
+        lens_q, lens_k = _packed_lengths(
+            q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        )
+    else:
+        lens_q, lens_k = [q.shape[1]], [k.shape[1]]
+    for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq > sk:
+            raise ValueError(
+                f"sequence {i}: seq_q ({sq}) must be <= seq_k ({sk}); queries are aligned "
+                "bottom-right to the keys"
+            )
+    if max(lens_k) > pattern.max_seq_len:
+        raise ValueError(
+            f"sequence length {max(lens_k)} exceeds the pattern's max_seq_len "
+            f"{pattern.max_seq_len} ({pattern.num_q_blocks} x {pattern.num_kv_blocks} blocks of "
+            f"{pattern.block_size})"
+        )
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    return packed, lens_q, lens_k, scale, q_heads_per_pattern_head
+
+
+def _check_tensors(q, k, v, pattern, cu_seqlens_q, cu_seqlens_k) -> bool:
+    """Check the tensors' types, dtypes, devices and shapes and the pattern's type; return whether
+    the inputs are packed (3-D)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
     if not isinstance(pattern, BlockPattern):
@@ -42,8 +77,8 @@ def _validate(
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
 
-    varlen = q.dim() == 3
-    if varlen:
+    packed = q.dim() == 3
+    if packed:
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 3:
                 raise ValueError(
@@ -73,47 +108,28 @@ def _validate(
         raise ValueError(f"k/v head dim {k.shape[-1]} differs from q's {head_dim}")
     if not _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}], got {head_dim}")
-    q_heads_per_pattern_head = check_heads(q, k, pattern.num_heads)
+    return packed
 
-    if varlen and torch.compiler.is_compiling():
-        # Offsets are data: reading them here would break the graph. The operator reads the
-        # longest lengths at run time; lengths past the pattern are not checked.
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
-                raise ValueError(f"{name} must be a 1-D int32 tensor for packed (3-D) inputs")
-        scale = check_softmax_scale(softmax_scale, head_dim)
-        return varlen, [max_seqlen_q], [max_seqlen_k], scale, q_heads_per_pattern_head
-    if varlen:
-        cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-        ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-        if len(cq) != len(ck):
-            raise ValueError(
-                f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}"
-            )
-        lens_q = [b - a for a, b in zip(cq, cq[1:])]
-        lens_k = [b - a for a, b in zip(ck, ck[1:])]
-        for name, given, lens in (
-            ("max_seqlen_q", max_seqlen_q, lens_q),
-            ("max_seqlen_k", max_seqlen_k, lens_k),
-        ):
-            if given is not None and given < max(lens):
-                raise ValueError(f"{name}={given} is below the longest sequence, {max(lens)}")
-    else:
-        lens_q, lens_k = [q.shape[1]], [k.shape[1]]
-    for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
-        if sq > sk:
-            raise ValueError(
-                f"sequence {i}: seq_q ({sq}) must be <= seq_k ({sk}); queries are aligned "
-                "bottom-right to the keys"
-            )
-    if max(lens_k) > pattern.max_seq_len:
+
+def _packed_lengths(
+    q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+) -> tuple[list[int], list[int]]:
+    """The packed sequences' query and key lengths, from checked offsets and bounds."""
+    cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(cq) != len(ck):
         raise ValueError(
-            f"sequence length {max(lens_k)} exceeds the pattern's max_seq_len "
-            f"{pattern.max_seq_len} ({pattern.num_q_blocks} x {pattern.num_kv_blocks} blocks of "
-            f"{pattern.block_size})"
+            f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}"
         )
-    scale = check_softmax_scale(softmax_scale, head_dim)
-    return varlen, lens_q, lens_k, scale, q_heads_per_pattern_head
+    lens_q = [b - a for a, b in zip(cq, cq[1:])]
+    lens_k = [b - a for a, b in zip(ck, ck[1:])]
+    for name, given, lens in (
+        ("max_seqlen_q", max_seqlen_q, lens_q),
+        ("max_seqlen_k", max_seqlen_k, lens_k),
+    ):
+        if given is not None and given < max(lens):
+            raise ValueError(f"{name}={given} is below the longest sequence, {max(lens)}")
+    return lens_q, lens_k
 
 
 def _traced_call(

@@ -1,7 +1,7 @@
 """Block patterns: which KV blocks each head's query blocks may attend, the builders, the checks.
 
 A pattern is pure metadata (a boolean tensor kept on the CPU); kernels never see it, only the
-layouts compiled from it (``s2attn.layout``).
+layouts compiled from it (``s2attn.ops.layout``, ``s2attn.ops.decode_layout``).
 
 Positions count from 0 in every sequence. When a sequence has fewer queries than keys
 (``seq_q < seq_k``, e.g. chunked prefill), queries are aligned bottom-right: query row ``t`` sits at
@@ -40,11 +40,11 @@ _WALK_BLOCKS = 1 << 20
 
 # Bytes of host memory that one dense view of a pattern may take: :attr:`BlockPattern.mask`,
 # :meth:`~BlockPattern.effective_block_mask`, :meth:`~BlockPattern.token_mask`,
-# :meth:`~BlockPattern.draw`'s picture and :func:`s2attn.layout.group_block_mask`. They grow with
-# the square of the blocks or tokens (the mask of 32 heads at 4M tokens in blocks of 64 is
-# 137 GB), and a host that overcommits memory kills the process when it touches the pages
-# instead of refusing the allocation, so they refuse first. Raise it for a host known to have
-# the room; the methods that take ``max_bytes`` override it per call.
+# :meth:`~BlockPattern.draw`'s picture and :func:`s2attn.ops.decode_layout.group_block_mask`. They
+# grow with the square of the blocks or tokens (the mask of 32 heads at 4M tokens in blocks of 64 is
+# 137 GB), and a host that overcommits memory kills the process when it touches the pages instead of
+# refusing the allocation, so they refuse first. Raise it for a host known to have the room; the
+# methods that take ``max_bytes`` override it per call.
 DENSE_VIEW_LIMIT = 4 << 30
 
 

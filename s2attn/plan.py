@@ -4,8 +4,9 @@ lengths, the kernel options), and the call's two passes.
 
 Each pass asks ``s2attn.ops.dispatch`` which backend runs it and at which tiles, fetches the
 layouts at those tiles (built once, then cached per pattern, tiles and device by
-``s2attn.layout``) and launches that backend on them. Where no Triton backend runs (a CPU without
-the interpreter), the plain-PyTorch path over the kept blocks (``s2attn.ops.cpu``) runs instead.
+``s2attn.ops.layout``) and launches that backend on them. Where no Triton backend runs (a CPU
+without the interpreter), the plain-PyTorch path over the kept blocks (``s2attn.ops.cpu``) runs
+instead.
 
 The eager calls (``s2attn.attention``'s autograd Functions) build a plan from validated inputs;
 the registered operators (``s2attn.compile``) build one from their arguments
@@ -21,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .layout import TileLayout, backward_layout, forward_layout
 from .ops import dispatch
 from .ops.cpu import blockwise_backward, blockwise_forward
+from .ops.layout import TileLayout, backward_layout, forward_layout
 from .ops.options import KernelOptions
 from .ops.shapes import Varlen, lse_dtype
 from .pattern import BlockPattern

@@ -35,13 +35,13 @@ if args.stub_launches or device == "cpu":
     # The kernels' host side is Triton's launcher; without them a call is s2attn's Python. Every
     # pass takes the Triton path, whose launchers are stubbed here: on an sm_90 GPU the Gluon
     # kernels would otherwise still launch.
-    from s2attn.ops import dispatch
+    from s2attn.ops import backends, dispatch
 
     dispatch.supports_triton = lambda _: True
-    dispatch.GLUON_ENABLED = False  # as S2ATTN_HOPPER_FORWARD=0
+    backends.GLUON_ENABLED = False  # as S2ATTN_HOPPER_FORWARD=0
     for module, names in (
-        (dispatch.triton_forward, ("forward",)),
-        (dispatch.triton_backward, ("row_delta", "dkdv", "dq")),
+        (backends.triton_forward, ("forward",)),
+        (backends.triton_backward, ("row_delta", "dkdv", "dq")),
     ):
         for name in names:
             setattr(module, name, lambda *_, **__: None)

@@ -151,7 +151,7 @@ def test_layouts_are_built_while_tracing(form):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from s2attn import layout
+    from s2attn.ops import layout
 
     if not dispatch.supports_triton(torch.device(DEVICE)):
         pytest.skip("no Triton backend here")
@@ -348,8 +348,8 @@ def test_cached_state_is_built_outside_a_graph_pool():
     """What outlives a call (layouts, the Gluon kernels' work counters) is allocated outside a
     CUDA graph's private pool even while the calling thread allocates into one, as it does in
     CUDA-graph trees' warm-up; the thread's other allocations still go to the pool."""
-    from s2attn.layout import forward_layout
     from s2attn.memory import build_outside_graph_pool
+    from s2attn.ops.layout import forward_layout
 
     pattern = s2attn.local_stride_pattern(
         4, max_seq_len=2048, block_size=64, local_blocks=4, vert_stride=4

@@ -11,13 +11,8 @@ from helpers import no_tensor_allocation
 
 import s2attn.pattern as pattern_module
 from s2attn import BlockPattern, local_stride_pattern
-from s2attn.layout import (
-    MAX_ENTRY_BITS,
-    TileLayout,
-    backward_layout,
-    forward_layout,
-    group_block_mask,
-)
+from s2attn.ops.decode_layout import group_block_mask
+from s2attn.ops.layout import MAX_ENTRY_BITS, TileLayout, backward_layout, forward_layout
 
 # (block_size, block_m, block_n): Merge-Q (block_m > block_size), split blocks (block_n <
 # block_size), packed blocks (block_n > block_size), and all 64 bits of an entry (16 / 128x128).

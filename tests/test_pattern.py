@@ -485,7 +485,7 @@ def test_rule_patterns_equal_their_lists(
     """A builder's pattern keeps its rules; every view of it (lists, coordinates on a device,
     head slices, crops, counts, checks) and the layouts built from it equal those of the same
     pattern given as a dense mask, and the layouts never build its whole lists."""
-    from s2attn.layout import backward_layout, forward_layout
+    from s2attn.ops.layout import backward_layout, forward_layout
 
     rule = local_stride_pattern(
         num_heads,

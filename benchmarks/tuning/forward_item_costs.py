@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import s2attn
-from s2attn.layout import forward_layout
+from s2attn.ops.layout import forward_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info
 from run_info import median_ms

@@ -19,8 +19,8 @@ import triton
 
 import s2attn
 from s2attn import local_stride_pattern
-from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
+from s2attn.ops.layout import backward_layout, forward_layout
 from s2attn.ops.options import GluonDkdvConfig, KernelOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for shapes

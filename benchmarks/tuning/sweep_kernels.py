@@ -26,8 +26,8 @@ import torch
 import triton
 
 from s2attn import attention_reference, local_stride_pattern
-from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
+from s2attn.ops.layout import backward_layout, forward_layout
 from s2attn.ops.options import (
     GluonDkdvConfig,
     GluonDqConfig,

@@ -24,8 +24,8 @@ import torch
 import triton
 
 from s2attn import local_stride_pattern
-from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
+from s2attn.ops.layout import backward_layout, forward_layout
 from s2attn.ops.options import KernelOptions, TritonBackwardConfig, TritonForwardConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run_info

@@ -24,8 +24,8 @@
     decode_op.py      the decode step as one torch.library operator (s2attn::static_decode) over
                       a static cache, for compiled graphs
 
-Kernels are chosen through ``s2attn.ops.dispatch``; the decode lists come from ``s2attn.layout``,
-the plain-PyTorch path over pages from ``s2attn.ops.cpu``.
+Kernels are chosen through ``s2attn.ops.dispatch``; the decode lists come from
+``s2attn.ops.decode_layout``, the plain-PyTorch path over pages from ``s2attn.ops.cpu``.
 """
 
 from .attention import MAX_DECODE_TOKENS, capture_decode_step, sparse_attention_with_kvcache

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from ..input_checks import check_cu_seqlens, check_int
-from ..layout import DecodeLayout
+from ..ops.decode_layout import DecodeLayout
 from ..ops.dispatch import supports_triton
 from ..pattern import BlockPattern
 from .cache_checks import (

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..compile import pattern_key
-from ..layout import DecodeLayout, decode_layout, dense_decode_layout
 from ..ops import dispatch
+from ..ops.decode_layout import DecodeLayout, decode_layout, dense_decode_layout
 from ..pattern import BlockPattern
 
 __all__ = ["DENSE_KEY", "DecodePlan", "split_count", "step_layout"]

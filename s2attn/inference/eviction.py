@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ..layout import check_kv_heads
+from ..ops.decode_layout import check_kv_heads
 from ..pattern import BlockPattern
 
 __all__ = ["EvictionSchedule", "is_dense_pattern", "kv_last_use"]

@@ -31,8 +31,8 @@ from ..attention import sparse_attention
 from ..inference.decode_plan import DecodePlan, split_count
 from ..inference.decode_step import attend
 from ..inference.eviction import EvictionSchedule
-from ..layout import decode_layout, group_block_mask
 from ..ops.cpu import paged_attention as paged_attention_reference
+from ..ops.decode_layout import decode_layout, group_block_mask
 from ..pattern import BlockPattern
 
 __all__ = [

@@ -1,12 +1,12 @@
-"""Which kernels run a call: the choice of backend and tiles, pass by pass, and the entry points
-of the attention passes.
+"""Which kernels run a call, and the entry points of the passes: forward, backward (dK/dV, dQ)
+and decode.
 
-Two backends. The Triton kernels (``ops/triton/``) run wherever Triton does: any CUDA GPU, and the
-CPU under ``TRITON_INTERPRET=1``. The warp-specialized Gluon kernels (``ops/gluon/*_sm90.py``)
-take the common cases on an sm_90 GPU, pass by pass. One function per pass decides which backend
-runs it and at which tiles (:func:`forward_kernel`, :func:`backward_kernels`, returning a
-:class:`PassKernel`): the call plan (``s2attn.plan``) builds the layouts at its tiles and hands it
-to :func:`forward` and :func:`backward`, which allocate the outputs and launch its backend.
+The backends of each pass are one table in :mod:`s2attn.ops.backends` (the tiles each walks, the
+calls it takes, its launcher); this module walks them. :func:`forward_kernel` and
+:func:`backward_kernels` return the chosen :class:`PassKernel` (backend and tiles) of a call: the
+call plan (``s2attn.plan``) builds the layouts at its tiles and hands it to :func:`forward` and
+:func:`backward`, which allocate the outputs and launch its backend. :func:`decode` launches the
+first decode backend that runs on the device.
 
 Inputs are validated by the caller (``s2attn.attention``). Batched: q (batch, seq_q, heads, dim),
 k and v (batch, seq_k, kv_heads, dim). Packed: q (total_q, heads, dim), k and v (total_k,
@@ -18,21 +18,33 @@ the GQA group size for layouts per KV head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from ..layout import DecodeLayout, TileLayout
-from .env import GLUON_ENABLED, INTERPRETED, POISON_OUTPUTS, device_capability, tma_allowed
+from .backends import (
+    DECODE,
+    DKDV,
+    DQ,
+    FORWARD,
+    BackwardLaunch,
+    DecodeBackend,
+    PassBackend,
+    PassCall,
+    Tiles,
+    row_delta,
+    supports_triton,
+)
+from .decode_layout import DecodeLayout
+from .env import INTERPRETED, POISON_OUTPUTS
+from .layout import TileLayout
 from .options import KernelOptions
-from .shapes import Varlen, keys_need_bounds, lse_dtype, sequence_lengths
-from .triton import backward as triton_backward
+from .shapes import Varlen, lse_dtype, sequence_lengths
 from .triton import decode as triton_decode
-from .triton import forward as triton_forward
 from .triton import page_write as triton_page_write
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "MAX_DECODE_ROWS",
     "PassKernel",
     "backward",
     "backward_kernels",
@@ -43,7 +55,6 @@ __all__ = [
     "forward_kernel",
     "forward_tile_sizes",
     "interpreter_upcasts",
-    "run_num_splits",
     "supports_triton",
     "write_pages",
 ]
@@ -51,7 +62,6 @@ __all__ = [
 DEFAULT_OPTIONS = KernelOptions()
 
 
-# ------------------------------------------------------------------------------ the predicates
 def interpreter_upcasts(q: torch.Tensor) -> bool:
     """Whether a call computes in float32 for want of bfloat16 under the Triton interpreter.
 
@@ -62,105 +72,62 @@ def interpreter_upcasts(q: torch.Tensor) -> bool:
     return INTERPRETED and q.dtype == torch.bfloat16
 
 
-def supports_triton(device: torch.device) -> bool:
-    """Whether the Triton kernels run on ``device``: a CUDA GPU, or the CPU under the
-    interpreter. They take every call there; elsewhere callers take the PyTorch path
-    over the kept blocks (``s2attn.ops.cpu``)."""
-    return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)
-
-
 # ---------------------------------------------------------------------------------- the choice
 @dataclass(frozen=True)
 class PassKernel:
-    """The backend that runs one pass of a call, and the tiles of the layout it walks."""
+    """The backend that runs one pass of a call (a name in that pass's table), and the tiles of
+    the layout it walks."""
 
-    backend: Literal["gluon", "triton"]
+    backend: str
     block_m: int
     block_n: int
 
-    def on(self, layout: TileLayout) -> PassKernel:
-        """This choice where ``layout`` has its tiles; else the Triton kernel, which walks any."""
-        if (layout.block_m, layout.block_n) == (self.block_m, self.block_n):
-            return self
-        return PassKernel("triton", layout.block_m, layout.block_n)
+
+def _pass_tiles(
+    table: tuple[PassBackend, ...], head_dim: int, dtype: torch.dtype, device: torch.device
+) -> Tiles:
+    """A pass's tiles: the first backend's that runs on such inputs (Triton's, last, always
+    does)."""
+    return next(t for b in table if (t := b.tiles(head_dim, dtype, device)) is not None)
 
 
-# The tiles each Gluon kernel walks; the tile rules below give them wherever that kernel can run.
-_GLUON_FORWARD_TILES = _GLUON_DQ_TILES = (128, 64)
-_GLUON_DKDV_TILES = (64, 64)
+def _choose(table: tuple[PassBackend, ...], call: PassCall, tiles: Tiles | None) -> PassKernel:
+    """The first backend of ``table`` that runs on such inputs, walks ``tiles`` (None: the
+    pass's own, those of the first backend that runs on such inputs) and takes ``call``."""
+    q = call.q
+    head_dim, dtype, device = q.shape[-1], q.dtype, q.device
+    for backend in table:
+        own = backend.tiles(head_dim, dtype, device)
+        if own is None:
+            continue
+        if tiles is None:
+            tiles = own
+        if (own == tiles or backend.walks_any_tiles) and backend.takes(call, tiles):
+            return PassKernel(backend.name, *tiles)
+    raise RuntimeError(f"no backend of {[b.name for b in table]} takes the call at {tiles} tiles")
 
 
-def forward_tile_sizes(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+def _backend(table: tuple[PassBackend, ...], kernel: PassKernel) -> PassBackend:
+    for backend in table:
+        if backend.name == kernel.backend:
+            return backend
+    raise ValueError(
+        f"kernel.backend is {kernel.backend!r}; this pass has {[b.name for b in table]}"
+    )
+
+
+def forward_tile_sizes(head_dim: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     """(block_m, block_n) of the forward layout, whichever backend runs it: the tiles
-    :func:`forward_kernel` chooses, which depend on nothing else.
-
-    128-row tiles give the tensor cores full-height MMAs and, with 64-token blocks, merge two query
-    blocks per tile (Merge-Q halves the KV traffic). 256-wide heads and fp32 halve the tile to stay
-    inside shared memory. Under the interpreter, large tiles mean fewer (slow) programs.
-    """
-    if device.type != "cuda":
-        return 64, 32
-    if dtype.itemsize > 2 or head_dim > 128:
-        return 64, 64 if head_dim <= 128 else 32
-    return 128, 64
+    :func:`forward_kernel` chooses, which depend on nothing else."""
+    return _pass_tiles(FORWARD, head_dim, dtype, device)
 
 
 def backward_tile_sizes(
     head_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[tuple[int, int], tuple[int, int]]:
+) -> tuple[Tiles, Tiles]:
     """((block_m, block_n) of the dK/dV layout, (block_m, block_n) of the dQ layout), whichever
-    backends run them: the tiles :func:`backward_kernels` chooses, which depend on nothing else.
-
-    dK/dV programs hold a KV tile and its two accumulators, so their query tiles stay small;
-    dQ programs hold one accumulator, so they take tall query tiles and narrow KV tiles.
-    """
-    if device.type != "cuda":
-        return (32, 64), (64, 32)
-    if dtype.itemsize > 2 or head_dim > 128:
-        return (32, 64), (64, 32)
-    if head_dim == 128 and device_capability(device) == (9, 0):
-        # The Gluon dQ kernel's tiles; the Triton dQ walks them too where the Gluon one declines
-        # the call. At dim 64 the Gluon dQ measured no faster than the Triton one (H100, 8k
-        # fwd+bwd 1.16 vs 1.11 ms), so it keeps the Triton tiles there.
-        return _GLUON_DKDV_TILES, _GLUON_DQ_TILES
-    # Measured on H100 (benchmarks/tuning/sweep_tiles.py, 32k, V16, dim 128, bf16): 64x64 tiles
-    # with 4 warps and 2 stages were best for both kernels among 20 and 16 configurations.
-    return (64, 64), (64, 64)
-
-
-def _gluon_sm90_runs_on(q: torch.Tensor) -> bool:
-    """What every Gluon kernel needs: compiled kernels (not the interpreter) on an sm_90 GPU,
-    fp16 or bf16, head dim 64 or 128, and ``S2ATTN_HOPPER_FORWARD`` not 0."""
-    if INTERPRETED or not GLUON_ENABLED or q.device.type != "cuda":
-        return False
-    if device_capability(q.device) != (9, 0):
-        return False
-    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
-
-
-def _gluon_forward_takes(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    tiles: tuple[int, int],
-    *,
-    block_size: int,
-    causal: bool,
-    gather: bool,
-    varlen: Varlen | None,
-    softmax_scale: float,
-) -> bool:
-    """Whether the Gluon forward (and the Gluon dQ, which walks the same tiles) takes a call:
-    batched inputs fit for bulk copies, its tiles without gathered entries, no key bound to check
-    in full entries, a positive scale."""
-    if varlen is not None or not _gluon_sm90_runs_on(q):
-        return False
-    # Gathered entries (lone blocks smaller than a KV tile) are the Triton kernels' alone.
-    if tiles != _GLUON_FORWARD_TILES or (gather and block_size < tiles[1]):
-        return False
-    if keys_need_bounds(causal, block_size, tiles[1], k.shape[1], False) or softmax_scale <= 0:
-        return False
-    return tma_allowed(q.device, q, k, v)
+    backends run them: the tiles :func:`backward_kernels` chooses, which depend on nothing else."""
+    return _pass_tiles(DKDV, head_dim, dtype, device), _pass_tiles(DQ, head_dim, dtype, device)
 
 
 def forward_kernel(
@@ -174,26 +141,14 @@ def forward_kernel(
     varlen: Varlen | None,
     softmax_scale: float,
     options: KernelOptions = DEFAULT_OPTIONS,
+    tiles: Tiles | None = None,
 ) -> PassKernel:
     """The forward's backend and tiles, for a pattern of ``block_size`` blocks (``causal`` or not)
-    whose forward layout gathers lone blocks or not (``gather``).
-
-    The Gluon forward where it takes the call and ``options`` leave it free, else the Triton one,
-    at :func:`forward_tile_sizes`' tiles either way.
-    """
-    tiles = forward_tile_sizes(q.shape[-1], q.dtype, q.device)
-    gluon = options.forward_backend != "triton" and _gluon_forward_takes(
-        q,
-        k,
-        v,
-        tiles,
-        block_size=block_size,
-        causal=causal,
-        gather=gather,
-        varlen=varlen,
-        softmax_scale=softmax_scale,
-    )
-    return PassKernel("gluon" if gluon else "triton", *tiles)
+    whose forward layout gathers lone blocks or not (``gather``): at :func:`forward_tile_sizes`'
+    tiles, or at ``tiles`` (a layout's built at others), the first backend of
+    ``backends.FORWARD`` that walks them and takes the call."""
+    call = PassCall(q, k, v, block_size, causal, gather, varlen, softmax_scale, options)
+    return _choose(FORWARD, call, tiles)
 
 
 def backward_kernels(
@@ -212,46 +167,35 @@ def backward_kernels(
     varlen: Varlen | None,
     softmax_scale: float,
     options: KernelOptions = DEFAULT_OPTIONS,
+    tiles: tuple[Tiles, Tiles] | None = None,
 ) -> tuple[PassKernel, PassKernel]:
-    """(dK/dV's, dQ's) backend and tiles, as :func:`forward_kernel` chooses the forward's, at
-    :func:`backward_tile_sizes`' tiles. ``dq``, ``dk``, ``dv``: the buffers the gradients go to,
-    or None for ones :func:`backward` allocates like their inputs (which then qualify for bulk
-    copies whenever the inputs do).
+    """(dK/dV's, dQ's) backend and tiles, as :func:`forward_kernel` chooses the forward's, from
+    ``backends.DKDV`` and ``backends.DQ``: at :func:`backward_tile_sizes`' tiles, or at ``tiles``
+    (dK/dV's and dQ's, of layouts built at others). ``dq``, ``dk``, ``dv``: the buffers the
+    gradients go to, or None for ones :func:`backward` allocates like their inputs (which then
+    qualify for bulk copies whenever the inputs do)."""
+    call = PassCall(
+        q,
+        k,
+        v,
+        block_size,
+        causal,
+        gather_dq,
+        varlen,
+        softmax_scale,
+        options,
+        grad_out=grad_out,
+        out=out,
+        dq=dq,
+        dk=dk,
+        dv=dv,
+    )
+    dkdv_tiles, dq_tiles = (None, None) if tiles is None else tiles
+    return _choose(DKDV, call, dkdv_tiles), _choose(DQ, call, dq_tiles)
 
-    The Gluon dK/dV kernel takes batched inputs fit for bulk copies with as many queries as keys,
-    dK and dV leaving by bulk copy too; the Gluon dQ kernel takes the Gluon forward's cases at
-    head dim 128, with dO and O fit for bulk copies and dQ's last dim dense.
-    """
-    dkdv_tiles, dq_tiles = backward_tile_sizes(q.shape[-1], q.dtype, q.device)
-    gluon_dkdv = (
-        options.dkdv_backend != "triton"
-        and dkdv_tiles == _GLUON_DKDV_TILES
-        and varlen is None
-        and q.shape[1] == k.shape[1]
-        and _gluon_sm90_runs_on(q)
-        and tma_allowed(q.device, q, k, v, grad_out, *(t for t in (dk, dv) if t is not None))
-    )
-    gluon_dq = (
-        options.dq_backend != "triton"
-        and (dq is None or dq.stride(-1) == 1)
-        and q.shape[-1] == 128
-        and _gluon_forward_takes(
-            q,
-            k,
-            v,
-            dq_tiles,
-            block_size=block_size,
-            causal=causal,
-            gather=gather_dq,
-            varlen=varlen,
-            softmax_scale=softmax_scale,
-        )
-        and tma_allowed(q.device, grad_out, out)
-    )
-    return (
-        PassKernel("gluon" if gluon_dkdv else "triton", *dkdv_tiles),
-        PassKernel("gluon" if gluon_dq else "triton", *dq_tiles),
-    )
+
+def _tiles(layout: TileLayout) -> Tiles:
+    return layout.block_m, layout.block_n
 
 
 # ------------------------------------------------------------------------------- the passes
@@ -268,8 +212,7 @@ def forward(
     options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a forward layout, on validated inputs, by ``kernel`` (built at the layout's
-    tiles); None to choose it here (:func:`forward_kernel`, the Triton kernel on a layout of
-    other tiles than the chosen ones).
+    tiles); None to choose it here (:func:`forward_kernel` at the layout's tiles).
 
     Returns ``out`` like q and ``lse`` (batch, heads, seq_q), or (heads, total_q) when packed, in
     float32 (float64 for float64 inputs).
@@ -306,35 +249,21 @@ def forward(
             varlen=varlen,
             softmax_scale=softmax_scale,
             options=options,
-        ).on(layout)
+            tiles=_tiles(layout),
+        )
     _check_tiles(kernel, layout, "layout")
-    if kernel.backend == "gluon":
-        from .gluon import forward_sm90
-
-        forward_sm90.forward(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            layout,
-            softmax_scale=softmax_scale,
-            q_heads_per_pattern_head=q_heads_per_pattern_head,
-            config=options.gluon_forward,
-        )
-    else:
-        triton_forward.forward(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            layout,
-            softmax_scale=softmax_scale,
-            q_heads_per_pattern_head=q_heads_per_pattern_head,
-            varlen=varlen,
-            config=options.triton_forward,
-        )
+    _backend(FORWARD, kernel).launch(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        layout,
+        softmax_scale=softmax_scale,
+        q_heads_per_pattern_head=q_heads_per_pattern_head,
+        varlen=varlen,
+        options=options,
+    )
     return out, lse
 
 
@@ -361,12 +290,12 @@ def backward(
     """Gradients of q, k, v (shaped like them) from ``grad_out`` (like out) and ``grad_lse``
     (like lse, or None), on a backward (per-KV-tile) layout for dK/dV and a forward one for dQ,
     by ``kernels`` (dK/dV's and dQ's, built at the layouts' tiles); None to choose them here
-    (:func:`backward_kernels`, the Triton kernels on layouts of other tiles than the chosen ones).
+    (:func:`backward_kernels` at the layouts' tiles).
 
     ``dq``, ``dk``, ``dv`` may be given as views to write into (e.g. slices of one packed dqkv
-    tensor). Up to four launches: the row term delta (by the Gluon dQ kernel when it runs, which
-    then goes first), dK/dV, its gathered KV tiles, then dQ. None uses atomics, so gradients are
-    the same from run to run.
+    tensor). Up to four launches: the row term delta (by the dQ backend when it computes it on
+    the way, which then goes first), dK/dV, its gathered KV tiles, then dQ. None uses atomics,
+    so gradients are the same from run to run.
     """
     if interpreter_upcasts(q):
         grads = backward(
@@ -394,97 +323,72 @@ def backward(
             t.fill_(float("nan"))
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    launch = BackwardLaunch(
+        grad_out=grad_out,
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        lse=lse,
+        grad_lse=grad_lse,
+        delta=torch.empty_like(lse),
+        stats=None,
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        varlen=varlen,
+        packed=packed,
+        softmax_scale=softmax_scale,
+        q_heads_per_pattern_head=q_heads_per_pattern_head,
+        options=options,
+    )
+    _launch_backward(launch, dkdv_layout, dq_layout, kernels, seqlen_q)
+    return dq, dk, dv
+
+
+def _launch_backward(
+    launch: BackwardLaunch,
+    dkdv_layout: TileLayout,
+    dq_layout: TileLayout,
+    kernels: tuple[PassKernel, PassKernel] | None,
+    seqlen_q: int,
+) -> None:
+    """:func:`backward`'s launches, in order, by ``kernels`` or those chosen at the layouts'
+    tiles."""
     if kernels is None:
-        dkdv_kernel, dq_kernel = backward_kernels(
-            grad_out,
-            q,
-            k,
-            v,
-            out,
-            dq=dq,
-            dk=dk,
-            dv=dv,
+        kernels = backward_kernels(
+            launch.grad_out,
+            launch.q,
+            launch.k,
+            launch.v,
+            launch.out,
+            dq=launch.dq,
+            dk=launch.dk,
+            dv=launch.dv,
             block_size=dq_layout.block_size,
             causal=dq_layout.causal,
             gather_dq=dq_layout.gather_width > 0,
-            varlen=varlen,
-            softmax_scale=softmax_scale,
-            options=options,
+            varlen=launch.varlen,
+            softmax_scale=launch.softmax_scale,
+            options=launch.options,
+            tiles=(_tiles(dkdv_layout), _tiles(dq_layout)),
         )
-        kernels = dkdv_kernel.on(dkdv_layout), dq_kernel.on(dq_layout)
     dkdv_kernel, dq_kernel = kernels
     _check_tiles(dkdv_kernel, dkdv_layout, "dkdv_layout")
     _check_tiles(dq_kernel, dq_layout, "dq_layout")
-    gluon_dkdv, gluon_dq = dkdv_kernel.backend == "gluon", dq_kernel.backend == "gluon"
-    common = dict(softmax_scale=softmax_scale, q_heads_per_pattern_head=q_heads_per_pattern_head)
-    delta = torch.empty_like(lse)
-    # The Gluon dK/dV kernel reads each row's (LSE * log2(e), delta) by bulk copies: rows padded
-    # to 16 bytes.
-    stats = None
-    if gluon_dkdv:
-        stats = torch.empty(
-            (q.shape[0] * q.shape[-2], 2, -(-seqlen_q // 4) * 4),
-            dtype=torch.float32,
-            device=q.device,
-        )
-    if gluon_dq:
-        from .gluon import backward_sm90
-
-        # Runs first: it computes delta (and the row statistics) on the way.
-        backward_sm90.dq(
-            grad_out,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            grad_lse,
-            delta,
-            stats,
-            dq,
-            dq_layout,
-            config=options.gluon_dq,
-            **common,
-        )
+    dkdv_backend, dq_backend = _backend(DKDV, dkdv_kernel), _backend(DQ, dq_kernel)
+    if dkdv_backend.reads_row_stats:
+        # Read by bulk copies: rows padded to 16 bytes.
+        q = launch.q
+        stats_shape = (q.shape[0] * q.shape[-2], 2, -(-seqlen_q // 4) * 4)
+        launch.stats = torch.empty(stats_shape, dtype=torch.float32, device=q.device)
+    if dq_backend.computes_delta:
+        dq_backend.launch(launch, dq_layout)
     else:
-        triton_backward.row_delta(out, grad_out, lse, grad_lse, delta, stats, packed=packed)
-    if gluon_dkdv:
-        from .gluon import backward_sm90
-
-        backward_sm90.dkdv(
-            grad_out, q, k, v, stats, dk, dv, dkdv_layout, config=options.gluon_dkdv, **common
-        )
-    # Gathered KV tiles' far uses (Triton only) add to what the contiguous pass wrote.
-    triton_backward.dkdv(
-        grad_out,
-        q,
-        k,
-        v,
-        lse,
-        delta,
-        dk,
-        dv,
-        dkdv_layout,
-        varlen=varlen,
-        config=options.triton_dkdv,
-        contiguous=not gluon_dkdv,
-        **common,
-    )
-    if not gluon_dq:
-        triton_backward.dq(
-            grad_out,
-            q,
-            k,
-            v,
-            lse,
-            delta,
-            dq,
-            dq_layout,
-            varlen=varlen,
-            config=options.triton_dq,
-            **common,
-        )
-    return dq, dk, dv
+        row_delta(launch)
+    dkdv_backend.launch(launch, dkdv_layout)
+    if not dq_backend.computes_delta:
+        dq_backend.launch(launch, dq_layout)
 
 
 def _check_tiles(kernel: PassKernel, layout: TileLayout, name: str) -> None:
@@ -493,6 +397,11 @@ def _check_tiles(kernel: PassKernel, layout: TileLayout, name: str) -> None:
             f"{name} has {layout.block_m}x{layout.block_n} tiles but the kernel chosen for it "
             f"walks {kernel.block_m}x{kernel.block_n}"
         )
+
+
+def _decode_backend(device: torch.device) -> DecodeBackend | None:
+    """The first backend of ``backends.DECODE`` that runs on ``device``, None if none does."""
+    return next((backend for backend in DECODE if backend.runs_on(device)), None)
 
 
 def decode(
@@ -507,12 +416,19 @@ def decode(
     num_splits: int = 1,
     split_counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step over a paged KV cache: :func:`s2attn.ops.triton.decode.decode`'s arguments
-    and results, with bfloat16 computed in float32 under the interpreter (see
-    :func:`interpreter_upcasts`)."""
+    """A decode step over a paged KV cache by the first decode backend that runs on q's device:
+    :func:`s2attn.ops.triton.decode.decode`'s arguments and results, with bfloat16 computed in
+    float32 under the interpreter (see :func:`interpreter_upcasts`). Where none runs, a
+    RuntimeError (callers take ``s2attn.ops.cpu.paged_attention`` there)."""
+    backend = _decode_backend(q.device)
+    if backend is None:
+        raise RuntimeError(
+            f"no decode kernel runs on {q.device} (Triton's need a CUDA GPU or TRITON_INTERPRET=1);"
+            " s2attn.ops.cpu.paged_attention computes the same in PyTorch"
+        )
     upcast = interpreter_upcasts(q)
     operands = (t.float() for t in (q, k_pages, v_pages)) if upcast else (q, k_pages, v_pages)
-    out, lse = triton_decode.decode(
+    out, lse = backend.launch(
         *operands,
         page_table,
         seq_lens,
@@ -522,6 +438,16 @@ def decode(
         split_counters=split_counters,
     )
     return (out.to(q.dtype) if upcast else out), lse
+
+
+def decode_num_splits(
+    batch: int, num_kv_heads: int, longest_list: int, device: torch.device
+) -> int:
+    """Programs per (sequence, KV head) of a decode step whose longest list is ``longest_list``
+    pages, by the rule of the decode backend that runs on ``device`` (1 where none does: the
+    PyTorch path takes no splits)."""
+    backend = _decode_backend(device)
+    return 1 if backend is None else backend.num_splits(batch, num_kv_heads, longest_list, device)
 
 
 # ------------------------------------------------------------------------- the paged cache
@@ -542,17 +468,3 @@ def write_pages(
     """A decode step's page write, and with ``advance`` its length update in the same launch:
     :func:`s2attn.ops.triton.page_write.write_pages`."""
     triton_page_write.write_pages(k, v, k_pages, v_pages, page_table, seq_lens, advance=advance)
-
-
-def decode_num_splits(
-    batch: int, num_kv_heads: int, longest_list: int, device: torch.device
-) -> int:
-    """Programs per (sequence, KV head) of a decode step whose longest list is
-    ``longest_list`` pages (:func:`s2attn.ops.triton.decode.decode_num_splits`)."""
-    return triton_decode.decode_num_splits(batch, num_kv_heads, longest_list, device)
-
-
-def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> int:
-    """The split count of every step of a captured or compiled run: from the layout's longest
-    list (:func:`s2attn.ops.triton.decode.run_num_splits`)."""
-    return triton_decode.run_num_splits(layout, batch, device)

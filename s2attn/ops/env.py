@@ -2,8 +2,9 @@
 
 Whether Triton interprets kernels on the CPU (``TRITON_INTERPRET=1``, set before s2attn is
 imported) or compiles them, the ``S2ATTN_*`` switches, each GPU's compute capability, and whether
-tensors qualify for bulk tensor copies (TMA). Read here, once; :mod:`s2attn.ops.dispatch` decides
-from them which backend runs a call, and the launchers which loads their kernels use.
+tensors qualify for bulk tensor copies (TMA). Read here, once; the backend tables
+(:mod:`s2attn.ops.backends`) decide from them which backend runs a call, and the launchers which
+loads their kernels use.
 """
 
 from __future__ import annotations

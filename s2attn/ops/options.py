@@ -25,7 +25,7 @@ __all__ = [
     "TritonForwardConfig",
 ]
 
-# "auto": the Gluon kernel where it supports the call (ops/dispatch.py), else Triton.
+# "auto": the Gluon kernel where it supports the call (ops/backends.py), else Triton.
 Backend = Literal["auto", "triton"]
 _BACKENDS = ("auto", "triton")
 

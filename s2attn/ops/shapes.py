@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..layout import TileLayout
+    from .layout import TileLayout
 
 __all__ = [
     "LOG2E",

@@ -31,7 +31,7 @@ from test_vllm import (  # noqa: E402
 )
 
 from s2attn.inference.eviction import kv_last_use  # noqa: E402
-from s2attn.layout import group_block_mask  # noqa: E402
+from s2attn.ops.decode_layout import group_block_mask  # noqa: E402
 
 BLOCK, STRIDE, KV_HEADS = 16, 4, 2
 

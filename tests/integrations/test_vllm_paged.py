@@ -26,7 +26,7 @@ from s2attn.integrations.vllm_paged import (
     write_kv,
     write_stripes,
 )
-from s2attn.layout import group_block_mask
+from s2attn.ops.decode_layout import group_block_mask
 from s2attn.ops.dispatch import supports_triton
 
 HEADS, KV_HEADS, DIM = 4, 2, 32

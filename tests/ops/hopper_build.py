@@ -28,8 +28,8 @@ from triton.runtime.jit import mangle_type
 
 from s2attn import local_stride_pattern
 from s2attn.inference import paged_kv_cache
-from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops.gluon import backward_sm90, forward_sm90
+from s2attn.ops.layout import backward_layout, forward_layout
 from s2attn.ops.options import (
     GluonDkdvConfig,
     GluonDqConfig,

@@ -675,8 +675,8 @@ def test_dkdv_item_order():
     # The Gluon dK/dV kernel's queue (ops/gluon/backward_sm90.py): a permutation of the items, one
     # group of (batch, KV head) pairs after another, longest list first within a group, each
     # group's long lists ahead of the previous group's short ones, short ones last.
-    from s2attn.layout import backward_layout
     from s2attn.ops.gluon.backward_sm90 import dkdv_order
+    from s2attn.ops.layout import backward_layout
 
     heads, tiles = 8, 128
     pattern = local_stride_pattern(

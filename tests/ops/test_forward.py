@@ -7,6 +7,7 @@ trivial: several tiles per sequence, ragged ends, rows that attend nothing. Outp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -26,7 +27,7 @@ from helpers import (
 
 import s2attn
 from s2attn import BlockPattern, local_stride_pattern
-from s2attn.ops import dispatch
+from s2attn.ops import backends, dispatch, layout
 
 SEEDS = [0, 1]
 
@@ -347,11 +348,15 @@ def test_qkvpacked_matches_slices(gen, varlen):
     ],
 )
 def test_tile_geometries(gen, monkeypatch, causal, block_size, block_m, block_n):
-    """The GPU's tile shapes (and odd ones) through the public path, by overriding the choice."""
+    """The GPU's tile shapes (and odd ones) through the public path, by a forward table of one
+    backend, Triton's, at these tiles."""
     dtype = DTYPES[0]
-    monkeypatch.setattr(dispatch, "forward_tile_sizes", lambda *_: (block_m, block_n))
+    triton = dataclasses.replace(backends.FORWARD[-1], tiles=lambda *_: (block_m, block_n))
+    monkeypatch.setattr(dispatch, "FORWARD", (triton,))
     p = _random_pattern(gen, 2, 280, block_size, causal, density=0.6)
     _check(*random_qkv(gen, 1, 200, 270, 2, 2, 64, dtype), p)
+    if dispatch.supports_triton(torch.device(DEVICE)):  # the kernels ran at these tiles
+        assert (block_m, block_n) in {key[:2] for key in layout._CACHE[p]}
 
 
 # ------------------------------------------------------------------------------ torch.compile

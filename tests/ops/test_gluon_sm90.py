@@ -18,8 +18,8 @@ from helpers import ON_GPU, assert_close, dtype_ids, randn
 
 import s2attn
 from s2attn import BlockPattern, dense_pattern, local_stride_pattern
-from s2attn.layout import backward_layout, forward_layout
 from s2attn.ops import dispatch
+from s2attn.ops.layout import backward_layout, forward_layout
 from s2attn.ops.options import (
     GluonDkdvConfig,
     GluonDqConfig,

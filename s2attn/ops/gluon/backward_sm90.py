@@ -15,7 +15,7 @@ known. Each query row is in exactly one work item, so the kernel also computes t
 delta = rowsum(dO * O) - dLSE itself (the producer copies O with q and dO) and writes it, with
 LSE * log2(e), for the dK/dV pass that runs after it: no separate pass over O and dO. Same cases
 as the Gluon forward at head dim 128, plus dO and O that qualify for bulk copies
-(``ops/dispatch.py``, ``backward_kernels``); the Triton dQ kernel takes the rest (at dim 64
+(``ops/backends.py``, the ``DQ`` table); the Triton dQ kernel takes the rest (at dim 64
 this kernel measured no faster).
 
 dK/dV: see the section below.
@@ -37,9 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...layout import TileLayout
 from ...memory import build_outside_graph_pool
 from ..launcher import Launcher
+from ..layout import TileLayout
 from ..options import GluonDkdvConfig, GluonDqConfig
 from ..shapes import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from .common_sm90 import (

@@ -9,7 +9,7 @@ softmax of entry i runs while the tensor cores compute PV of entry i-1.
 
 Same layouts, same results as the Triton kernel: full entries first, unmasked; then partial
 entries with their bit mask, causality and key bounds. It takes the common case only
-(``ops/dispatch.py``, ``forward_kernel``): dense 2-byte inputs on an sm_90 GPU, head dim
+(``ops/backends.py``, the ``FORWARD`` table): dense 2-byte inputs on an sm_90 GPU, head dim
 64 or 128, 128x64 layout tiles without gathered entries, no key bound to check in full entries.
 Everything else runs the Triton kernel.
 """
@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ...layout import TileLayout
 from ..launcher import Launcher
+from ..layout import TileLayout
 from ..options import GluonForwardConfig
 from ..shapes import LOG2E, heads_per_program_group, layout_constexprs, query_tiles
 from .common_sm90 import (

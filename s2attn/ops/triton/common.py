@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from ...layout import TileLayout
+    from ..layout import TileLayout
 
 @triton.jit
 def sequence_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: tl.constexpr):

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layout import DecodeLayout
+from ..decode_layout import DecodeLayout
 from ..env import POISON_OUTPUTS
 from ..launcher import Launcher
 from ..options import TritonDecodeConfig
@@ -527,13 +527,6 @@ def decode_num_splits(
     else:
         splits = min(want, cdiv(longest_list, 4))
     return max(1, min(splits, longest_list, MAX_SPLITS))
-
-
-def run_num_splits(layout: DecodeLayout, batch: int, device: torch.device) -> int:
-    """The split count for every step of a captured or compiled run: from the layout's longest
-    list over all query blocks (host data), so the launch never changes from step to step."""
-    longest = int(layout.list_lengths.max())
-    return decode_num_splits(batch, layout.num_kv_heads, longest, device)
 
 
 @functools.cache

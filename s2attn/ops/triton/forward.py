@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...layout import TileLayout
 from ..env import tma_allowed
 from ..launcher import launcher_for
+from ..layout import TileLayout
 from ..options import TritonForwardConfig
 from ..shapes import (
     LOG2E,
