@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["DenseRule", "HeadRule", "PatternFamily", "check_bool", "strided_rows"]
+__all__ = ["DenseRule", "HeadRule", "PatternFamily", "check_bool", "strided_rows", "union_complete"]
 
 
 def check_bool(name: str, value: object) -> bool:
