@@ -94,6 +94,13 @@ class S2Settings:
         if not isinstance(family, PatternFamily):
             raise TypeError(f"family must be a PatternFamily, got {type(family).__name__}")
         if family_fields:
+            unknown = sorted(set(family_fields) - set(_field_names(family)))
+            if unknown:
+                raise TypeError(
+                    f"S2Settings got {', '.join(unknown)}: neither a field of S2Settings "
+                    f"(block_size, dense_layers, family) nor of its family {type(family).__name__}"
+                    f" ({', '.join(_field_names(family))})"
+                )
             family = dataclasses.replace(family, **family_fields)
         layers = tuple(dense_layers)
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):

@@ -173,8 +173,10 @@ def test_settings_hold_a_family_and_read_its_fields_through():
     assert settings.replace(block_size=32).family == settings.family
     with pytest.raises(AttributeError, match="window"):
         _ = settings.window
-    with pytest.raises(TypeError, match="window"):
+    with pytest.raises(TypeError, match="S2Settings got window: neither a field of S2Settings"):
         settings.replace(window=3)
+    with pytest.raises(TypeError, match=r"max_seq_len.*LocalStride \(local_blocks, vert_stride"):
+        S2Settings(max_seq_len=64)  # a model's length, not a setting
     with pytest.raises(TypeError, match="family must be a PatternFamily"):
         S2Settings(family=(2, 4))
     with pytest.raises(ValueError, match="block_size"):
