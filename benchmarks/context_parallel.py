@@ -71,6 +71,7 @@ import s2attn
 from s2attn.distributed import communication_bytes, context_parallel_attention, shard, unshard
 from s2attn.distributed.context_parallel import CallCommunication
 from s2attn.reference import key_row_grads
+from s2attn.rules import LocalStrideRule
 
 HEADERS = [
     "pass", "ranks", "ms per rank", "slowest / mean rank", "one device ms", "efficiency",
@@ -193,12 +194,16 @@ def local_only_blocks(pattern) -> tuple[int, set[tuple[int, int]]] | None:
     ``local_blocks`` query blocks from its own, so its dK and dV are cheap to recompute. None
     otherwise (a dense head, or a pattern without rules: every later query may read a key)."""
     rules = pattern.rules
-    if rules is None or not pattern.causal or any(len(r) != 3 for r in rules):
+    if (
+        rules is None
+        or not pattern.causal
+        or not all(isinstance(r, LocalStrideRule) for r in rules)
+    ):
         return None
-    local_blocks = {r[0] for r in rules}
+    local_blocks = {r.local_blocks for r in rules}
     if len(local_blocks) != 1:  # the readers of a block would differ between heads
         return None
-    return local_blocks.pop(), {(r[1], r[2]) for r in rules}
+    return local_blocks.pop(), {(r.vert_stride, r.shift) for r in rules}
 
 
 def sampled_keys(positions: torch.Tensor, pattern, count: int, gen) -> torch.Tensor:

@@ -6,6 +6,7 @@ instead.
 """
 
 from .attention import merge_partials, sparse_attention, sparse_attention_qkvpacked
+from .builders import local_stride_pattern
 from .inference import (
     ModelKVCache,
     PagedKVCache,
@@ -14,7 +15,7 @@ from .inference import (
     sparse_attention_with_kvcache,
 )
 from .modules import SparseAttention
-from .pattern import BlockPattern, dense_pattern, local_stride_pattern
+from .pattern import BlockPattern, dense_pattern
 from .reference import attention_reference
 
 __all__ = [

@@ -214,16 +214,12 @@ def _time_against_sdpa(pattern, seq: int, heads: int, dim: int, dtype) -> None:
 
 
 def draw(args: argparse.Namespace) -> int:
-    import s2attn
+    from s2attn.rules import LocalStride
+    from s2attn.stack import S2Settings
 
-    p = s2attn.local_stride_pattern(
-        args.heads,
-        max_seq_len=args.seq,
-        block_size=args.block,
-        local_blocks=args.local_blocks,
-        vert_stride=args.vert_stride,
-        causal=not args.bidirectional,
-    )
+    family = LocalStride(local_blocks=args.local_blocks, vert_stride=args.vert_stride)
+    settings = S2Settings(block_size=args.block, dense_layers=(), family=family)
+    p = settings.pattern(args.heads, max_seq_len=args.seq, causal=not args.bidirectional)
     print(p)
     print(_legend(args.block, p.causal, _DRAW_BLOCKS))
     show = args.show_heads if args.show_heads is not None else min(args.heads, 4)

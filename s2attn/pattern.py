@@ -14,29 +14,26 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import warnings
 import weakref
 
 import torch
 
+from . import block_lists
 from .input_checks import as_int, check_int
+from .rules import DenseRule, HeadRule, union_complete
+from .rules.base import check_bool
 
 __all__ = [
     "DENSE_VIEW_LIMIT",
     "BlockPattern",
     "check_dense_view",
     "dense_pattern",
-    "local_stride_pattern",
     "shared_dense_pattern",
     "shared_pattern",
 ]
 
 _OP_KEYS = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[int, BlockPattern] = weakref.WeakValueDictionary()
-
-# Kept blocks per step when a check walks a pattern's lists: the step's temporaries, several int64
-# tensors of this length, stay under 100 MB at any pattern size.
-_WALK_BLOCKS = 1 << 20
 
 # Bytes of host memory that one dense view of a pattern may take: :attr:`BlockPattern.mask`,
 # :meth:`~BlockPattern.effective_block_mask`, :meth:`~BlockPattern.token_mask`,
@@ -68,17 +65,11 @@ _INSTEAD_OF_MASK = (
 )
 
 
-def _check_block_size(block_size: object) -> int:
+def check_block_size(block_size: object) -> int:
     block_size = as_int("block_size", block_size)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     return block_size
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 class BlockPattern:
@@ -99,8 +90,8 @@ class BlockPattern:
     Storage is proportional to the kept blocks: per (head, query block) row, the sorted list of
     its KV blocks (CSR: :attr:`row_offsets`, :attr:`cols`). The checks walk these lists a bounded
     chunk of rows at a time, and the kernels' layouts work from them; :attr:`mask` is a dense view
-    built on each access, for small patterns and tests. Patterns made by
-    :func:`local_stride_pattern` and :func:`dense_pattern` keep only each head's rule until the
+    built on each access, for small patterns and tests. Patterns made by the builders
+    (:mod:`s2attn.builders`) and :func:`dense_pattern` keep only each head's rule until the
     whole lists are asked for: head slices and crops stay rules, the checks (:meth:`density`,
     :meth:`kept_token_pairs`, :meth:`kept_blocks_per_head`, :meth:`is_kv_efficient`,
     :meth:`is_union_complete`) are closed forms of the rules, and the kernels' layouts generate
@@ -126,8 +117,8 @@ class BlockPattern:
             )
         if min(mask.shape) == 0:
             raise ValueError(f"mask must not be empty, got shape {tuple(mask.shape)}")
-        block_size = _check_block_size(block_size)
-        _check_bool("causal", causal)
+        block_size = check_block_size(block_size)
+        check_bool("causal", causal)
         heads, q_blocks, kv_blocks = mask.shape
         rows, cols = (
             mask.detach().to("cpu").reshape(heads * q_blocks, kv_blocks).nonzero(as_tuple=True)
@@ -163,32 +154,11 @@ class BlockPattern:
         """
         num_heads = check_int("num_heads", num_heads)
         num_kv_blocks = check_int("num_kv_blocks", num_kv_blocks)
-        block_size = _check_block_size(block_size)
-        _check_bool("causal", causal)
-        for name, t in (("row_offsets", row_offsets), ("cols", cols)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
-                raise TypeError(f"{name} must be a 1-D integer tensor")
-        rows = row_offsets.numel() - 1
-        if rows < num_heads or rows % num_heads:
-            raise ValueError(
-                f"row_offsets must hold num_heads * q_blocks + 1 entries, got {rows + 1} for "
-                f"num_heads={num_heads}"
-            )
-        offsets = row_offsets.detach().to("cpu", torch.int64)
-        cols = cols.detach().to("cpu", torch.int64)
-        counts = offsets[1:] - offsets[:-1]
-        if offsets[0] != 0 or (counts < 0).any() or offsets[-1] != cols.numel():
-            raise ValueError(
-                f"row_offsets must start at 0, never decrease and end at len(cols) ({cols.numel()})"
-            )
-        if cols.numel() and (cols.min() < 0 or cols.max() >= num_kv_blocks):
-            raise ValueError(f"cols must lie in [0, num_kv_blocks={num_kv_blocks})")
-        row_start = torch.zeros(cols.numel(), dtype=torch.bool)
-        row_start[offsets[:-1][counts > 0]] = True
-        if cols.numel() > 1 and not ((cols[1:] > cols[:-1]) | row_start[1:]).all():
-            raise ValueError("each row's cols must be strictly increasing")
-        return cls._from_lists(num_heads, rows // num_heads, num_kv_blocks, counts, cols,
-                               block_size, causal)  # fmt: skip
+        block_size = check_block_size(block_size)
+        check_bool("causal", causal)
+        counts, cols = block_lists.check_block_lists(row_offsets, cols, num_heads, num_kv_blocks)
+        q_blocks = counts.numel() // num_heads
+        return cls._from_lists(num_heads, q_blocks, num_kv_blocks, counts, cols, block_size, causal)
 
     @classmethod
     def _from_lists(cls, heads, q_blocks, kv_blocks, counts, cols, block_size, causal):
@@ -200,16 +170,15 @@ class BlockPattern:
     def _init(self, heads, q_blocks, kv_blocks, counts, cols, block_size, causal) -> None:
         self._shape = (heads, q_blocks, kv_blocks)
         self._rules = None
-        self._lists = (_offsets_from_counts(counts), cols.to(torch.int32).contiguous())
+        self._lists = (block_lists.offsets_from_counts(counts), cols.to(torch.int32).contiguous())
         self.block_size = block_size
         self.causal = causal
         self._register()
 
     @classmethod
     def _from_rules(cls, rules, num_blocks, block_size, causal) -> BlockPattern:
-        """A square pattern kept as one rule per head (:func:`_row_lists`' arguments after the
-        block count: ``()`` for a dense head, ``(local_blocks, vert_stride, shift)`` otherwise),
-        its lists built only when asked for."""
+        """A square pattern kept as one :class:`~s2attn.rules.HeadRule` per head, its lists built
+        only when asked for."""
         pattern = cls.__new__(cls)
         pattern._shape = (len(rules), num_blocks, num_blocks)
         pattern._rules = tuple(rules)
@@ -233,21 +202,25 @@ class BlockPattern:
     def _materialized(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._lists is None:
             nb = self.num_q_blocks
-            built: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # heads sharing a rule
+            built: dict[HeadRule, tuple[torch.Tensor, torch.Tensor]] = {}  # heads sharing a rule
             for r in self._rules:
                 if r not in built:
-                    counts, _, cols = _row_lists(nb, self.causal, *r)
+                    counts, _, cols = r.row_lists(nb, self.causal)
                     built[r] = counts, cols.to(torch.int32)
             heads = [built[r] for r in self._rules]
             counts = torch.cat([c for c, _ in heads])
-            self._lists = (_offsets_from_counts(counts), torch.cat([c for _, c in heads]))
+            self._lists = (
+                block_lists.offsets_from_counts(counts),
+                torch.cat([c for _, c in heads]),
+            )
         return self._lists
 
     @property
-    def rules(self) -> tuple | None:
-        """Per head, the rule of a builder's pattern: ``(local_blocks, vert_stride, shift)``, or
-        ``()`` for a dense head; None for a pattern given by a mask or lists. Two patterns with
-        the same rules, shape, block size and causality are the same pattern."""
+    def rules(self) -> tuple[HeadRule, ...] | None:
+        """Per head, the rule of a builder's pattern (e.g. a
+        :class:`~s2attn.rules.LocalStrideRule`, or :class:`~s2attn.rules.DenseRule` for a dense
+        head); None for a pattern given by a mask or lists. Two patterns with the same rules,
+        shape, block size and causality are the same pattern."""
         return self._rules
 
     @property
@@ -259,9 +232,9 @@ class BlockPattern:
         if self._rules is None:
             return None
         reasons = [
-            _dense_rule_reason(self.num_q_blocks, self.causal, self.block_size, *rule)
+            rule.dense_reason(self.num_q_blocks, self.causal, self.block_size)
             for rule in dict.fromkeys(self._rules)
-            if rule
+            if not rule.is_dense
         ]
         if not reasons or None in reasons:
             return None
@@ -319,7 +292,7 @@ class BlockPattern:
         """int64 (heads,): each head's kept (query block, KV block) pairs, causally visible or
         not. A builder's pattern counts them from its rules, in time independent of the length."""
         if self._rules is not None:
-            counts = {r: _rule_counts(self.num_q_blocks, self.causal, *r)[0] for r in self._rules}
+            counts = {r: r.counts(self.num_q_blocks, self.causal)[0] for r in self._rules}
             return torch.tensor([counts[r] for r in self._rules], dtype=torch.int64)
         return self.row_offsets[:: self.num_q_blocks].diff()
 
@@ -366,7 +339,7 @@ class BlockPattern:
             nb = self.num_q_blocks if num_blocks is None else min(num_blocks, self.num_q_blocks)
             parts = []
             for n, rule in enumerate(rules):
-                _, i, j = _row_lists(nb, self.causal, *rule, device=device)
+                _, i, j = rule.row_lists(nb, self.causal, device=device)
                 parts.append((torch.full_like(i, n), i, j))
             return tuple(torch.cat(column) for column in zip(*parts))
         if device is not None:
@@ -399,7 +372,7 @@ class BlockPattern:
             )
         rules = self._head_rules(slice(head, head + 1))
         if rules is not None:
-            _, i, j = _row_lists(self.num_q_blocks, self.causal, *rules[0], rows=(first, stop))
+            _, i, j = rules[0].row_lists(self.num_q_blocks, self.causal, rows=(first, stop))
             return i, j
         row = head * self.num_q_blocks
         offsets = self.row_offsets[row + first : row + stop + 1]
@@ -473,7 +446,7 @@ class BlockPattern:
         lines = []
         for r in range(n_q):
             if rules is not None:  # the rule over the drawn corner: nothing past it is generated
-                _, _, j = _row_lists(n_q, self.causal, *rules[0], rows=(r, r + 1))
+                _, _, j = rules[0].row_lists(n_q, self.causal, rows=(r, r + 1))
             else:
                 _, j = self.row_blocks(head, r, r + 1)
             # Causally hidden cells are the row's tail, blank: the line stops before them.
@@ -550,33 +523,8 @@ class BlockPattern:
 
     # --------------------------------------------------------------- checks
     # A builder's pattern answers from its rules: closed forms over each distinct rule, in time
-    # and memory independent of the length. A pattern given as lists is walked a bounded chunk of
-    # rows at a time (:meth:`_walk`): its checks hold one chunk's blocks and a few tensors of one
-    # row's or one column's length, never (heads, q_blocks, kv_blocks).
-    def _walk(self, heads: range, stop: int):
-        """The lists of ``heads`` over query blocks ``[0, stop)``, in chunks of rows that hold at
-        most ``_WALK_BLOCKS`` blocks together (or one row): per chunk ``(first, end, blocks)``,
-        ``blocks`` holding per head its causally visible (query block, KV block) pairs as int64."""
-        qb, offsets, cols = self.num_q_blocks, self.row_offsets, self.cols
-        per_row = sum(offsets[h * qb : h * qb + stop + 1].diff() for h in heads)
-        ends = per_row.cumsum(0)
-        first = 0
-        while first < stop:
-            done = int(ends[first - 1]) if first else 0
-            end = max(int(torch.searchsorted(ends, done + _WALK_BLOCKS, right=True)), first + 1)
-            blocks = []
-            for h in heads:
-                rows = offsets[h * qb + first : h * qb + end + 1]
-                lo, hi = int(rows[0]), int(rows[-1])
-                i = first + torch.searchsorted(rows[1:], torch.arange(lo, hi), right=True)
-                j = cols[lo:hi].long()
-                if self.causal:
-                    keep = j <= i
-                    i, j = i[keep], j[keep]
-                blocks.append((i, j))
-            yield first, end, blocks
-            first = end
-
+    # and memory independent of the length. A pattern given as lists (or rules without a closed
+    # form) is walked a bounded chunk of rows at a time (s2attn.block_lists).
     def kept_token_pairs(self, seq_len: int) -> int:
         """Token pairs the pattern keeps for one sequence of ``seq_len``, summed over heads: each
         kept block pair weighs its visible token pairs (full blocks, the last one shorter, the
@@ -587,21 +535,10 @@ class BlockPattern:
         last = seq_len - (nb - 1) * bs
         if self._rules is not None:
             return sum(
-                uses * _rule_token_pairs(nb, last, bs, self.causal, *rule)
+                uses * rule.token_pairs(nb, last, bs, self.causal)
                 for rule, uses in collections.Counter(self._rules).items()
             )
-        total = 0
-        for h in range(self.num_heads):
-            for _, _, [(i, j)] in self._walk(range(h, h + 1), nb):
-                keep = j < nb  # the crop's columns; its rows are the walk's
-                i, j = i[keep], j[keep]
-                len_i = torch.where(i == nb - 1, last, bs)
-                len_j = torch.where(j == nb - 1, last, bs)
-                pairs = len_i * len_j
-                if self.causal:
-                    pairs = torch.where(j == i, len_i * (len_i + 1) // 2, pairs)
-                total += int(pairs.sum())
-        return total
+        return sum(block_lists.head_token_pairs(self, h, nb, last) for h in range(self.num_heads))
 
     def _check_seq_len(self, seq_len: object) -> int:
         seq_len = check_int("seq_len", seq_len)
@@ -625,23 +562,11 @@ class BlockPattern:
         Then a KV block, once left behind by the queries, is never read again and can be evicted.
         """
         if self._rules is not None:
-            # A rule's KV block j is read by the rows of its window around j and, when j is a
-            # stripe, by every row that sees j: one run either way, at any length.
-            return True
-        qb, kb = self.num_q_blocks, self.num_kv_blocks
-        for h in range(self.num_heads):
-            # Per KV block: its first and last reader and how many read it; one run when the
-            # readers fill the span between the first and the last.
-            low = torch.full((kb,), qb, dtype=torch.int64)
-            high = torch.full((kb,), -1, dtype=torch.int64)
-            readers = torch.zeros(kb, dtype=torch.int64)
-            for _, _, [(i, j)] in self._walk(range(h, h + 1), qb):
-                low.scatter_reduce_(0, j, i, "amin")
-                high.scatter_reduce_(0, j, i, "amax")
-                readers += torch.bincount(j, minlength=kb)
-            if not ((readers == 0) | (high - low + 1 == readers)).all():
-                return False
-        return True
+            nb, causal = self.num_q_blocks, self.causal
+            answers = {rule.is_kv_efficient(nb, causal) for rule in set(self._rules)}
+            if None not in answers:
+                return all(answers)
+        return all(block_lists.head_kv_efficient(self, h) for h in range(self.num_heads))
 
     def is_union_complete(self, num_kv_heads: int | None = None) -> bool:
         """True when every visible block pair is attended by at least one head.
@@ -656,34 +581,16 @@ class BlockPattern:
                 f"num_kv_heads={groups} does not divide the pattern's {self.num_heads} heads"
             )
         size = self.num_heads // groups
-        heads = [range(g * size, (g + 1) * size) for g in range(groups)]
-        if self._rules is not None:
-            nb = self.num_q_blocks
-            group_rules = {frozenset(self._rules[h.start : h.stop]) for h in heads}
-            return all(_rules_union_complete(nb, self.causal, rules) for rules in group_rules)
-        qb, kb = self.num_q_blocks, self.num_kv_blocks
-        for group in heads:
-            for first, end, blocks in self._walk(group, qb):
-                keys = torch.cat([(i - first) * kb + j for i, j in blocks])
-                covered = torch.unique(keys).numel()
-                if self.causal:
-                    visible = int(torch.arange(first + 1, end + 1).clamp(max=kb).sum())
-                else:
-                    visible = (end - first) * kb
-                if covered != visible:
-                    return False
+        for group in (range(g * size, (g + 1) * size) for g in range(groups)):
+            complete = None
+            if self._rules is not None:
+                rules = frozenset(self._rules[group.start : group.stop])
+                complete = union_complete(rules, self.num_q_blocks, self.causal)
+            if complete is None:
+                complete = block_lists.group_union_complete(self, group)
+            if not complete:
+                return False
         return True
-
-
-def _validate_heads(num_heads: object, num_kv_heads: object) -> tuple[int, int]:
-    """(num_heads, KV groups) as ints."""
-    num_heads = check_int("num_heads", num_heads)
-    if num_kv_heads is None:
-        return num_heads, num_heads
-    num_kv_heads = check_int("num_kv_heads", num_kv_heads)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-    return num_heads, num_kv_heads
 
 
 def dense_pattern(
@@ -692,10 +599,10 @@ def dense_pattern(
     """Every head attends every (visible) block: dense attention expressed as a pattern."""
     num_heads = check_int("num_heads", num_heads)
     max_seq_len = check_int("max_seq_len", max_seq_len)
-    block_size = _check_block_size(block_size)
-    _check_bool("causal", causal)
+    block_size = check_block_size(block_size)
+    check_bool("causal", causal)
     nb = math.ceil(max_seq_len / block_size)
-    return BlockPattern._from_rules([()] * num_heads, nb, block_size, causal)
+    return BlockPattern._from_rules([DenseRule()] * num_heads, nb, block_size, causal)
 
 
 # Patterns shared by every layer and caller of one configuration, so that their layouts are
@@ -723,248 +630,3 @@ def shared_dense_pattern(num_heads: int, max_seq_len: int, block_size: int) -> B
         ("dense", num_heads, max_seq_len, block_size),
         lambda: dense_pattern(num_heads, max_seq_len=max_seq_len, block_size=block_size),
     )
-
-
-def local_stride_pattern(
-    num_heads: int,
-    *,
-    max_seq_len: int,
-    block_size: int,
-    local_blocks: int,
-    vert_stride: int,
-    num_kv_heads: int | None = None,
-    num_dense_heads: int = 0,
-    homo_head: bool = False,
-    head_offset: int = 0,
-    causal: bool = True,
-) -> BlockPattern:
-    """The S2 pattern: a local window plus vertical stripes at absolute block positions.
-
-    Query block ``i`` of a sparse head keeps KV block ``j`` when ``0 <= i - j < local_blocks``
-    (``|i - j| < local_blocks`` when bidirectional) or when ``(j + shift) % vert_stride == 0``
-    (and ``j <= i`` when causal). ``shift`` is ``head_offset`` plus the head's index among the
-    sparse heads (its KV group's index when ``num_kv_heads`` is given), so ``vert_stride``
-    consecutive sparse heads (or KV groups) cover every residue: the union is complete.
-    ``homo_head=True`` gives every head the same shift. The last ``num_dense_heads`` query heads
-    are dense.
-
-    Because stripes sit at absolute positions, a KV block a head stops using is never used again by
-    that head (the pattern is KV-efficient).
-
-    Returns a pattern of ``num_heads`` heads; query heads of one KV group share one pattern.
-
-    Example::
-
-        >>> p = local_stride_pattern(
-        ...     32, max_seq_len=8192, block_size=64, local_blocks=16, vert_stride=16
-        ... )
-        >>> p.is_union_complete(), p.is_kv_efficient()
-        (True, True)
-    """
-    num_heads, groups = _validate_heads(num_heads, num_kv_heads)
-    max_seq_len = check_int("max_seq_len", max_seq_len)
-    block_size = _check_block_size(block_size)
-    local_blocks = check_int("local_blocks", local_blocks)
-    vert_stride = check_int("vert_stride", vert_stride)
-    num_dense_heads = check_int("num_dense_heads", num_dense_heads, minimum=0)
-    _check_bool("homo_head", homo_head)
-    _check_bool("causal", causal)
-    head_offset = as_int("head_offset", head_offset)
-    if num_dense_heads > num_heads:
-        raise ValueError(f"num_dense_heads ({num_dense_heads}) exceeds num_heads ({num_heads})")
-    group_size = num_heads // groups
-    if num_dense_heads % group_size:
-        raise ValueError(
-            f"num_dense_heads ({num_dense_heads}) must be a multiple of the GQA group size "
-            f"({group_size}) so that every KV group shares one pattern"
-        )
-
-    nb = math.ceil(max_seq_len / block_size)
-    if max_seq_len % block_size:
-        warnings.warn(
-            f"max_seq_len={max_seq_len} is not a multiple of block_size={block_size}: the "
-            f"pattern covers {nb * block_size} tokens ({nb} blocks)",
-            UserWarning,
-            stacklevel=2,
-        )
-    num_sparse_groups = groups - num_dense_heads // group_size
-    rules = []
-    for g in range(groups):
-        if g >= num_sparse_groups:
-            rules.append(())
-            continue
-        shift = head_offset + (0 if homo_head else g)
-        rules.append((local_blocks, vert_stride, shift % vert_stride))
-    pattern = BlockPattern._from_rules(
-        [rule for rule in rules for _ in range(group_size)], nb, block_size, causal
-    )
-    # A pattern that keeps everything costs what dense attention costs, and more (the layouts, the
-    # masks): say so where it is built, not in a benchmark later.
-    if num_dense_heads == num_heads:
-        reason = f"num_dense_heads={num_dense_heads} makes every head dense"
-    else:
-        reason = pattern.dense_reason
-    if reason is not None:
-        warnings.warn(f"{reason}: the pattern is dense", UserWarning, stacklevel=2)
-    elif vert_stride > nb and not pattern.is_union_complete():
-        # Each head keeps at most one stripe, and some heads none: too few heads to cover.
-        warnings.warn(
-            f"vert_stride={vert_stride} exceeds the {nb} blocks of max_seq_len={max_seq_len} "
-            f"(block_size={block_size}): some visible blocks lie on no head's stripe, so the "
-            "pattern is not union complete",
-            UserWarning,
-            stacklevel=2,
-        )
-    return pattern
-
-
-def _dense_rule_reason(nb, causal, block_size, local_blocks, vert_stride, shift) -> str | None:
-    """Why one head's rule keeps every visible block of ``nb``, or None when it drops some.
-
-    A causal row ``i`` leaves out blocks ``[0, i - local_blocks]`` (bidirectional, also
-    ``[i + local_blocks, nb)``), at most ``nb - local_blocks`` of them in the last (first) row;
-    with ``vert_stride >= 2`` two neighbours are never both stripes, so only a single block left
-    out can be kept by the stripes: block 0 (and block ``nb - 1``, bidirectional)."""
-    if nb == 1:
-        return f"block_size={block_size} holds the whole sequence in one block"
-    if local_blocks >= nb:
-        return f"local_blocks={local_blocks} covers all {nb} blocks"
-    if vert_stride == 1:
-        return "vert_stride=1 keeps every block"
-    first = -shift % vert_stride  # the first stripe
-    if local_blocks == nb - 1 and first == 0 and (causal or (nb - 1) % vert_stride == 0):
-        left_out = "block 0" if causal else f"blocks 0 and {nb - 1}"
-        return (
-            f"local_blocks={local_blocks} of {nb} blocks leaves out only {left_out}, which every "
-            f"head's stripes (vert_stride={vert_stride}) keep"
-        )
-    return None
-
-
-def _below_sum(a: int, first: int, stride: int, n: int) -> int:
-    """``sum(max(0, a - x))`` over the ``n`` terms ``x = first + stride * k``: how far the terms
-    below ``a`` lie below it, added up."""
-    m = min(n, max(0, -(-(a - first) // stride)))  # the terms below a
-    return m * (a - first) - stride * m * (m - 1) // 2
-
-
-def _rule_counts(nb, causal, local_blocks=None, vert_stride=1, shift=0) -> tuple[int, int, int]:
-    """One head's rule over ``nb`` blocks, in closed form: its kept blocks, those of its last
-    row, and those of its last column (:func:`_row_geometry`'s window and stripes)."""
-    if local_blocks is None:  # dense
-        return (nb * (nb + 1) // 2, nb, 1) if causal else (nb * nb, nb, nb)
-    window, stride = local_blocks, vert_stride
-    first = -shift % stride  # the first stripe
-    stripes = max(0, -(-(nb - first) // stride))
-    # Stripe j is kept outside the window by the rows from j + window on (and, bidirectional,
-    # by those up to j - window); the last row keeps the stripes below nb - window.
-    last_row = min(nb, window) + max(0, -(-(nb - window - first) // stride))
-    rows_after = _below_sum(nb - window, first, stride, stripes)
-    if causal:
-        if nb <= window:
-            local = nb * (nb + 1) // 2
-        else:
-            local = window * (window + 1) // 2 + (nb - window) * window
-        return local + rows_after, last_row, 1
-    # Row i's window [i - window + 1, i + window - 1] clipped to [0, nb): nb blocks each, less
-    # what each side clips, the same sum on both sides.
-    local = nb * nb - 2 * _below_sum(nb - window, 0, 1, nb)
-    # sum over stripes of max(0, j - window + 1) = sum (j - window + 1) + sum max(0, window - 1 - j)
-    rows_before = (
-        stripes * (first - window + 1)
-        + stride * stripes * (stripes - 1) // 2
-        + _below_sum(window - 1, first, stride, stripes)
-    )
-    last_col = nb if (nb - 1 - first) % stride == 0 else min(nb, window)
-    return local + rows_after + rows_before, last_row, last_col
-
-
-def _rule_token_pairs(nb, last, block_size, causal, *rule) -> int:
-    """The token pairs one head's rule keeps over ``nb`` blocks whose last holds ``last`` tokens:
-    its block pairs weighed as :meth:`BlockPattern.kept_token_pairs` weighs them. Every row keeps
-    its diagonal block, so only the last row's and last column's counts change a weight."""
-    kept, last_row, last_col = _rule_counts(nb, causal, *rule)
-    bs = block_size
-    if causal:  # diagonals are triangles; the last row's other blocks are last x bs
-        return (
-            bs * bs * (kept - nb)
-            + (nb - 1) * bs * (bs + 1) // 2
-            + last * (last + 1) // 2
-            - (bs - last) * bs * (last_row - 1)
-        )
-    full = kept - last_row - last_col + 1
-    return bs * bs * full + bs * last * (last_row + last_col - 2) + last * last
-
-
-def _rules_union_complete(nb, causal, rules: frozenset) -> bool:
-    """Whether the heads of ``rules`` together keep every visible pair of ``nb`` blocks.
-
-    A dense head keeps all of them. Otherwise the widest window keeps every pair nearer than
-    it, and a pair farther off is kept only by a head whose stripe is its KV block: every KV
-    block with such a pair must be some head's stripe. Stripes repeat with the strides' least
-    common multiple, so one period of those blocks decides."""
-    if () in rules:
-        return True
-    window = max(rule[0] for rule in rules)
-    period = math.lcm(*(rule[1] for rule in rules))
-    # KV blocks j with a visible pair farther than the window: from row nb - 1 (j < nb - window)
-    # and, bidirectional, from row 0 (j >= window).
-    spans = [(0, nb - window)] if causal else [(0, nb - window), (window, nb)]
-    for start, stop in spans:
-        j = torch.arange(start, start + max(0, min(stop - start, period)))
-        stripe = torch.zeros_like(j, dtype=torch.bool)
-        for _, stride, shift in rules:
-            stripe |= (j + shift) % stride == 0
-        if not stripe.all():
-            return False
-    return True
-
-
-def _row_geometry(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None, rows=None):
-    """Per query block of one head (of ``rows``, a ``(first, stop)`` range, when given): the
-    local window ``[lo, hi]``, the stripes ``first + stride * k`` below it (``before`` of them)
-    and from ``first_after`` on past it (``after``), and the row's count of kept blocks;
-    ``local_blocks`` None: every visible block."""
-    i = torch.arange(*((0, nb) if rows is None else rows), device=device)
-    if local_blocks is None:  # dense
-        lo = torch.zeros_like(i)
-        hi = i if causal else torch.full_like(i, nb - 1)
-        before = after = torch.zeros_like(i)
-        first_after = torch.zeros_like(i)
-        stride, first = 1, 0
-    else:
-        lo = (i - local_blocks + 1).clamp(min=0)
-        hi = i if causal else (i + local_blocks - 1).clamp(max=nb - 1)
-        stride, first = vert_stride, (-shift) % vert_stride  # the first stripe
-        # Stripes first, ..., below lo; and (bidirectional) from past hi to the end.
-        before = ((lo - first + stride - 1) // stride).clamp(min=0)
-        first_after = hi + 1 + (first - hi - 1) % stride
-        after = (
-            torch.zeros_like(i) if causal else ((nb - 1 - first_after) // stride + 1).clamp(min=0)
-        )
-    local = hi - lo + 1
-    return lo, local, before, first, first_after, stride, before + local + after
-
-
-def _row_lists(nb, causal, local_blocks=None, vert_stride=1, shift=0, device=None, rows=None):
-    """One head's kept blocks as (per-row counts, each block's row, each block's column; int64),
-    sorted by row then column, built in O(kept) memory on ``device``: the local window and the
-    stripes ``j = -shift (mod vert_stride)`` outside it (:func:`_row_geometry`). ``rows``: only
-    the query blocks ``[first, stop)``."""
-    geometry = _row_geometry(nb, causal, local_blocks, vert_stride, shift, device, rows)
-    lo, local, before, first, first_after, stride, counts = geometry
-    n = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)  # row index
-    k = torch.arange(int(counts.sum()), device=device) - (counts.cumsum(0) - counts)[n]
-    b, loc = before[n], local[n]
-    cols = torch.where(
-        k < b,
-        first + stride * k,
-        torch.where(k < b + loc, lo[n] + (k - b), first_after[n] + stride * (k - b - loc)),
-    )
-    return counts, n + (0 if rows is None else rows[0]), cols
-
-
-def _offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    offsets[1:] = counts.cumsum(0)
-    return offsets

@@ -16,7 +16,8 @@ import torch
 from helpers import HANG_GUARD_S, no_tensor_allocation
 
 import s2attn.pattern as pattern_module
-from s2attn import BlockPattern, dense_pattern, local_stride_pattern
+from s2attn import BlockPattern, block_lists, dense_pattern, local_stride_pattern
+from s2attn.rules import LocalStrideRule
 
 
 def _causal_blocks(n: int) -> torch.Tensor:
@@ -569,7 +570,7 @@ def test_builders_take_any_integral_type(integral):
     )
     assert got.rules == want.rules and torch.equal(got.mask, want.mask)
     assert type(got.block_size) is int and type(got.num_heads) is int
-    assert all(type(x) is int for rule in got.rules for x in rule)
+    assert all(type(x) is int for rule in got.rules for x in vars(rule).values())
     dense = dense_pattern(integral(3), max_seq_len=integral(100), block_size=integral(32))
     assert torch.equal(dense.mask, dense_pattern(3, max_seq_len=100, block_size=32).mask)
     masked = BlockPattern(want.mask, block_size=integral(16))
@@ -978,7 +979,7 @@ def _random_kv_efficient_mask(rng, heads, qb, kb) -> torch.Tensor:
 def test_checks_of_block_lists_equal_the_mask(monkeypatch, walk_blocks):
     """Random user block lists, square or not, walked in small chunks of rows (a few blocks per
     step, rows split between steps) or whole: every check equals the dense-mask answer."""
-    monkeypatch.setattr(pattern_module, "_WALK_BLOCKS", walk_blocks)
+    monkeypatch.setattr(block_lists, "WALK_BLOCKS", walk_blocks)
     rng = np.random.default_rng(7)
     outcomes = collections.Counter()
     for case in range(120):
@@ -1142,11 +1143,13 @@ def test_dense_views_of_millions_of_tokens_refuse_at_once(monkeypatch):
     assert p._lists is None
 
     generated = []
-    row_lists = pattern_module._row_lists
+    row_lists = LocalStrideRule.row_lists
     monkeypatch.setattr(
-        pattern_module,
-        "_row_lists",
-        lambda nb, *args, **kwargs: generated.append(nb) or row_lists(nb, *args, **kwargs),
+        LocalStrideRule,
+        "row_lists",
+        lambda rule, nb, *args, **kwargs: (
+            generated.append(nb) or row_lists(rule, nb, *args, **kwargs)
+        ),
     )
     small = local_stride_pattern(
         32, max_seq_len=64 * 64, block_size=64, local_blocks=16, vert_stride=32

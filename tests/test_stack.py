@@ -159,3 +159,31 @@ def test_dense_layers_spread_through_the_stack():
             assert 0 not in spread or 2 * count > layers
     with pytest.raises(ValueError, match="dense_layers must be in"):
         spread_dense_layers(7, 6)
+
+
+def test_settings_hold_a_family_and_read_its_fields_through():
+    """The local-stride fields given to S2Settings are its family's; they read and replace as the
+    settings' own, and a name of neither is refused by name."""
+    from s2attn.rules import LocalStride
+
+    settings = S2Settings(block_size=16, local_blocks=2, vert_stride=4, dense_layers=(0,))
+    assert settings.family == LocalStride(local_blocks=2, vert_stride=4)
+    assert settings == S2Settings(16, (0,), LocalStride(local_blocks=2, vert_stride=4))
+    assert settings.vert_stride == 4 and settings.replace(vert_stride=8).family.vert_stride == 8
+    assert settings.replace(block_size=32).family == settings.family
+    with pytest.raises(AttributeError, match="window"):
+        _ = settings.window
+    with pytest.raises(TypeError, match="S2Settings got window: neither a field of S2Settings"):
+        settings.replace(window=3)
+    with pytest.raises(TypeError, match=r"max_seq_len.*LocalStride \(local_blocks, vert_stride"):
+        S2Settings(max_seq_len=64)  # a model's length, not a setting
+    with pytest.raises(TypeError, match="family must be a PatternFamily"):
+        S2Settings(family=(2, 4))
+    with pytest.raises(ValueError, match="block_size"):
+        S2Settings(block_size=24)
+    with pytest.raises(ValueError, match="vert_stride"):
+        S2Settings(vert_stride=0)
+    assert len({settings, settings.replace(), S2Settings(**PATTERN_FIELDS)}) == 2
+
+
+PATTERN_FIELDS = dict(block_size=16, local_blocks=2, vert_stride=8, dense_layers=(0,))

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import weakref
 from collections.abc import Sequence
 
@@ -63,8 +64,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..attention import sparse_attention
 from ..distributed import context_parallel_attention, shard
-from ..pattern import BlockPattern, dense_pattern, local_stride_pattern
+from ..pattern import BlockPattern, dense_pattern
 from ..reference import attention_reference
+from ..stack import S2Settings, settings_with
 
 __all__ = [
     "S2CoreAttention",
@@ -77,40 +79,6 @@ __all__ = [
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right, AttnMaskType.padding_causal)
 _BIDIRECTIONAL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 _SUPPORTED_TYPES = _CAUSAL_TYPES + _BIDIRECTIONAL_TYPES
-
-
-@dataclasses.dataclass(frozen=True)
-class S2Settings:
-    """What the S2 layers of a model attend; hashable, so layers share patterns and layouts.
-
-    Args:
-        max_seq_len: the longest sequence the patterns cover (per packed sequence).
-        block_size, local_blocks, vert_stride, num_dense_heads, homo_head, head_offset: the S2
-            layers' :func:`s2attn.local_stride_pattern` (query heads of a GQA group share one).
-        dense_layers: 0-based indices of the layers that attend densely (Megatron's
-            ``layer_number`` is 1-based: layer index ``layer_number - 1``).
-        num_query_groups: the model's KV heads. Megatron hands core attention a config whose
-            ``num_query_groups`` is raised to the tensor-parallel size when there are fewer KV
-            heads than ranks; the patterns' GQA grouping follows this number instead, so the model
-            is the same function at every tensor-parallel size. None: the config's.
-        reference: compute with :func:`s2attn.attention_reference` on the dense token mask
-            instead of the kernels (exact and slow: for tests).
-    """
-
-    max_seq_len: int
-    block_size: int = 64
-    local_blocks: int = 16
-    vert_stride: int = 16
-    dense_layers: tuple[int, ...] = ()
-    num_dense_heads: int = 0
-    homo_head: bool = False
-    head_offset: int = 0
-    num_query_groups: int | None = None
-    reference: bool = False
-
-    def __post_init__(self):
-        # A list would make the settings unhashable, and the pattern caches need them hashable.
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
 
 
 def tp_head_range(num_heads: int, tp_rank: int, tp_size: int) -> slice:
@@ -134,32 +102,26 @@ def tp_head_range(num_heads: int, tp_rank: int, tp_size: int) -> slice:
 
 @functools.lru_cache(maxsize=32)
 def _full_pattern(
-    settings: S2Settings, dense: bool, num_heads: int, num_kv_heads: int, causal: bool
+    settings: S2Settings,
+    max_seq_len: int,
+    dense: bool,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool,
 ) -> BlockPattern:
     if dense:
         return dense_pattern(
-            num_heads,
-            max_seq_len=settings.max_seq_len,
-            block_size=settings.block_size,
-            causal=causal,
+            num_heads, max_seq_len=max_seq_len, block_size=settings.block_size, causal=causal
         )
-    return local_stride_pattern(
-        num_heads,
-        max_seq_len=settings.max_seq_len,
-        block_size=settings.block_size,
-        local_blocks=settings.local_blocks,
-        vert_stride=settings.vert_stride,
-        num_kv_heads=num_kv_heads,
-        num_dense_heads=settings.num_dense_heads,
-        homo_head=settings.homo_head,
-        head_offset=settings.head_offset,
-        causal=causal,
+    return settings.pattern(
+        num_heads, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads, causal=causal
     )
 
 
 @functools.lru_cache(maxsize=64)
 def _rank_pattern(
     settings: S2Settings,
+    max_seq_len: int,
     dense: bool,
     num_heads: int,
     num_kv_heads: int,
@@ -170,7 +132,7 @@ def _rank_pattern(
     # Cached so that every layer of a kind on a rank holds the same object, and with it one set of
     # compiled layouts (the layout cache is keyed on the pattern object).
     heads = tp_head_range(num_heads, tp_rank, tp_size)
-    full = _full_pattern(settings, dense, num_heads, num_kv_heads, causal)
+    full = _full_pattern(settings, max_seq_len, dense, num_heads, num_kv_heads, causal)
     return full if tp_size == 1 else full[heads]
 
 
@@ -180,6 +142,7 @@ def layer_pattern(
     num_heads: int,
     num_kv_heads: int,
     *,
+    max_seq_len: int,
     causal: bool = True,
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -187,14 +150,17 @@ def layer_pattern(
     """The pattern of Megatron layer ``layer_number`` (1-based) for one tensor-parallel rank.
 
     Returns a pattern over the rank's ``num_heads / tp_size`` query heads: the rank's head range
-    of the S2 pattern (or of a dense pattern in ``settings.dense_layers``) built for all heads.
+    of the S2 pattern (or of a dense pattern in ``settings.dense_layers``, 0-based indices: layer
+    index ``layer_number - 1``) built for all heads over ``max_seq_len`` tokens.
     """
     if not isinstance(settings, S2Settings):
         raise TypeError(f"settings must be an S2Settings, got {type(settings).__name__}")
     if not isinstance(layer_number, int) or layer_number < 1:
         raise ValueError(f"layer_number must be an integer >= 1 (1-based), got {layer_number!r}")
     dense = (layer_number - 1) in settings.dense_layers
-    return _rank_pattern(settings, dense, num_heads, num_kv_heads, causal, tp_rank, tp_size)
+    return _rank_pattern(
+        settings, max_seq_len, dense, num_heads, num_kv_heads, causal, tp_rank, tp_size
+    )
 
 
 def _cp_group(pg_collection, size: int):
@@ -221,11 +187,51 @@ def _tp_rank_and_size(pg_collection) -> tuple[int, int]:
     return group.rank(), group.size()
 
 
+def _check_config(config: TransformerConfig) -> None:
+    """Refuse the config's attention options that S2CoreAttention does not implement."""
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        raise NotImplementedError(
+            f"S2CoreAttention supports config.softmax_type='vanilla' only, got {softmax_type!r}"
+        )
+    if getattr(config, "window_size", None) is not None:
+        raise NotImplementedError(
+            f"S2CoreAttention does not take config.window_size={config.window_size}: "
+            "the S2 pattern's local window is S2Settings.local_blocks"
+        )
+    if getattr(config, "qk_clip", False):
+        raise NotImplementedError("S2CoreAttention does not report attention logits for qk_clip")
+
+
+def _is_causal(attn_mask_type: AttnMaskType) -> bool:
+    """Whether a supported mask type is causal; NotImplementedError naming the others."""
+    if attn_mask_type in _CAUSAL_TYPES:
+        return True
+    if attn_mask_type in _BIDIRECTIONAL_TYPES:
+        return False
+    raise NotImplementedError(
+        f"S2CoreAttention cannot express attn_mask_type={attn_mask_type} as a block "
+        f"pattern; supported: {', '.join(t.name for t in _SUPPORTED_TYPES)}"
+    )
+
+
 class S2CoreAttention(MegatronModule):
     """S2 block-sparse attention as the ``core_attention`` submodule of Megatron's SelfAttention.
 
     Built by Megatron from a ``ModuleSpec`` (see :func:`get_hhst_layer_spec`) with the arguments
-    of its ``DotProductAttention`` plus ``s2``, the :class:`S2Settings`. Holds no weights.
+    of its ``DotProductAttention`` plus:
+
+    * ``s2``: the :class:`~s2attn.stack.S2Settings` (the S2 pattern, the dense layers' 0-based
+      indices; Megatron's ``layer_number`` is 1-based).
+    * ``max_seq_len``: the longest sequence the patterns cover (per packed sequence).
+    * ``num_query_groups``: the model's KV heads. Megatron hands core attention a config whose
+      ``num_query_groups`` is raised to the tensor-parallel size when there are fewer KV heads
+      than ranks; the patterns' GQA grouping follows this number instead, so the model is the
+      same function at every tensor-parallel size. None: the config's.
+    * ``reference``: compute with :func:`s2attn.attention_reference` on the dense token mask
+      instead of the kernels (exact and slow: for tests).
+
+    Holds no weights.
 
     ``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None)`` takes Megatron's layouts:
@@ -252,6 +258,9 @@ class S2CoreAttention(MegatronModule):
         pg_collection=None,
         *,
         s2: S2Settings,
+        max_seq_len: int,
+        num_query_groups: int | None = None,
+        reference: bool = False,
     ):
         super().__init__(config=config)
         if not isinstance(s2, S2Settings):
@@ -267,31 +276,11 @@ class S2CoreAttention(MegatronModule):
         self.cp_group = None
         if config.context_parallel_size != 1:
             self.cp_group = _cp_group(pg_collection, config.context_parallel_size)
-        softmax_type = getattr(config, "softmax_type", "vanilla")
-        if softmax_type != "vanilla":
-            raise NotImplementedError(
-                f"S2CoreAttention supports config.softmax_type='vanilla' only, got {softmax_type!r}"
-            )
-        if getattr(config, "window_size", None) is not None:
-            raise NotImplementedError(
-                f"S2CoreAttention does not take config.window_size={config.window_size}: "
-                "the S2 pattern's local window is S2Settings.local_blocks"
-            )
-        if getattr(config, "qk_clip", False):
-            raise NotImplementedError(
-                "S2CoreAttention does not report attention logits for qk_clip"
-            )
-        if attn_mask_type in _CAUSAL_TYPES:
-            causal = True
-        elif attn_mask_type in _BIDIRECTIONAL_TYPES:
-            causal = False
-        else:
-            raise NotImplementedError(
-                f"S2CoreAttention cannot express attn_mask_type={attn_mask_type} as a block "
-                f"pattern; supported: {', '.join(t.name for t in _SUPPORTED_TYPES)}"
-            )
+        _check_config(config)
+        causal = _is_causal(attn_mask_type)
 
         self.s2 = s2
+        self.reference = reference
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale  # None: 1 / sqrt(head dim), as DotProductAttention
@@ -302,13 +291,14 @@ class S2CoreAttention(MegatronModule):
         )
         self.tp_rank, self.tp_size = _tp_rank_and_size(pg_collection)
         num_heads = config.num_attention_heads
-        num_kv_heads = s2.num_query_groups or config.num_query_groups or num_heads
+        num_kv_heads = num_query_groups or config.num_query_groups or num_heads
         self.is_dense = (self.layer_number - 1) in s2.dense_layers
         self.pattern = layer_pattern(
             s2,
             self.layer_number,
             num_heads,
             num_kv_heads,
+            max_seq_len=max_seq_len,
             causal=causal,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
@@ -365,14 +355,7 @@ class S2CoreAttention(MegatronModule):
         self._checked_version = mask._version
 
     def _resolve_causal(self, attn_mask_type: AttnMaskType, seq_q: int) -> None:
-        if attn_mask_type in _CAUSAL_TYPES:
-            causal = True
-        elif attn_mask_type in _BIDIRECTIONAL_TYPES:
-            causal = False
-        else:
-            raise NotImplementedError(
-                f"S2CoreAttention cannot express attn_mask_type={attn_mask_type} as a block pattern"
-            )
+        causal = _is_causal(attn_mask_type)
         # A single query at the last position sees every key either way (Megatron's inference
         # switches decode steps to no_mask).
         if causal != self.pattern.causal and seq_q > 1:
@@ -427,7 +410,7 @@ class S2CoreAttention(MegatronModule):
                 f"query has {heads} heads but this rank's pattern has {self.pattern.num_heads} "
                 f"(tensor-parallel rank {self.tp_rank} of {self.tp_size})"
             )
-        attend = attention_reference if self.s2.reference else sparse_attention
+        attend = attention_reference if self.reference else sparse_attention
         if packed:
             if self.cp_group is not None:
                 # Raised before any collective: every rank of the group gets the same pack, so
@@ -544,13 +527,14 @@ def get_hhst_layer_spec(
     config: TransformerConfig,
     *,
     max_seq_len: int,
-    dense_layers: int | Sequence[int] = 2,
-    block_size: int = 64,
-    local_blocks: int = 16,
-    vert_stride: int = 16,
-    num_dense_heads: int = 0,
-    homo_head: bool = False,
-    head_offset: int = 0,
+    settings: S2Settings | None = None,
+    dense_layers: int | Sequence[int] | None = None,
+    block_size: int | None = None,
+    local_blocks: int | None = None,
+    vert_stride: int | None = None,
+    num_dense_heads: int | None = None,
+    homo_head: bool | None = None,
+    head_offset: int | None = None,
     base_spec: ModuleSpec | None = None,
     reference: bool = False,
 ) -> ModuleSpec:
@@ -560,6 +544,9 @@ def get_hhst_layer_spec(
         config: the model's ``TransformerConfig`` (layers, heads, KV heads, tensor-parallel size,
             normalization, qk_layernorm are read from it).
         max_seq_len: the longest sequence (per packed sequence) the patterns cover.
+        settings: the :class:`~s2attn.stack.S2Settings`, of any pattern family (default: block
+            64, local 16 blocks, stride 16, the first two layers dense); each of the keywords
+            below that is given replaces its field.
         dense_layers: 0-based indices of the dense layers, or a count of dense layers from the
             first; the others are S2.
         block_size, local_blocks, vert_stride, num_dense_heads, homo_head, head_offset: the S2
@@ -580,26 +567,42 @@ def get_hhst_layer_spec(
     """
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a megatron TransformerConfig, got {type(config).__name__}")
-    num_kv_heads = config.num_query_groups or config.num_attention_heads
-    settings = S2Settings(
-        max_seq_len=max_seq_len,
+    if settings is None and dense_layers is None:
+        dense_layers = 2
+    if dense_layers is not None:
+        dense_layers = _dense_layer_indices(dense_layers, config.num_layers)
+    settings = settings_with(
+        settings,
+        dense_layers=dense_layers,
         block_size=block_size,
         local_blocks=local_blocks,
         vert_stride=vert_stride,
-        dense_layers=_dense_layer_indices(dense_layers, config.num_layers),
         num_dense_heads=num_dense_heads,
         homo_head=homo_head,
         head_offset=head_offset,
-        num_query_groups=num_kv_heads,
-        reference=reference,
     )
-    tp_size = config.tensor_model_parallel_size
-    for dense in (False, True):  # build the patterns now: bad settings fail here, not in a layer
-        for rank in range(tp_size):
-            _rank_pattern(
-                settings, dense, config.num_attention_heads, num_kv_heads, True, rank, tp_size
-            )
+    settings.layer_types(config.num_layers)  # the dense layers lie in the stack
+    num_kv_heads = config.num_query_groups or config.num_attention_heads
+    heads, tp_size = config.num_attention_heads, config.tensor_model_parallel_size
+    # Built now: bad settings fail here, not in a layer.
+    for dense, rank in itertools.product((False, True), range(tp_size)):
+        _rank_pattern(settings, max_seq_len, dense, heads, num_kv_heads, True, rank, tp_size)
+    params = {
+        "s2": settings,
+        "max_seq_len": max_seq_len,
+        "num_query_groups": num_kv_heads,
+        "reference": reference,
+    }
+    return _with_core_attention(
+        base_spec, config, ModuleSpec(module=S2CoreAttention, params=params)
+    )
 
+
+def _with_core_attention(
+    base_spec: ModuleSpec | None, config: TransformerConfig, core: ModuleSpec
+) -> ModuleSpec:
+    """A copy of ``base_spec`` (default: Megatron's local GPT layer spec for ``config``) whose
+    self-attention's core attention is ``core``."""
     if base_spec is None:
         base_spec = get_gpt_layer_local_spec(
             normalization=config.normalization, qk_layernorm=config.qk_layernorm
@@ -616,7 +619,6 @@ def get_hhst_layer_spec(
             f"Megatron's SelfAttention, got {attention!r}"
         )
     spec = _copy_spec(base_spec)
-    core = ModuleSpec(module=S2CoreAttention, params={"s2": settings})
     spec.submodules.self_attention.submodules.core_attention = core
     return spec
 

@@ -35,14 +35,12 @@ Works with models whose attention modules carry ``config`` and ``layer_idx``, ca
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
 
 try:
     from transformers import AttentionInterface, PreTrainedConfig
-    from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -51,18 +49,23 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..attention import sparse_attention
-from ..inference import (
-    MAX_DECODE_TOKENS,
-    PagedKVCache,
-    paged_kv_cache,
-    sparse_attention_with_kvcache,
-)
-from ..inference.decode_op import STEP_WRITES, static_decode_step
+from ..inference import MAX_DECODE_TOKENS, sparse_attention_with_kvcache
+from ..inference.decode_op import static_decode_step
 from ..input_checks import check_softmax_scale
-from ..pattern import BlockPattern, local_stride_pattern, shared_dense_pattern, shared_pattern
+from ..pattern import BlockPattern, shared_dense_pattern
 from ..precision import autocast_dtype, autocast_entry, cast_inputs
 from ..reference import attention_reference
-from ..stack import S2Settings, spread_dense_layers
+from ..stack import (
+    CONFIG_KEY,
+    S2Settings,
+    config_dense_pattern,
+    config_layer_pattern,
+    config_settings,
+    settings_with,
+    shared_s2_pattern,
+    spread_dense_layers,
+)
+from .transformers_cache import S2Cache, S2CacheLayer
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -89,7 +92,6 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
 }
-_CONFIG_KEY = "s2attn"
 # Where prepare(model) binds each attention module's pattern. The attention reads it there, not
 # through layer_idx: torch.compile guards on what the traced code reads, and all S2 layers share
 # one pattern object, so one layer compiled on its own serves them all; read through layer_idx,
@@ -117,8 +119,8 @@ def configure(
     Args:
         config: a decoder config (e.g. ``LlamaConfig``); changed in place and returned.
         settings: the :class:`~s2attn.stack.S2Settings` (default: block 64, local 16 blocks,
-            stride 16, two dense layers spread through the stack); each of the keywords below
-            that is given replaces its field.
+            stride 16, two dense layers spread through the stack), of any pattern family; each
+            of the keywords below that is given replaces its field.
         block_size, local_blocks, vert_stride, num_dense_heads, homo_head, head_offset: the S2
             layers' :func:`s2attn.local_stride_pattern` (GQA groups share one pattern, so the KV
             cache can evict).
@@ -141,6 +143,56 @@ def configure(
         >>> config.s2attn["layer_types"]
         ['dense', 's2', 's2', 's2']
     """
+    text = _decoder_config(config)
+    num_layers = text.num_hidden_layers
+    dense_layers = _dense_layers(dense_layers, settings, num_layers)
+    if attn_implementation not in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
+        raise ValueError(
+            f"attn_implementation must be {ATTN_IMPLEMENTATION!r} or "
+            f"{REFERENCE_IMPLEMENTATION!r}, got {attn_implementation!r}"
+        )
+    settings = settings_with(
+        settings,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        vert_stride=vert_stride,
+        dense_layers=dense_layers,
+        num_dense_heads=num_dense_heads,
+        homo_head=homo_head,
+        head_offset=head_offset,
+    )
+    entry = settings.config_entry(num_layers, max_seq_len or text.max_position_embeddings)
+    # Built now, not at the first forward: it validates the settings, and a compiled forward
+    # finds the patterns ready (see s2attn.pattern.shared_pattern).
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    shared_s2_pattern(entry, heads, kv_heads)
+    if settings.dense_layers:
+        shared_dense_pattern(kv_heads, entry["max_seq_len"], settings.block_size)
+    setattr(text, CONFIG_KEY, entry)
+    text._attn_implementation = attn_implementation
+    return config
+
+
+def _dense_layers(dense_layers, settings: S2Settings | None, num_layers: int):
+    """The dense layers' indices :func:`configure` takes (None: the settings'), from indices or
+    a count spread through the stack (two when neither they nor settings are given)."""
+    if settings is None and dense_layers is None:
+        dense_layers = 2
+    if isinstance(dense_layers, int) and not isinstance(dense_layers, bool):
+        return spread_dense_layers(dense_layers, num_layers)
+    if dense_layers is not None and (
+        isinstance(dense_layers, (bool, str)) or not isinstance(dense_layers, Sequence)
+    ):
+        raise TypeError(
+            "configure: dense_layers must be a count of dense layers (an int) or a list of "
+            f"layer indices, got {dense_layers!r}"
+        )
+    return dense_layers
+
+
+def _decoder_config(config):
+    """The decoder (text) config of a supported model family's config; raises otherwise."""
     if not isinstance(config, PreTrainedConfig):
         raise TypeError(
             "configure: config must be a transformers config object (a PreTrainedConfig such "
@@ -155,108 +207,13 @@ def configure(
             f"{', '.join(SUPPORTED_MODEL_TYPES.values())} models (model_type "
             f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))})"
         )
-    if isinstance(dense_layers, bool) or not (
-        dense_layers is None
-        or isinstance(dense_layers, int)
-        or (isinstance(dense_layers, Sequence) and not isinstance(dense_layers, str))
-    ):
-        raise TypeError(
-            "configure: dense_layers must be a count of dense layers (an int) or a list of "
-            f"layer indices, got {dense_layers!r}"
-        )
-    num_layers = text.num_hidden_layers
-    if settings is None and dense_layers is None:
-        dense_layers = 2
-    if isinstance(dense_layers, int):
-        dense_layers = spread_dense_layers(dense_layers, num_layers)
-    if attn_implementation not in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
-        raise ValueError(
-            f"attn_implementation must be {ATTN_IMPLEMENTATION!r} or "
-            f"{REFERENCE_IMPLEMENTATION!r}, got {attn_implementation!r}"
-        )
-    given = dict(
-        block_size=block_size,
-        local_blocks=local_blocks,
-        vert_stride=vert_stride,
-        dense_layers=dense_layers,
-        num_dense_heads=num_dense_heads,
-        homo_head=homo_head,
-        head_offset=head_offset,
-    )
-    settings = (settings or S2Settings()).replace(
-        **{k: v for k, v in given.items() if v is not None}
-    )
-    entry = settings.config_entry(num_layers, max_seq_len or text.max_position_embeddings)
-    # Built now, not at the first forward: it validates the settings, and a compiled forward
-    # finds the patterns ready (see s2attn.pattern.shared_pattern).
-    heads, kv_heads, *_ = key = _pattern_key(text, entry)
-    _build_pattern(*key)
-    if settings.dense_layers:
-        shared_dense_pattern(kv_heads, entry["max_seq_len"], settings.block_size)
-    setattr(text, _CONFIG_KEY, entry)
-    text._attn_implementation = attn_implementation
-    return config
-
-
-def _pattern_key(config, settings: dict) -> tuple:
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return (
-        heads,
-        kv_heads,
-        settings["max_seq_len"],
-        settings["block_size"],
-        settings["local_blocks"],
-        settings["vert_stride"],
-        settings["num_dense_heads"],
-        settings["homo_head"],
-        settings["head_offset"],
-    )
-
-
-def _build_pattern(
-    heads,
-    kv_heads,
-    max_seq_len,
-    block_size,
-    local_blocks,
-    vert_stride,
-    num_dense_heads,
-    homo_head,
-    head_offset,
-) -> BlockPattern:
-    # One object per configuration, shared by every S2 layer and read by compiled code (see
-    # s2attn.pattern.shared_pattern); configure() builds it.
-    return shared_pattern(
-        ("s2", heads, kv_heads, max_seq_len, block_size, local_blocks, vert_stride,
-         num_dense_heads, homo_head, head_offset),
-        lambda: local_stride_pattern(
-            heads, max_seq_len=max_seq_len, block_size=block_size, local_blocks=local_blocks,
-            vert_stride=vert_stride, num_kv_heads=kv_heads,
-            num_dense_heads=num_dense_heads, homo_head=homo_head, head_offset=head_offset,
-        ),
-    )  # fmt: skip
-
-
-def _settings(config) -> dict:
-    settings = getattr(config, _CONFIG_KEY, None)
-    if settings is None:
-        raise ValueError(
-            "the model's config has no s2attn settings: call "
-            "s2attn.integrations.transformers.configure(config, ...) before building the model"
-        )
-    return settings
+    return text
 
 
 def layer_pattern(config, layer_idx: int) -> BlockPattern | None:
-    """The pattern of layer ``layer_idx`` under :func:`configure`'s settings, None when dense."""
-    settings = _settings(config)
-    types = settings["layer_types"]
-    if not 0 <= layer_idx < len(types):
-        raise ValueError(f"layer_idx {layer_idx} outside the config's {len(types)} layers")
-    if types[layer_idx] == "dense":
-        return None
-    return _build_pattern(*_pattern_key(config, settings))
+    """The pattern of layer ``layer_idx`` under :func:`configure`'s settings, None when dense
+    (:func:`s2attn.stack.config_layer_pattern`)."""
+    return config_layer_pattern(config, layer_idx)
 
 
 def prepare(model_or_config) -> None:
@@ -269,7 +226,7 @@ def prepare(model_or_config) -> None:
     """
     config = getattr(model_or_config, "config", model_or_config)
     text = config.get_text_config(decoder=True)
-    for layer in range(len(_settings(text)["layer_types"])):
+    for layer in range(len(config_settings(text)[1]["layer_types"])):
         _attention_pattern(text, layer)
     if isinstance(model_or_config, torch.nn.Module):
         for module in model_or_config.modules():
@@ -310,12 +267,8 @@ def _module_pattern(module) -> BlockPattern:
 
 def _attention_pattern(config, layer_idx: int) -> BlockPattern:
     """The layer's pattern for attention over explicit keys: dense layers get a dense one."""
-    pattern = layer_pattern(config, layer_idx)
-    if pattern is not None:
-        return pattern
-    settings = _settings(config)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return shared_dense_pattern(kv_heads, settings["max_seq_len"], settings["block_size"])
+    pattern = config_layer_pattern(config, layer_idx)
+    return config_dense_pattern(config) if pattern is None else pattern
 
 
 # ------------------------------------------------------------------------------ padding
@@ -529,9 +482,9 @@ def _saving_attention_choice(to_dict):
     def with_attention_choice(self) -> dict:
         out = to_dict(self)
         chosen = self.__dict__.get("_attn_implementation_internal")
-        if _CONFIG_KEY in out and chosen in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
+        if CONFIG_KEY in out and chosen in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
             out["attn_implementation"] = chosen
-        if _CONFIG_KEY in out and out.get("architectures") == [LLAMA_ARCHITECTURE]:
+        if CONFIG_KEY in out and out.get("architectures") == [LLAMA_ARCHITECTURE]:
             # Servers that pick the model by this name (vLLM) then refuse an HHST checkpoint
             # without s2attn's plugin, rather than serve it as a dense Llama: a different model.
             # transformers picks the class by model_type and ignores it.
@@ -586,253 +539,3 @@ def register() -> None:
 
 
 register()
-
-
-# ----------------------------------------------------------------------------------- cache
-class S2CacheLayer(CacheLayerMixin):
-    """One layer of :class:`S2Cache`: a :class:`s2attn.PagedKVCache`, built at the first update
-    (when batch, dtype and device are known).
-
-    ``update`` stores nothing itself: it tags the new keys with this layer and returns them, and
-    the ``"s2attn"`` attention appends and attends in one call, choosing what to store by the
-    path it takes (a prefill never stores the blocks only the prompt's own queries read).
-    """
-
-    is_sliding = False
-    is_croppable = True
-
-    def __init__(
-        self,
-        pattern: BlockPattern | None,
-        *,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        max_seq_len: int,
-        num_pages: int | None = None,
-        static: bool = False,
-    ):
-        super().__init__()
-        self.pattern = pattern
-        self.static = static
-        # Static layers decode inside compiled graphs (transformers compiles generate's decode
-        # step for caches that say so); see _compiled_decode.
-        self.is_compileable = static
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.block_size = block_size
-        self.max_seq_len = max_seq_len
-        self.num_pages = num_pages
-        self.paged: PagedKVCache | None = None
-        self._pending = False
-        # Whether this layer's compiled decode steps check on the device that the step fits the
-        # cache (see _compiled_decode). The layers of one S2Cache share _room_check: the first to
-        # store tokens takes it and checks for all, once per step; a layer alone checks itself.
-        self.checks_room = True
-        self._room_check: list[S2CacheLayer | None] = [None]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # Under autocast the model hands over float32 keys (its projections' input dtype), but
-        # attention computes at the region's dtype: keep the cache there, not at twice the bytes.
-        dtype = autocast_dtype(key_states) or key_states.dtype
-        self.paged = paged_kv_cache(
-            self.pattern,
-            batch_size=key_states.shape[0],
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=dtype,
-            device=key_states.device,
-            max_seq_len=self.max_seq_len,
-            block_size=self.block_size,
-            num_pages=self.num_pages,
-            static=self.static,
-        )
-        self.batch_size = key_states.shape[0]
-        self.is_initialized = True
-        if self._room_check[0] is None:
-            self._room_check[0] = self
-        self.checks_room = self._room_check[0] is self
-        if self.static and not torch.compiler.is_compiling():
-            # Fixed addresses: CUDA graphs of compiled decode steps keep them. Every tensor the
-            # step's operator writes must be among them: Inductor runs a graph that mutates any
-            # other input without CUDA graphs (a 7B step at 128k: 14.8 ms, not 8.1).
-            for name in (*STEP_WRITES, "page_table"):
-                torch._dynamo.mark_static_address(getattr(self.paged.step_plan, name))
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._pending:
-            raise RuntimeError(
-                "S2Cache was updated twice without the 's2attn' attention storing the tokens: "
-                "build the model with attn_implementation='s2attn' (configure(config, ...))"
-            )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        # The hand-off to the attention function. transformers (5.x) gives that function the
-        # module (config, layer_idx), q/k/v, the mask and the model's forward kwargs, never
-        # past_key_values (LlamaAttention.forward takes it by name and calls
-        # past_key_values.update, then the attention interface with the keys update returned);
-        # Cache.update never sees the module, and the mask interface (create_causal_mask) gets
-        # sizes only, and none at all for a 4-D mask. Any other seam is state kept between calls,
-        # stale once a step stops between here and the attention or runs without an S2Cache.
-        # These keys are new in every forward, so the tag lives one layer's step; under
-        # torch.compile it is a side effect inside the trace, with no guard of its own.
-        key_states._s2attn_cache_layer = self
-        self._pending = True
-        return key_states, value_states
-
-    def take_step(self) -> None:
-        """The ``"s2attn"`` attention takes the tokens :meth:`update` handed over and stores them
-        itself (it appends and attends in one call)."""
-        self._pending = False
-
-    def get_seq_length(self) -> int | torch.Tensor:
-        if not self.is_initialized:
-            return 0
-        if self.static and torch.compiler.is_compiling():
-            return self.paged.seq_lens.max()  # the host's lengths may lag: no sync in a graph
-        return max(self.paged.lengths)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.static:  # a fixed size, as transformers' static caches give: no sync, no retrace
-            if self.is_initialized and not torch.compiler.is_compiling():
-                # generate asks for the next step's mask outside its compiled decode step, which
-                # checks nothing on the host: refuse a step past the cache here, before it runs.
-                self.paged.check_room(query_length)
-            return self.max_seq_len, 0
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return self.max_seq_len
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove ``-tokens_to_remove`` tokens (or, when positive, keep that many: the legacy
-        form), e.g. rejected tokens of assisted generation."""
-        remove = self._tokens_to_crop(tokens_to_remove)
-        if remove > 0:
-            self.paged.crop(remove)
-
-    def _tokens_to_crop(self, tokens_to_remove: int) -> int:
-        """Tokens ``crop(tokens_to_remove)`` removes; raises ``ValueError`` when it cannot."""
-        if not self.is_initialized:
-            return 0
-        length = self.get_seq_length()
-        remove = length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
-        remove = min(max(remove, 0), min(self.paged.lengths))
-        if remove > 0:
-            self.paged.check_crop(remove)
-        return remove
-
-    def reset(self) -> None:
-        if self.is_initialized:
-            self.paged.reset()
-        self._pending = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: sequence ``i`` continues sequence ``beam_idx[i]``. Beams share the pages
-        of their common past; a beam writing into a shared page copies it first."""
-        if self.is_initialized:
-            self.paged.select_sequences(beam_idx.cpu())
-            self.batch_size = self.paged.batch_size
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every sequence ``repeats`` times (sharing its pages)."""
-        if self.is_initialized:
-            self.paged.select_sequences(
-                torch.arange(self.paged.batch_size).repeat_interleave(repeats)
-            )
-            self.batch_size = self.paged.batch_size
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the sequences ``indices``."""
-        if self.is_initialized:
-            if isinstance(indices, torch.Tensor) and indices.dtype == torch.bool:
-                indices = indices.nonzero().squeeze(1)
-            self.paged.select_sequences(torch.as_tensor(indices).cpu())
-            self.batch_size = self.paged.batch_size
-
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("S2Cache keeps its pages on one device: no offloading")
-
-    offload = prefetch = _unsupported
-
-
-class S2Cache(Cache):
-    """A transformers ``Cache`` over :class:`s2attn.PagedKVCache` layers: S2 layers evict what
-    their pattern never reads again, dense layers keep everything.
-
-    Args:
-        config: the model's config, set up by :func:`configure`.
-        max_seq_len: the longest sequence; defaults to the patterns' length.
-        num_pages: pages per layer's pool; defaults to each pattern's peak need (see
-            :class:`s2attn.PagedKVCache`).
-        static: layers of static caches (``paged_kv_cache(static=True)``): every block's page fixed
-            when the layer is built, so decode steps change no page table (what CUDA graphs
-            need); ``num_pages`` is then not taken.
-
-    Needs the ``"s2attn"`` attention implementation. ``memory_report()`` sums the layers' live and
-    dense-equivalent bytes.
-
-    Example::
-
-        >>> cache = S2Cache(model.config)
-        >>> model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
-        >>> cache.memory_report()["live_bytes"] / cache.memory_report()["dense_bytes"]
-    """
-
-    def __init__(
-        self,
-        config,
-        *,
-        max_seq_len: int | None = None,
-        num_pages: int | None = None,
-        static: bool = False,
-    ):
-        if max_seq_len is not None and (
-            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
-        ):
-            raise ValueError(
-                f"S2Cache: max_seq_len must be a positive int (tokens), or None for the "
-                f"patterns' length, got {max_seq_len!r}"
-            )
-        text = config.get_text_config(decoder=True)
-        settings = _settings(text)
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        block_size = settings["block_size"]
-        length = max_seq_len or settings["max_seq_len"]
-        layers = [
-            S2CacheLayer(
-                layer_pattern(text, i),
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                block_size=block_size,
-                max_seq_len=math.ceil(length / block_size) * block_size,
-                num_pages=num_pages,
-                static=static,
-            )
-            for i in range(text.num_hidden_layers)
-        ]
-        shared: list[S2CacheLayer | None] = [None]
-        for layer in layers:
-            layer._room_check = shared
-        super().__init__(layers=layers)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Every layer's crop (see :meth:`S2CacheLayer.crop`); when the tokens cannot come back
-        in some layer (its pattern already evicted what queries there read), raises
-        ``ValueError`` and crops none."""
-        for layer in self.layers:
-            layer._tokens_to_crop(tokens_to_remove)
-        super().crop(tokens_to_remove)
-
-    def memory_report(self) -> dict[str, int]:
-        """Live, needed, dense-equivalent and pool bytes (and pages) summed over the layers."""
-        total: dict[str, int] = {}
-        for layer in self.layers:
-            if layer.is_initialized:
-                for key, value in layer.paged.memory_report().items():
-                    total[key] = total.get(key, 0) + value
-        return total

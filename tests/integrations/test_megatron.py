@@ -31,7 +31,9 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 HEADS, HEAD_DIM, BLOCK = 4, 16, 16
-SETTINGS = dict(max_seq_len=64, block_size=BLOCK, local_blocks=1, vert_stride=2)
+MAX_SEQ_LEN = 64
+PATTERN = dict(block_size=BLOCK, local_blocks=1, vert_stride=2)
+SETTINGS = dict(max_seq_len=MAX_SEQ_LEN, **PATTERN)  # get_hhst_layer_spec's keywords
 
 
 def make_config(num_query_groups=2, **overrides):
@@ -52,10 +54,18 @@ def fake_tp(rank, size):
 
 def core_attention(config=None, layer_number=2, dense_layers=(0,), tp=(0, 1), **kwargs):
     config = make_config() if config is None else config
-    settings = s2mc.S2Settings(**SETTINGS, dense_layers=dense_layers)
+    settings = s2mc.S2Settings(**PATTERN, dense_layers=dense_layers)
     mask_type = kwargs.pop("attn_mask_type", AttnMaskType.causal)
+    group = kwargs.pop("pg_collection", None) or fake_tp(*tp)
     return s2mc.S2CoreAttention(
-        config, layer_number, mask_type, "self", pg_collection=fake_tp(*tp), s2=settings, **kwargs
+        config,
+        layer_number,
+        mask_type,
+        "self",
+        pg_collection=group,
+        s2=settings,
+        max_seq_len=MAX_SEQ_LEN,
+        **kwargs,
     )
 
 
@@ -181,18 +191,27 @@ def test_tp_rank_takes_its_head_range(kv_heads):
     (Megatron then raises the config's num_query_groups to the TP size; the pattern must not
     change), and a rank's output equals those heads of the full attention."""
     torch.manual_seed(3)
-    settings = s2mc.S2Settings(**SETTINGS, num_query_groups=kv_heads)
-    full = s2mc.layer_pattern(settings, 2, HEADS, kv_heads)
+    settings = s2mc.S2Settings(**PATTERN, dense_layers=())
+    full = s2mc.layer_pattern(settings, 2, HEADS, kv_heads, max_seq_len=MAX_SEQ_LEN)
     q, k, v = (sbhd(40, 1, HEADS, torch.float32) for _ in range(3))
     want = reference_sbhd(q, k, v, full).view(40, 1, HEADS, HEAD_DIM)
     for rank in range(2):
         heads = slice(2 * rank, 2 * rank + 2)
-        part = s2mc.layer_pattern(settings, 2, HEADS, kv_heads, tp_rank=rank, tp_size=2)
+        part = s2mc.layer_pattern(
+            settings, 2, HEADS, kv_heads, max_seq_len=MAX_SEQ_LEN, tp_rank=rank, tp_size=2
+        )
         assert torch.equal(part.mask, full.mask[heads])
         # What rank `rank` is handed: its 2 query heads, and 1 KV head (its own, or a replica).
         config = make_config(num_query_groups=max(kv_heads, 2))
         attn = s2mc.S2CoreAttention(
-            config, 2, AttnMaskType.causal, "self", pg_collection=fake_tp(rank, 2), s2=settings
+            config,
+            2,
+            AttnMaskType.causal,
+            "self",
+            pg_collection=fake_tp(rank, 2),
+            s2=settings,
+            max_seq_len=MAX_SEQ_LEN,
+            num_query_groups=kv_heads,
         )
         assert torch.equal(attn.pattern.mask, full.mask[heads])
         out = attn(q[:, :, heads], k[:, :, heads], v[:, :, heads], None)
@@ -266,6 +285,33 @@ def test_spec_validates_its_arguments():
         s2mc.get_hhst_layer_spec(config, max_seq_len=64, block_size=24)
     with pytest.raises(ValueError, match="base_spec must be a transformer layer spec"):
         s2mc.get_hhst_layer_spec(config, max_seq_len=64, base_spec=object())
+
+
+def test_spec_takes_the_settings_or_their_fields():
+    """One S2Settings for Megatron and transformers: the spec's core attention gets the settings
+    given, each keyword replacing its field (a dense-layer count counts from the first)."""
+    from s2attn.stack import S2Settings
+
+    assert s2mc.S2Settings is S2Settings
+    config = make_config()
+    settings = S2Settings(**PATTERN, dense_layers=(2,), head_offset=1)
+
+    def core_params(**kwargs):
+        spec = s2mc.get_hhst_layer_spec(config, max_seq_len=MAX_SEQ_LEN, **kwargs)
+        return spec.submodules.self_attention.submodules.core_attention.params
+
+    params = core_params(settings=settings)
+    assert params == {
+        "s2": settings,
+        "max_seq_len": MAX_SEQ_LEN,
+        "num_query_groups": 2,
+        "reference": False,
+    }
+    changed = core_params(settings=settings, dense_layers=1, vert_stride=4)["s2"]
+    assert changed == settings.replace(dense_layers=(0,), vert_stride=4)
+    assert core_params(**PATTERN)["s2"] == S2Settings(**PATTERN, dense_layers=(0, 1))
+    with pytest.raises(ValueError, match=r"dense_layers must be layer indices in \[0, 3\)"):
+        core_params(settings=settings.replace(dense_layers=(3,)))
 
 
 @pytest.fixture(scope="module")
@@ -342,8 +388,8 @@ def _tp_training_body(rank, world, out_path):
     parallel_state.initialize_model_parallel(world, 1)
     try:
         model = tiny_gpt(False)
-        settings = s2mc.S2Settings(**SETTINGS, dense_layers=[0])
-        full = s2mc.layer_pattern(settings, 2, HEADS, 2)
+        settings = s2mc.S2Settings(**PATTERN, dense_layers=[0])
+        full = s2mc.layer_pattern(settings, 2, HEADS, 2, max_seq_len=MAX_SEQ_LEN)
         heads = s2mc.tp_head_range(HEADS, rank, world)
         for layer in model.decoder.layers[1:]:
             attention = layer.self_attention.core_attention
@@ -453,10 +499,7 @@ def test_packed_sequences_under_context_parallelism_are_refused():
     cp = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2)
     group = types.SimpleNamespace(tp=fake_tp(0, 1).tp, cp=cp)
     config = make_config(context_parallel_size=2)
-    settings = s2mc.S2Settings(**SETTINGS)
-    attn = s2mc.S2CoreAttention(
-        config, 2, AttnMaskType.causal, "self", pg_collection=group, s2=settings
-    )
+    attn = core_attention(config, dense_layers=(), pg_collection=group)
     assert attn.cp_group is cp
     cu = torch.tensor([0, 8, 16], dtype=torch.int32, device=DEVICE)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
@@ -485,12 +528,9 @@ def _indivisible_heads_body(rank, world):
     reach the barrier after)."""
     config = make_config(num_layers=1, hidden_size=3 * HEAD_DIM, num_attention_heads=3,
                          num_query_groups=1)  # fmt: skip
-    settings = s2mc.S2Settings(**SETTINGS)
     group = types.SimpleNamespace(tp=torch.distributed.group.WORLD)
     with pytest.raises(ValueError, match="3 heads do not divide by the tensor-parallel size 2"):
-        s2mc.S2CoreAttention(
-            config, 2, AttnMaskType.causal, "self", pg_collection=group, s2=settings
-        )
+        core_attention(config, dense_layers=(), pg_collection=group)
     torch.distributed.barrier()
 
 
