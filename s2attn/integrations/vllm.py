@@ -224,9 +224,10 @@ def _stripe_layout(pattern: BlockPattern, num_kv_heads: int, settings: dict) -> 
     config = get_current_vllm_config()
     if mode == "union" or config.scheduler_config.disable_hybrid_kv_cache_manager:
         return None
-    if config.cache_config.block_size != pattern.block_size:
+    period = settings.get("vert_stride")  # the local-stride family's stripe period
+    if period is None or config.cache_config.block_size != pattern.block_size:
         return None
-    return stripe_layout(pattern, num_kv_heads, settings["vert_stride"])
+    return stripe_layout(pattern, num_kv_heads, period)
 
 
 # ------------------------------------------------------------------------------ model
