@@ -13,6 +13,12 @@ block that reads it in any KV head of any layer of the group (the union over hea
 once every query still to come lies past that. With GQA, the union over KV heads keeps about
 ``min(kv_heads, stride) / stride`` of the blocks behind the window.
 
+Where each KV head has one stripe residue, an S2 layer keeps its heads' stripes apart instead: a
+stripe layer beside it has a group of :class:`S2StripeSpec` (one page per stripe period, holding
+per KV head the one block of the period that head keeps; :class:`S2StripeManager` keeps them
+to the end), and the layer's own group then reads no head's stripes, so it frees every block
+behind the local window (``window_last_read``).
+
 What stays correct:
 
 * chunked prefill and decode free on vLLM's processed-token count, so no scheduled query reads a
