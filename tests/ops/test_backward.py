@@ -672,10 +672,10 @@ def test_grads_in_cuda_graph(dtype):
 
 
 def test_dkdv_item_order():
-    # The Gluon dK/dV kernel's queue (ops/gluon/backward_sm90.py): a permutation of the items, one
+    # The Gluon dK/dV kernel's queue (ops/gluon/dkdv_queue_sm90.py): a permutation of the items, one
     # group of (batch, KV head) pairs after another, longest list first within a group, each
     # group's long lists ahead of the previous group's short ones, short ones last.
-    from s2attn.ops.gluon.backward_sm90 import dkdv_order
+    from s2attn.ops.gluon.dkdv_queue_sm90 import dkdv_order
     from s2attn.ops.layout import backward_layout
 
     heads, tiles = 8, 128

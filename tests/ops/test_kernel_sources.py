@@ -16,6 +16,7 @@ MODULES = [
     "s2attn.ops.triton.common",
     "s2attn.ops.triton.forward",
     "s2attn.ops.triton.backward",
+    "s2attn.ops.triton.row_delta",
     "s2attn.ops.triton.decode",
     "s2attn.ops.triton.page_write",
     "s2attn.ops.gluon.common_sm90",

@@ -544,6 +544,43 @@ def default_config(block_size: int) -> TritonDecodeConfig:
     )
 
 
+def _decode_outputs(
+    q: torch.Tensor, num_kv_heads: int, num_splits: int, split_counters: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """``decode``'s outputs (out, lse), its splits' partial outputs and LSEs, and the split
+    counters (``split_counters``, or zeros when None); with one split, the last three are ``lse``
+    standing in (the kernel does not touch them)."""
+    batch, num_new, num_heads, head_dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, num_heads, num_new), dtype=lse_dtype(q.dtype), device=q.device)
+    split_shape = (batch, num_new, num_heads, num_splits)
+    if num_splits > 1:
+        out_split = torch.empty((*split_shape, head_dim), dtype=torch.float32, device=q.device)
+        lse_split = torch.empty(split_shape, dtype=torch.float32, device=q.device)
+        if split_counters is None:
+            split_counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
+    else:
+        out_split = lse_split = split_counters = lse  # not read or written
+    if POISON_OUTPUTS:
+        for t in (out, lse, out_split, lse_split):
+            t.fill_(float("nan"))
+    return out, lse, out_split, lse_split, split_counters
+
+
+def _checked_config(block_size: int, config: TritonDecodeConfig | None) -> TritonDecodeConfig:
+    """``config`` over :func:`default_config`'s for pages of ``block_size`` tokens, its tile and
+    prefetch depth checked."""
+    defaults = default_config(block_size)
+    config = defaults if config is None else config.over(defaults)
+    block_n = config.block_n
+    if block_size % block_n:
+        raise ValueError(f"block_n={block_n} must divide the page size {block_size}")
+    prefetch = config.prefetch_entries
+    if prefetch < 0 or prefetch & (prefetch - 1):
+        raise ValueError(f"prefetch_entries={prefetch} must be 0 or a power of two")
+    return config
+
+
 def decode(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -583,36 +620,17 @@ def decode(
     batch, num_new, num_heads, head_dim = q.shape
     num_kv_heads = page_table.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, num_heads, num_new), dtype=lse_dtype(q.dtype), device=q.device)
-    split_shape = (batch, num_new, num_heads, num_splits)
-    if num_splits > 1:
-        out_split = torch.empty((*split_shape, head_dim), dtype=torch.float32, device=q.device)
-        lse_split = torch.empty(split_shape, dtype=torch.float32, device=q.device)
-        if split_counters is None:
-            split_counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
-    else:
-        out_split = lse_split = split_counters = lse  # not read or written
-    if POISON_OUTPUTS:
-        for t in (out, lse, out_split, lse_split):
-            t.fill_(float("nan"))
+    out, lse, out_split, lse_split, split_counters = _decode_outputs(
+        q, num_kv_heads, num_splits, split_counters
+    )
     if out.numel() == 0:
         return out, lse
 
     block_size = layout.block_size
-    defaults = default_config(block_size)
-    config = defaults if config is None else config.over(defaults)
-    block_n = config.block_n
-    if block_size % block_n:
-        raise ValueError(f"block_n={block_n} must divide the page size {block_size}")
-    prefetch = config.prefetch_entries
-    if prefetch < 0 or prefetch & (prefetch - 1):
-        raise ValueError(f"prefetch_entries={prefetch} must be 0 or a power of two")
+    config = _checked_config(block_size, config)
     merge_m = next_power_of_2(group * num_new)
     block_m = max(16, merge_m)  # a dot's rows: at least 16
-    block_d = padded_head_dim(head_dim)
-    grid = (batch * num_kv_heads, num_splits)
-    _DECODE[grid](
+    _DECODE[(batch * num_kv_heads, num_splits)](
         q, k_pages, v_pages, out, lse, out_split, lse_split, split_counters, page_table, seq_lens,
         layout.full_offsets, layout.full_cols, layout.partial_offsets, layout.partial_mid,
         layout.partial_cols, layout.partial_bits,
@@ -625,16 +643,16 @@ def decode(
         HEADS_PER_BIT=group // layout.heads_per_kv_head,
         SPLIT=num_splits > 1,
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=config.block_n,
         PAGE_SIZE=block_size,
         DENSE=layout.dense,
         DOT_PRECISION=dot_precision(q.dtype),
         MAX_SPLITS=next_power_of_2(num_splits),
         MERGE_M=merge_m,
         MERGE_CHUNK=min(next_power_of_2(num_splits), max(1, MERGE_ROWS_X_SPLITS // merge_m)),
-        PREFETCH=prefetch,
+        PREFETCH=config.prefetch_entries,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
