@@ -75,8 +75,14 @@ def save_config(directory: Path, name: str, max_len: int, stride: int) -> None:
 
     from s2attn.integrations.transformers import configure
 
+    # Named, so that vLLM serves it as a Llama with an LM head (an unnamed config is its
+    # LlamaModel); an HHST config names S2LlamaForCausalLM when saved.
     config = transformers.LlamaConfig(
-        **MODEL, max_position_embeddings=max_len, torch_dtype="bfloat16", head_dim=128
+        **MODEL,
+        max_position_embeddings=max_len,
+        torch_dtype="bfloat16",
+        head_dim=128,
+        architectures=["LlamaForCausalLM"],
     )
     if name == "hhst":
         configure(
@@ -139,8 +145,12 @@ class Engine:
         torch.cuda.synchronize()
         return time.perf_counter(), outputs
 
-    def pages_held(self, request_id: str) -> list[int]:
-        """Per KV-cache group, the pages the request holds (vLLM's null block, id 0, is none)."""
+    def pages_held(self) -> list[int] | None:
+        """Per KV-cache group, the pages the one running request holds (vLLM's null block, id 0,
+        is none); None while none runs. The scheduler's own id: vLLM adds a suffix to ours."""
+        if len(self.scheduler.running) != 1:
+            return None
+        request_id = self.scheduler.running[0].request_id
         return [sum(b != 0 for b in blocks) for blocks in self.manager.get_block_ids(request_id)]
 
     def group_bytes(self, pages: list[int]) -> dict:
@@ -170,15 +180,15 @@ class Engine:
 def single_request(engine: Engine, length: int, new: int, seed: int) -> dict:
     """One request alone: TTFT, decode tokens/s after the first token, pages held at the end."""
     submitted = time.perf_counter()
-    (request,) = engine.submit([prompt(length, seed)], new)
+    engine.submit([prompt(length, seed)], new)
     first = last = None
     tokens, pages = 0, None
     while engine.engine.has_unfinished_requests():
-        held = engine.pages_held(request)
+        held = engine.pages_held()
         now, outputs = engine.step()
+        pages = held or pages
         for out in outputs:
             tokens = len(out.outputs[0].token_ids)
-            pages = held
             if first is None and tokens:
                 first = now
             last = now
@@ -186,7 +196,7 @@ def single_request(engine: Engine, length: int, new: int, seed: int) -> dict:
         ttft_s=first - submitted,
         tok_s=(tokens - 1) / (last - first),
         pages=pages,
-        kv_bytes=engine.group_bytes(pages),
+        kv_bytes=engine.group_bytes(pages) if pages else None,
     )
 
 
@@ -273,6 +283,9 @@ def worker(args) -> None:
         rows=[],
     )
     Path(args.json).write_text(json.dumps(result, indent=1))
+    served_s2 = any("S2" in name for name, _ in result["groups"])
+    if served_s2 != (args.worker == "hhst"):
+        raise RuntimeError(f"the {args.worker} engine's KV-cache groups are {result['groups']}")
     single_request(engine, 512, 8, seed=1)  # warm-up: every kernel compiled and tuned
     for length in args.prompts:
         runs = []
@@ -286,11 +299,12 @@ def worker(args) -> None:
             runs=runs,
             kv_bytes=runs[-1]["kv_bytes"],
         )
+        result["rows"].append(row)
+        Path(args.json).write_text(json.dumps(result, indent=1))
         if args.worker == "hhst":
             row["s2_bounds"] = s2_bounds(length + args.new - 1, args.stride)
         if args.concurrency_prompts is None or length in args.concurrency_prompts:
             row["most"] = concurrency_row(engine, length, args)
-        result["rows"].append(row)
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -328,7 +342,7 @@ def markdown(results: list[dict], env: dict, args) -> str:
             base = dense.get(r["prompt"])
             most = r.get("most") or {}
             base_most = (base or {}).get("most") or {}
-            kv = r["kv_bytes"]
+            kv = r["kv_bytes"] or {"dense": float("nan"), "s2": float("nan")}
             rows.append(
                 [
                     res["config"],
@@ -350,7 +364,12 @@ def markdown(results: list[dict], env: dict, args) -> str:
                 ]
             )
     lines += table(header, rows)
-    bounds = [(r["prompt"], r) for res in results for r in res["rows"] if "s2_bounds" in r]
+    bounds = [
+        (r["prompt"], r)
+        for res in results
+        for r in res["rows"]
+        if "s2_bounds" in r and r["kv_bytes"]
+    ]
     if bounds:
         lines += ["", "KV held in the S2 layers per sequence, at its last token:", ""]
         lines += table(

@@ -484,9 +484,13 @@ def _saving_attention_choice(to_dict):
         chosen = self.__dict__.get("_attn_implementation_internal")
         if CONFIG_KEY in out and chosen in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
             out["attn_implementation"] = chosen
-        if CONFIG_KEY in out and out.get("architectures") == [LLAMA_ARCHITECTURE]:
+        unnamed_llama = out.get("architectures") is None and out.get("model_type") == "llama"
+        if CONFIG_KEY in out and (
+            unnamed_llama or out.get("architectures") == [LLAMA_ARCHITECTURE]
+        ):
             # Servers that pick the model by this name (vLLM) then refuse an HHST checkpoint
             # without s2attn's plugin, rather than serve it as a dense Llama: a different model.
+            # A config saved alone names nothing, and vLLM would take it for its own Llama.
             # transformers picks the class by model_type and ignores it.
             out["architectures"] = [HHST_ARCHITECTURE]
         return out

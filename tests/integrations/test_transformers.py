@@ -388,6 +388,13 @@ def test_saved_hhst_checkpoint_declares_its_own_architecture(tmp_path):
     ids = torch.randint(2, 128, (1, 40), device=DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    # A config saved alone (no model, no architecture named): vLLM would serve it as its own
+    # dense Llama unless it names S2LlamaForCausalLM.
+    model.config.save_pretrained(tmp_path / "config_only")
+    model.config.architectures = None
+    model.config.save_pretrained(tmp_path / "config_only")
+    saved = json.loads((tmp_path / "config_only" / "config.json").read_text())
+    assert saved["architectures"] == [s2hf.HHST_ARCHITECTURE]
     plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         vocab_size=64))  # fmt: skip
