@@ -23,6 +23,7 @@ Three functions serve the plugin (``s2attn.integrations.vllm``) and are tested s
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -204,11 +205,21 @@ def paged_prefill(
     return out
 
 
+# Per pattern and KV head count, its group_block_mask: seconds to build at 128k, and a model's
+# S2 layers ask for it in every prefill chunk.
+_GROUP_MASKS: weakref.WeakKeyDictionary[BlockPattern, dict[int, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _kv_head_masks(num_heads: int, kv_heads: int, pattern: BlockPattern):
     """(query heads per KV head, the pattern per KV head as ``group_block_mask`` gives it)."""
     if num_heads % kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({kv_heads})")
-    return num_heads // kv_heads, group_block_mask(pattern, kv_heads)
+    masks = _GROUP_MASKS.setdefault(pattern, {})
+    if kv_heads not in masks:
+        masks[kv_heads] = group_block_mask(pattern, kv_heads)
+    return num_heads // kv_heads, masks[kv_heads]
 
 
 def _requests(masks, query_start_loc, seq_lens, pattern):

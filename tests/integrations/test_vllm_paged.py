@@ -250,3 +250,22 @@ def test_kv_heads_read_their_stripes_from_the_stripe_pages(dtype):
         batch = dataclasses.replace(batch, page_table=table)
         got = paged_decode_triton(q, kv_cache, batch, pattern, scale)
         assert_close(got, want.to(got.dtype), dtype, "stripe pages, Triton decode")
+
+
+def test_prefill_builds_a_patterns_mask_once(monkeypatch):
+    """Every S2 layer of a model shares its pattern, and each prefill chunk asks for its mask:
+    built once per pattern (it takes seconds at 128k)."""
+    import s2attn.integrations.vllm_paged as vllm_paged
+
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
+    )
+    built = []
+    build = vllm_paged.group_block_mask
+    monkeypatch.setattr(vllm_paged, "group_block_mask", lambda *a: built.append(a) or build(*a))
+    kv_cache, table, _, _ = make_cache([96], 32, torch.float32)
+    pages = kv_head_pages(table, KV_HEADS)
+    q = torch.randn(32, HEADS, DIM, device=DEVICE)
+    for _ in range(3):
+        paged_attention_torch(q, kv_cache, pages, [0, 32], [96], pattern, 1.0)
+    assert len(built) == 1
