@@ -430,7 +430,9 @@ class Scheduler:
                 self.failed.add(job.name)
                 self.say(f"{job.name}: skipped, a job it needs failed")
                 continue
-            if all(self.jobs[d].done() for d in job.deps):
+            # save_pretrained writes model.safetensors in place: a training job still running
+            # may not have finished writing it.
+            if all(self.jobs[d].done() and d not in self.running for d in job.deps):
                 out.append(job)
         return out
 

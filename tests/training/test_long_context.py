@@ -319,6 +319,13 @@ def test_scheduler_starts_only_what_fits_before_the_deadline(tmp_path):
     assert sched.may_start(first) == (False, None)
     evaluation = next(j for j in jobs if j.kind == "eval")
     assert sched.may_start(evaluation)[0] is False  # no speed known: 60 s estimated > 40 - 20
+    # A dependency whose model file is there but whose process still runs is not done yet.
+    first.out.mkdir(parents=True)
+    (first.out / "model.safetensors").write_bytes(b"")
+    sched.running[first.name] = (None, "0", now[0])
+    assert "base/s0" not in {j.name for j in sched.ready()}
+    del sched.running[first.name]
+    assert "base/s0" in {j.name for j in sched.ready()}
 
 
 def _report_row(phase, variant, val, tokens_per_s, curve):
