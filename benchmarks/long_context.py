@@ -15,7 +15,18 @@ subprocess with its log in ``--runs``/logs, several at once (one per GPU of ``--
 ``eval/<phase>/...``        ``s2attn eval`` of each trained model: bits per byte at the phase length
                             and the needle grid at 1/8, 1/4, 1/2 and the whole phase length
                             (``--depths``: 11 depths, ``--samples`` 20 needles a cell)
+``tasks/<phase>/.../<t>``   with ``--tasks``: ``s2attn eval --tasks t`` of each trained model at
+                            the phase length, a job a task (``--task-samples`` 100 samples or
+                            documents), into ``tasks/<t>.json`` beside the model
 ==========================  =====================================================================
+
+``--tasks`` takes the evaluations of ``s2attn eval --tasks`` (``multikey``, ``multivalue``,
+``vartrack``, ``aggregate``, ``positions``; docs/training.md); a task whose shortest sample is
+longer than a phase is not planned there, and the report says so. A job a task, so that no one
+ten-minute call has to hold all of them at 128k; the jobs are apart from the needle grid's, so
+models evaluated before ``--tasks`` was given get their tasks by the same command with it, and
+nothing else reruns. ``--task-args`` adds ``s2attn eval`` arguments to them
+(``--data-root`` for more long documents under ``positions``).
 
 ``--base-from DIR`` takes the bases from ``DIR/s<seed>`` instead (saved by an earlier invocation
 or machine; weights in any float dtype) and plans no base jobs.
@@ -54,7 +65,8 @@ the later phases out. On the GPU, in calls of at most ten minutes on the same ma
     python benchmarks/long_context.py --runs /tmp/long --gpus 0,1,2,3 --seeds 0,1 --deadline 540
 
 repeated until it prints "all jobs done" (``--dry-run`` lists the jobs and their commands). On
-the CPU, the whole pipeline at toy sizes (tiny preset, 128 -> 256 -> 512 -> 1024 tokens)::
+the CPU, the whole pipeline at toy sizes (tiny preset, 128 -> 256 -> 512 -> 1024 tokens; every
+task at 3 samples)::
 
     python benchmarks/long_context.py --smoke --runs /tmp/long --out-dir /tmp/long/results
 
@@ -65,7 +77,10 @@ eval``), its gap to dense of the same seed, needle mean and lowest cell, tokens,
 the first tenth of the steps, so ``--train-args --compile``'s compilation is left out) and its
 ratio, peak GPU memory, and the equal-time view: dense's validation bits per byte (training-time
 validation, interpolated over its training seconds) at the moment this model finished, beside
-this model's own final value on the same batches. Also one needle heat-map PNG per phase (rows:
+this model's own final value on the same batches. With ``--tasks``, a second table per phase:
+each task's accuracy with n, its 95% interval and its gap to dense in points, and for
+``positions`` the first and last buckets' bits per byte, the first less the last, and the last
+bucket's gap to dense, document by document. Also one needle heat-map PNG per phase (rows:
 variants, columns: seeds; each panel depth x length) and JSON with every number, the runs' device
 and library versions, written as ``<date>_<device>_long_context*`` to ``--out-dir`` (default
 benchmarks/results/). Invocations run apart over the same bases (dense on one GPU with its own
@@ -88,7 +103,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from long_context_report import (
+    EVAL_RESULT,
     PHASES,
+    TASKS_DIR,
     merge_reports,
     read_rows,
     summarize,
@@ -144,6 +161,8 @@ DEFAULTS = dict(
     train_val_needles=8,
     checkpoint_every=100,
     train_args="",
+    tasks="none",
+    task_samples=100,
 )
 SMOKE = dict(
     preset="tiny",
@@ -163,6 +182,9 @@ SMOKE = dict(
     train_val_batches=1,
     train_val_needles=2,
     checkpoint_every=2,
+    # Every task at lengths of 256 to 1024: the base is too short for multikey and aggregate.
+    tasks="all",
+    task_samples=3,
     # The package's own sources: listed in a moment, unlike the whole site-packages.
     train_args=f"--data-root {ROOT / 's2attn'} --val-fraction 0.2",
 )
@@ -172,7 +194,8 @@ SMOKE = dict(
 @dataclass
 class Job:
     """One subprocess of the experiment: ``s2attn train`` into ``out``, or ``s2attn eval`` of the
-    model in ``out`` (writing ``out/eval.json``)."""
+    model in ``out`` (writing ``out/<result>``: ``eval.json``, or ``tasks/<task>.json`` for a
+    task)."""
 
     name: str
     kind: str  # "train" or "eval"
@@ -183,12 +206,13 @@ class Job:
     args: list[str]
     deps: list[str]
     eval_tokens: int = 0  # what an evaluation reads, for its time estimate
+    result: str = EVAL_RESULT
 
     def done(self) -> bool:
         if self.kind == "train":
             return (self.out / "model.safetensors").is_file()
         try:
-            json.loads((self.out / "eval.json").read_text())
+            json.loads((self.out / self.result).read_text())
         except (OSError, ValueError):
             return False
         return True
@@ -248,7 +272,7 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
     extra = shlex.split(o.train_args)
     if "--data-root" not in extra:
         extra += site_source_args()
-    trains, evals = [], []
+    trains, evals, tasks = [], [], []
 
     def train(variant: str, seed: int, out: Path, deps: list[str], *args: str) -> None:
         """Train ``variant`` into ``out``, named after it (``<phase>/[<variant>/]s<seed>``)."""
@@ -262,7 +286,7 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
             str(job.out),
             *flags(needle=True, lengths=",".join(map(str, lengths)), depths=o.depths),
             *flags(samples=o.samples, seed=VAL_SEED, seq_len=length),
-            *flags(val_batches=o.eval_val_batches, out=job.out / "eval.json", no_progress=True),
+            *flags(val_batches=o.eval_val_batches, out=job.out / EVAL_RESULT, no_progress=True),
             *o.device_args,
         ]
         depths = len(o.depths.split(","))
@@ -270,6 +294,26 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
         name, deps = f"eval/{job.name}", [job.name]
         evals.append(Job(name, "eval", job.phase, job.variant, job.seed, job.out, args, deps))
         evals[-1].eval_tokens = tokens
+        task_evaluations(job, length)
+
+    def task_evaluations(job: Job, length: int) -> None:
+        """``s2attn eval --tasks`` of ``job``'s model at ``length``, of each task that fits it."""
+        for task in o.tasks:
+            if o.task_min_lengths.get(task, 0) > length:
+                continue
+            result = f"{TASKS_DIR}/{task}.json"
+            args = [
+                str(job.out),
+                *flags(tasks=task, task_samples=o.task_samples, lengths=length, seq_len=length),
+                *flags(val_batches=0, seed=VAL_SEED, out=job.out / result, no_progress=True),
+                *o.device_args,
+                *shlex.split(o.task_args),
+            ]
+            # --task-samples samples of the length (positions: at most as many documents).
+            tokens = o.task_samples * length
+            name, deps = f"tasks/{job.name}/{task}", [job.name]
+            where = (job.phase, job.variant, job.seed, job.out)
+            tasks.append(Job(name, "eval", *where, args, deps, tokens, result=result))
 
     def base_jobs(seed: int) -> dict:
         """The 4k base of ``seed`` in two phases; each variant's (job, weights) to start from."""
@@ -332,7 +376,7 @@ def plan_jobs(o: argparse.Namespace) -> list[Job]:
             previous = base_jobs(seed)
         extension_jobs(seed, previous)
     order = {name: i for i, name in enumerate(("base1k", *PHASES))}
-    jobs = [j for j in trains + evals if order[j.phase] <= order[o.until]]
+    jobs = [j for j in trains + evals + tasks if order[j.phase] <= order[o.until]]
     # Earlier phases first, a phase's training before its evaluation, so that each phase's
     # results are complete before the next phase's runs take the GPUs; sorted() is stable.
     return sorted(jobs, key=lambda j: (order[j.phase], j.kind == "eval", j.seed))
@@ -386,7 +430,9 @@ class Scheduler:
                 self.failed.add(job.name)
                 self.say(f"{job.name}: skipped, a job it needs failed")
                 continue
-            if all(self.jobs[d].done() for d in job.deps):
+            # save_pretrained writes model.safetensors in place: a training job still running
+            # may not have finished writing it.
+            if all(self.jobs[d].done() and d not in self.running for d in job.deps):
                 out.append(job)
         return out
 
@@ -564,6 +610,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--train-val-needles", type=int, help="validation needles while training (8)")
     add("--checkpoint-every", type=int, help="training checkpoints every N steps (100)")
     add("--train-args", help="extra arguments for every train job")
+    add(
+        "--tasks",
+        help="comma-separated `s2attn eval --tasks` evaluations at each phase length, all, or "
+        "none (default none; all with --smoke)",
+    )
+    add("--task-samples", type=int, help="samples (documents) a task and phase (100; 3 smoke)")
+    add("--task-args", default="", help="extra arguments for every tasks job")
     add("--deadline", type=float, help="seconds this invocation may take (default: no limit)")
     add(
         "--margin-s",
@@ -645,6 +698,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             )
     if not o.seeds:
         ap.error("--seeds: at least one seed")
+    from s2attn.training.tasks import TASK_NAMES, TASKS
+
+    o.tasks = [t.strip() for t in o.tasks.split(",") if t.strip() and t.strip() != "none"]
+    if o.tasks == ["all"]:
+        o.tasks = list(TASK_NAMES)
+    unknown = [t for t in o.tasks if t not in TASK_NAMES]
+    if unknown:
+        ap.error(
+            f"--tasks: unknown {', '.join(unknown)}; choose from {', '.join(TASK_NAMES)} "
+            "(or all, or none, alone)"
+        )
+    o.tasks = list(dict.fromkeys(o.tasks))
+    o.task_min_lengths = {t: TASKS[t].min_length() for t in o.tasks if t in TASKS}
+    if o.task_samples < 1:
+        ap.error(f"--task-samples must be >= 1, got {o.task_samples}")
     if o.base_from is not None:
         for seed in o.seeds:
             base = o.base_from / f"s{seed}"

@@ -3,10 +3,12 @@ needle heat maps and JSON with every number (``benchmarks/long_context.py`` writ
 invocation; ``--merge`` makes one from the JSON of invocations run apart).
 
 A run's metrics (``metrics.jsonl``) give its training seconds (steps only), its steady speed and
-its validation curve; its ``eval.json`` gives bits per byte and the needle grid. Each row is then
-set against the dense row of its phase and seed: the gap in bits per byte, the speed-ups, and the
+its validation curve; its ``eval.json`` gives bits per byte and the needle grid, its
+``tasks/<task>.json`` (with ``--tasks``) the long-context tasks at the phase length. Each row is
+then set against the dense row of its phase and seed: the gap in bits per byte, the speed-ups, the
 equal-time view (dense's validation, interpolated over its training seconds, at the moment the row's
-run finished).
+run finished), each task's gap in accuracy and, document by document, the gap in bits per byte of
+the last bucket of positions.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 from run_info import result_stem, table, versions_line
 
+from s2attn.training.intervals import MIN_SEQUENCES, bootstrap_interval
+from s2attn.training.tasks import POSITIONS
+
 PHASES = ("base", "32k", "128k")
+# What `s2attn eval` writes beside each model: the bits per byte and needle grid, and a folder
+# of the tasks, a file each.
+EVAL_RESULT, TASKS_DIR = "eval.json", "tasks"
 
 
 # ------------------------------------------------------------------------------- the metrics
@@ -115,12 +124,8 @@ def summarize(jobs: list) -> list[dict]:
                 if _val(r) is not None
             ],
         )
-        result = job.out / "eval.json"
-        if result.is_file():
-            try:
-                ev = json.loads(result.read_text())
-            except ValueError:
-                ev = {}
+        ev = _read_result(job.out / EVAL_RESULT)
+        if ev is not None:
             cells = [v for per_len in ev.get("accuracy", {}).values() for v in per_len.values()]
             row.update(
                 val_bpb=ev.get("val_bpb"),
@@ -130,17 +135,90 @@ def summarize(jobs: list) -> list[dict]:
                 needle_mean=sum(cells) / len(cells) if cells else None,
                 needle_min=min(cells) if cells else None,
             )
+        parts = [_read_result(p) for p in sorted((job.out / TASKS_DIR).glob("*.json"))]
+        parts = [p for p in parts if p and p.get("tasks")]
+        if parts:
+            # Each file holds one task beside the settings every one shares (level, seed).
+            tasks = {k: v for p in parts for k, v in p["tasks"].items()}
+            row.update(
+                tasks=tasks,
+                tasks_corpus=parts[0].get("corpus"),
+                tasks_s=sum(p.get("wall_s") or 0.0 for p in parts),
+            )
         rows.append(row)
     return compare_with_dense(rows)
 
 
+def _read_result(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {}  # being written, or torn by a killed run
+
+
+def task_cells(row: dict) -> dict[str, dict]:
+    """The row's long-context task results at its phase length: ``{task: cell}``."""
+    key = str(row["seq_len"])
+    tasks = row.get("tasks") or {}
+    return {t: by[key] for t, by in tasks.items() if isinstance(by, dict) and key in by}
+
+
+def paired_mean(differences: list[float]) -> dict | None:
+    """The mean of per-document differences with its 95% percentile bootstrap interval, as
+    ``s2attn eval`` gives each bucket's; None below two documents."""
+    if len(differences) < MIN_SEQUENCES:
+        return None
+    low, high = bootstrap_interval(np.asarray(differences)[:, None])
+    return {"mean": float(np.mean(differences)), "ci": [float(low[0]), float(high[0])]}
+
+
+def _same_documents(a: dict, b: dict, row: dict, dense: dict) -> bool:
+    # The eval picks its documents by seed from the validation split: the same corpus and seed
+    # give the same documents in the same order.
+    edges = [[(x["start"], x["end"]) for x in c["buckets"]] for c in (a, b)]
+    seeds = [(r.get("tasks") or {}).get("seed") for r in (row, dense)]
+    return (
+        a["n"] == b["n"]
+        and edges[0] == edges[1]
+        and seeds[0] == seeds[1]
+        and row.get("tasks_corpus") == dense.get("tasks_corpus")
+    )
+
+
+def compare_tasks(row: dict, dense: dict | None) -> None:
+    """``row``'s far-context gain (its first bucket of positions less its last, document by
+    document) and, against ``dense`` (the dense row of its phase and seed, or None), each task's
+    gap in accuracy and the last bucket's gap in bits per byte, document by document."""
+    cells = task_cells(row)
+    positions = cells.get(POSITIONS)
+    row["far_context"] = positions and paired_mean(
+        [s[0] - s[-1] for s in positions["per_sequence"]]
+    )
+    row["tasks_vs_dense"] = {}
+    if dense is None or row is dense:
+        return
+    for name, cell in cells.items():
+        theirs = task_cells(dense).get(name)
+        if theirs is None:
+            continue
+        if name != POSITIONS:
+            row["tasks_vs_dense"][name] = cell["accuracy"] - theirs["accuracy"]
+        elif _same_documents(cell, theirs, row, dense):
+            row["tasks_vs_dense"][name] = paired_mean(
+                [a[-1] - b[-1] for a, b in zip(cell["per_sequence"], theirs["per_sequence"])]
+            )
+
+
 def compare_with_dense(rows: list[dict]) -> list[dict]:
     """Each row's gap to, speed-up over and equal-time view of the dense row of its phase and
-    seed (None where there is none)."""
+    seed (None where there is none), and its tasks' (:func:`compare_tasks`)."""
     by_key = {(r["phase"], r["variant"], r["seed"]): r for r in rows}
     for r in rows:
         dense = by_key.get((r["phase"], "dense", r["seed"]))
         r["vs_dense"] = r["speedup"] = r["steady_speedup"] = r["dense_at_equal_time"] = None
+        compare_tasks(r, dense)
         if dense is None or r["variant"] == "dense":
             continue
         if r.get("val_bpb") and dense.get("val_bpb"):
@@ -190,6 +268,17 @@ def markdown(rows: list[dict], o, env: dict, commands: list[str]) -> str:
         "this run's own last value on the same batches.",
         "",
     ]
+    if any(r.get("tasks") for r in rows):
+        lines += [
+            "Long-context tasks (`s2attn eval --tasks`, docs/training.md) at the phase length: "
+            "each task's accuracy, its 95% Wilson score interval, the samples n and, for the "
+            "other variants, the gap to dense of the same seed in points; for `positions`, over "
+            "the same documents for every variant, the bits per byte of the first and the last "
+            "bucket of target positions (95% bootstrap interval over documents), the first less "
+            "the last (what far context is worth to the model) and the last bucket's gap to "
+            "dense, both document by document with their bootstrap intervals.",
+            "",
+        ]
     header = [
         "variant",
         "seed",
@@ -243,9 +332,86 @@ def markdown(rows: list[dict], o, env: dict, commands: list[str]) -> str:
             for r in mine
         ]
         lines += table(header, body) + [""]
+        lines += task_table(mine, o, phase, p["len"] if p else o.base_len)
     if any(not r["done"] for r in rows):
         lines += ["\\* unfinished: its steps so far.", ""]
     return "\n".join(lines) + "\n"
+
+
+def _position(position: int) -> str:
+    return f"{position // 1024}k" if position and position % 1024 == 0 else str(position)
+
+
+def _bucket(bucket: dict) -> str:
+    return f"[{_position(bucket['start'])}, {_position(bucket['end'])})"
+
+
+def _accuracy_cell(cell: dict | None, gap: float | None) -> str:
+    if cell is None:
+        return "—"
+    low, high = cell["ci"]
+    text = f"{cell['accuracy']:.3f} [{low:.3f}, {high:.3f}] n {cell['n']}"
+    return text if gap is None else f"{text} ({100 * gap:+.1f} pt)"
+
+
+def _bpb_cell(value: dict | None, spec: str = "{:.4f}") -> str:
+    """A bucket's bits per byte, or a paired difference (``mean``), with its interval."""
+    if value is None:
+        return "—"
+    mean = value["bpb"] if "bpb" in value else value["mean"]
+    low, high = value["ci"]
+    return f"{spec.format(mean)} [{spec.format(low)}, {spec.format(high)}]"
+
+
+def task_table(rows: list[dict], o, phase: str, length: int) -> list[str]:
+    """The long-context tasks of one phase's rows (at ``length``, the phase length), and a line
+    for each asked-for task too long for the phase."""
+    minimum = getattr(o, "task_min_lengths", None) or {}
+    asked = list(getattr(o, "tasks", None) or [])
+    skipped = [t for t in asked if minimum.get(t, 0) > length]
+    found = [t for r in rows for t in task_cells(r)]
+    names = [t for t in dict.fromkeys(asked + found) if t not in skipped]
+    if not names and not skipped:
+        return []
+    lines = [f"### {phase}: long-context tasks at {length} tokens", ""]
+    synthetic = [t for t in names if t != POSITIONS]
+    header = ["variant", "seed", *synthetic]
+    if POSITIONS in names:
+        buckets = next(
+            (task_cells(r)[POSITIONS]["buckets"] for r in rows if POSITIONS in task_cells(r)), None
+        )
+        first, last = (_bucket(buckets[0]), _bucket(buckets[-1])) if buckets else ("first", "last")
+        header += [
+            "documents",
+            f"bits/byte {first}",
+            f"bits/byte {last}",
+            "first − last",
+            "last vs dense",
+        ]
+    body = []
+    for r in rows:
+        cells, gaps = task_cells(r), r.get("tasks_vs_dense") or {}
+        line = [r["variant"], r["seed"]]
+        line += [_accuracy_cell(cells.get(t), gaps.get(t)) for t in synthetic]
+        if POSITIONS in names:
+            c = cells.get(POSITIONS)
+            line += (
+                ["—"] * 5
+                if c is None
+                else [
+                    c["n"],
+                    _bpb_cell(c["buckets"][0]),
+                    _bpb_cell(c["buckets"][-1]),
+                    _bpb_cell(r.get("far_context")),
+                    _bpb_cell(gaps.get(POSITIONS), "{:+.4f}"),
+                ]
+            )
+        body.append(line)
+    if names:
+        lines += table(header, body) + [""]
+    for t in skipped:
+        lines.append(f"`{t}` needs samples of {minimum[t]} tokens or more: not run at {length}.")
+    return lines + ([""] if skipped else [])
 
 
 def plot_needles(rows: list[dict], phase: str, path: Path) -> Path | None:
@@ -334,6 +500,10 @@ def merge_reports(paths: list[Path], out_dir: Path, name: str) -> None:
     settings = dict(
         first,
         seeds=sorted({s for p in payloads for s in p["settings"]["seeds"]}),
+        tasks=list(dict.fromkeys(t for p in payloads for t in p["settings"].get("tasks", []))),
+        task_min_lengths={
+            k: v for p in payloads for k, v in p["settings"].get("task_min_lengths", {}).items()
+        },
         phase=dict(first["phase"], **{phase: wanted for phase, (_, wanted) in phases.items()}),
     )
     variants = {k: v for p in payloads for k, v in p["variants"].items()}

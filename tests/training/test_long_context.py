@@ -319,6 +319,13 @@ def test_scheduler_starts_only_what_fits_before_the_deadline(tmp_path):
     assert sched.may_start(first) == (False, None)
     evaluation = next(j for j in jobs if j.kind == "eval")
     assert sched.may_start(evaluation)[0] is False  # no speed known: 60 s estimated > 40 - 20
+    # A dependency whose model file is there but whose process still runs is not done yet.
+    first.out.mkdir(parents=True)
+    (first.out / "model.safetensors").write_bytes(b"")
+    sched.running[first.name] = (None, "0", now[0])
+    assert "base/s0" not in {j.name for j in sched.ready()}
+    del sched.running[first.name]
+    assert "base/s0" in {j.name for j in sched.ready()}
 
 
 def _report_row(phase, variant, val, tokens_per_s, curve):
@@ -449,6 +456,132 @@ def test_a_128k_only_variant_starts_from_another_variants_32k_weights(tmp_path):
             lc.parse([*argv, "--variants-128k", bad])
 
 
+def test_tasks_option_reaches_the_eval_commands(tmp_path):
+    """--tasks plans an `s2attn eval --tasks` job per trained model and task at the phase length,
+    with --task-samples and --task-args, leaving out the tasks too long for the phase (the smoke
+    base's 256 tokens: multikey needs 397); a job is done by its own result file alone."""
+    lc = _script()
+    argv = ["--smoke", "--runs", str(tmp_path), "--variants", "dense,hhst"]
+    argv += ["--tasks", "multikey,positions,multikey", "--task-samples", "7"]
+    jobs = {j.name: j for j in lc.plan_jobs(lc.parse([*argv, "--task-args", "--data-root /d"]))}
+    job = jobs["tasks/128k/hhst/s0/multikey"]
+    assert job.kind == "eval" and job.deps == ["128k/hhst/s0"]
+    cmd = job.command(None)
+    assert cmd[cmd.index("eval") + 1] == str(tmp_path / "128k" / "hhst" / "s0")
+    for flag, value in (("--tasks", "multikey"), ("--task-samples", "7"), ("--lengths", "1024"),
+                        ("--seq-len", "1024"), ("--val-batches", "0"),
+                        ("--out", str(job.out / "tasks" / "multikey.json")),
+                        ("--data-root", "/d")):  # fmt: skip
+        assert cmd[cmd.index(flag) + 1] == value, flag
+    assert job.eval_tokens == 7 * 1024
+    planned = {n for n in jobs if n.startswith("tasks/")}
+    phases = [f"{p}/{v}" for p in ("32k", "128k") for v in ("dense", "hhst")]
+    expected = {f"tasks/{p}/s0/{t}" for p in phases for t in ("multikey", "positions")}
+    assert planned == expected | {"tasks/base/s0/positions"}
+    base = jobs["tasks/base/s0/positions"].args
+    assert base[base.index("--tasks") + 1] == "positions"
+    assert base[base.index("--lengths") + 1] == "256"
+    # After the needle grid's evaluation of the same phase and seed.
+    names = [j.name for j in lc.plan_jobs(lc.parse(argv))]
+    assert names.index("eval/32k/hhst/s0") < names.index("tasks/32k/dense/s0/multikey")
+    assert names.index("tasks/32k/hhst/s0/positions") < names.index("128k/dense/s0")
+
+    (job.out / "tasks").mkdir(parents=True)
+    (job.out / "eval.json").write_text("{}")
+    (job.out / "tasks" / "positions.json").write_text("{}")
+    assert jobs["eval/128k/hhst/s0"].done() and not job.done()
+    assert jobs["tasks/128k/hhst/s0/positions"].done()
+    (job.out / "tasks" / "multikey.json").write_text("{}")
+    assert job.done()
+
+    plain = {j.name for j in lc.plan_jobs(lc.parse(["--runs", str(tmp_path)]))}
+    assert not any(name.startswith("tasks/") for name in plain)  # off by default on the GPU
+    smoke = {j.name for j in lc.plan_jobs(lc.parse(["--smoke", "--runs", str(tmp_path)]))}
+    assert {f"tasks/32k/local/s0/{t}" for t in ("multikey", "aggregate", "vartrack")} <= smoke
+    for bad in (["--tasks", "multikey,nope"], ["--task-samples", "0"]):
+        with pytest.raises(SystemExit):
+            lc.parse([*argv, *bad])
+
+
+def _task_results(accuracy: float, per_sequence: list[list[float]]) -> dict:
+    """`s2attn eval --tasks multikey,positions --lengths 1024`'s "tasks", at 100 samples and
+    buckets [0, 128), [128, 256), [256, 512), [512, 1024)."""
+    from s2attn.training.intervals import bootstrap_interval, wilson_interval
+
+    correct = round(100 * accuracy)
+    low, high = bootstrap_interval(per_sequence, seed=1)
+    means = torch.tensor(per_sequence).mean(0).tolist()
+    edges = [0, 128, 256, 512, 1024]
+    buckets = [
+        {"start": a, "end": b, "bpb": m, "ci": [lo, hi]}
+        for a, b, m, lo, hi in zip(edges, edges[1:], means, low.tolist(), high.tolist())
+    ]
+    return {
+        "level": 0.95,
+        "seed": 1,
+        "multikey": {
+            "shape": {"task": "multikey", "min_length": 397},
+            "1024": {
+                "n": 100,
+                "correct": correct,
+                "accuracy": accuracy,
+                "ci": list(wilson_interval(correct, 100)),
+                "chance": 1 / 32,
+            },
+        },  # fmt: skip
+        "positions": {
+            "1024": {"n": len(per_sequence), "buckets": buckets, "per_sequence": per_sequence}
+        },
+    }
+
+
+def test_report_tabulates_the_tasks_from_a_json_report(tmp_path):
+    """A JSON report with dense and HHST tasks at 1024 tokens: the table gives each task's
+    accuracy with its interval, n and the gap to dense in points, and positions' first and last
+    buckets, what far context is worth and the last bucket's gap to dense, both document by
+    document; a task too long for a phase gets its line there."""
+    lc, report = _script(), _script("long_context_report")
+    o = lc.parse(["--smoke", "--runs", str(tmp_path / "runs"), "--tasks", "multikey,positions"])
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(o).items()}
+    env = dict(device="GPU X", torch="2", triton="3", cuda="13", date="", s2attn="0.1")
+    dense_docs = [[2.0, 1.8, 1.6, 1.5], [2.2, 1.9, 1.7, 1.4], [2.1, 1.7, 1.5, 1.3]]
+    hhst_docs = [[2.0, 1.8, 1.7, 1.6], [2.3, 2.0, 1.8, 1.6], [2.0, 1.7, 1.6, 1.3]]
+    rows = [
+        _report_row("128k", "dense", 0.70, 100.0, [(0.0, 1.0), (50.0, 0.8)]),
+        _report_row("128k", "hhst", 0.72, 400.0, [(0.0, 1.0), (25.6, 0.78)]),
+        dict(_report_row("base", "hhst", 0.9, 100.0, [(0.0, 1.0)]), seq_len=256),
+    ]
+    rows[0].update(tasks=_task_results(0.9, dense_docs), tasks_corpus="val")
+    rows[1].update(tasks=_task_results(0.85, hhst_docs), tasks_corpus="val")
+    report.write_report(report.compare_with_dense(rows), env, settings, {}, ["x"], tmp_path, "a")
+    [fixture] = tmp_path.glob("*_a.json")
+    lc.main(["--merge", str(fixture), "--out-dir", str(tmp_path / "m"), "--name", "m"])
+    text = next((tmp_path / "m").glob("*.md")).read_text()
+    merged = json.loads(next((tmp_path / "m").glob("*.json")).read_text())
+    hhst = next(r for r in merged["rows"] if r["variant"] == "hhst" and r["phase"] == "128k")
+    dense = next(r for r in merged["rows"] if r["variant"] == "dense")
+
+    section = text.split("### 128k: long-context tasks at 1024 tokens")[1].split("\n\n")[1]
+    header, _, dense_line, hhst_line = section.splitlines()
+    assert "multikey" in header and "bits/byte [0, 128)" in header
+    assert "bits/byte [512, 1k)" in header and "last vs dense" in header
+    low, high = dense["tasks"]["multikey"]["1024"]["ci"]
+    assert f"0.900 [{low:.3f}, {high:.3f}] n 100 |" in dense_line
+    assert "0.850 [" in hhst_line and "n 100 (-5.0 pt)" in hhst_line
+    last_gap = sum(h[-1] - d[-1] for h, d in zip(hhst_docs, dense_docs)) / 3
+    assert hhst["tasks_vs_dense"]["positions"]["mean"] == pytest.approx(last_gap)
+    gap = hhst["tasks_vs_dense"]["positions"]
+    assert gap["ci"][0] <= gap["mean"] <= gap["ci"][1]
+    assert f"{last_gap:+.4f} [" in hhst_line
+    far = sum(d[0] - d[-1] for d in dense_docs) / 3
+    assert dense["far_context"]["mean"] == pytest.approx(far) and f"{far:.4f} [" in dense_line
+    last = dense["tasks"]["positions"]["1024"]["buckets"][-1]
+    assert "| 3 | 2.1000 [" in dense_line  # documents, the first bucket's mean
+    assert f"{last['bpb']:.4f} [{last['ci'][0]:.4f}" in dense_line
+    assert "`multikey` needs samples of 397 tokens or more: not run at 256." in text
+    assert "### base: long-context tasks at 256 tokens" in text
+
+
 def test_time_limit_stops_after_the_step_that_crosses_it(tmp_path, corpus_root):
     out = tmp_path / "run"
     assert (
@@ -462,7 +595,7 @@ def test_time_limit_stops_after_the_step_that_crosses_it(tmp_path, corpus_root):
 
 
 def test_pipeline_on_the_cpu_resumes_after_its_deadline(tmp_path, capsys):
-    """base -> 32k phase -> 128k phase -> evaluations -> report at toy sizes, over four
+    """base -> 32k phase -> 128k phase -> evaluations and tasks -> report at toy sizes, over four
     invocations: the first stops its first job early (--stop-at through --train-args), the second
     resumes it and stops it at its deadline, the third finishes it from its checkpoint and does
     the rest, the fourth skips everything. The second's deadline counts on the test's clock,
@@ -483,6 +616,9 @@ def test_pipeline_on_the_cpu_resumes_after_its_deadline(tmp_path, capsys):
         "dense,hhst",
         "--poll-s",
         "0.3",
+        # Two of --smoke's five tasks (a job each), one too long for the base.
+        "--tasks",
+        "aggregate,positions",
     ]
     lc = _script()
 
@@ -549,5 +685,12 @@ def test_pipeline_on_the_cpu_resumes_after_its_deadline(tmp_path, capsys):
     assert by["128k", "hhst"]["vs_dense"] is not None
     for phase in ("base", "32k", "128k"):
         assert (results / report.name.replace(".json", f"_needle_{phase}.png")).is_file()
+    for r in rows:  # the tasks, each at the phase length; aggregate needs 257 tokens
+        ran = set(_script("long_context_report").task_cells(r))
+        assert ran == ({"positions"} if r["phase"] == "base" else {"aggregate", "positions"})
+        assert r["tasks"]["positions"][str(r["seq_len"])]["n"] == 3
+    assert by["128k", "hhst"]["tasks_vs_dense"]["positions"]["mean"] is not None
     markdown = report.with_suffix(".md").read_text()
     assert "## 32k: 4 steps of 2 x 512 tokens" in markdown and "dense at equal time" in markdown
+    assert "### 128k: long-context tasks at 1024 tokens" in markdown
+    assert "`aggregate` needs samples of 257 tokens or more: not run at 256." in markdown
