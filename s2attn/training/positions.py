@@ -24,16 +24,24 @@ from .vocab import BOS
 __all__ = ["long_documents", "position_bpb", "position_edges"]
 
 
+# The last bucket holds at most this many positions: the far end a model that ignores far
+# context shows itself in (the first 1k positions against the last 16k).
+LAST_BUCKET = 16384
+
+
 def position_edges(length: int) -> list[int]:
     """Bucket boundaries for :func:`position_bpb` at ``length`` target positions: ``[0, first,
     2 first, 4 first, ..., length]`` with ``first`` 1024, or the largest power of two within an
-    eighth of a shorter length. At 131072: 0, 1k, 2k, ..., 64k, 128k (8 buckets)."""
+    eighth of a shorter length, and an edge ``LAST_BUCKET`` before the end where the doublings
+    leave a longer last bucket. At 131072: 0, 1k, 2k, ..., 64k, 112k, 128k (9 buckets)."""
     _check_int("length", length, 1)
     first = min(1024, 2 ** max(0, math.floor(math.log2(max(1, length // 8)))))
     edges = [0]
     while first < length:
         edges.append(first)
         first *= 2
+    if length - LAST_BUCKET > edges[-1]:
+        edges.append(length - LAST_BUCKET)
     return [*edges, length]
 
 

@@ -294,7 +294,11 @@ def test_bootstrap_interval_covers_the_mean_with_the_normal_width():
 
 # ------------------------------------------------------------------ bits per byte by position
 def test_position_edges():
-    assert positions.position_edges(131072) == [0] + [1024 * 2**k for k in range(8)]
+    # the last 16k apart at 128k (the doublings alone end in 64k-128k)
+    assert positions.position_edges(131072) == [0] + [1024 * 2**k for k in range(7)] + [
+        114688,
+        131072,
+    ]
     assert positions.position_edges(32768) == [0, 1024, 2048, 4096, 8192, 16384, 32768]
     assert positions.position_edges(64) == [0, 8, 16, 32, 64]
     assert positions.position_edges(5) == [0, 1, 2, 4, 5]
