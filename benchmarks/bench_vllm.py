@@ -69,8 +69,8 @@ MAX_NEW = 2048
 
 
 # --------------------------------------------------------------------------- the worker process
-def save_config(directory: Path, name: str, max_len: int, stride: int) -> None:
-    """A config-only checkpoint of the 7B shape, HHST when ``name`` is ``hhst``."""
+def model_config(name: str, max_len: int, stride: int):
+    """The 7B shape's transformers config, HHST when ``name`` is ``hhst``."""
     import transformers
 
     from s2attn.integrations.transformers import configure
@@ -93,7 +93,7 @@ def save_config(directory: Path, name: str, max_len: int, stride: int) -> None:
             dense_layers=DENSE_LAYERS,
             max_seq_len=max_len,
         )
-    config.save_pretrained(directory)
+    return config
 
 
 def prompt(length: int, seed: int) -> dict:
@@ -242,16 +242,12 @@ def concurrency_row(engine: Engine, length: int, args) -> dict:
 
 def s2_bounds(length: int, stride: int) -> dict:
     """Bytes of the S2 layers' keys and values at a request's last position of ``length``: the
-    union over KV heads of the blocks some query still to come reads (vLLM's S2 groups, whose
-    page holds every KV head), and each KV head's own (``S2Cache``)."""
+    union over KV heads of the blocks some query still to come reads (what one KV-cache group
+    per layer holds, ``S2ATTN_VLLM_KV_PAGES=union``), and each KV head's own (``S2Cache``)."""
     from s2attn.inference.eviction import kv_last_use
     from s2attn.integrations.transformers import layer_pattern
 
-    directory = Path(tempfile.mkdtemp())
-    save_config(directory, "hhst", -(-length // BLOCK) * BLOCK, stride)
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(directory)
+    config = model_config("hhst", -(-length // BLOCK) * BLOCK, stride)
     kv_heads, dim = MODEL["num_key_value_heads"], 128
     q = (length - 1) // BLOCK
     per_block = BLOCK * dim * 2 * 2  # keys and values, bf16, one KV head
@@ -271,7 +267,7 @@ def s2_bounds(length: int, stride: int) -> dict:
 
 def worker(args) -> None:
     directory = Path(tempfile.mkdtemp())
-    save_config(directory, args.worker, args.max_len, args.stride)
+    model_config(args.worker, args.max_len, args.stride).save_pretrained(directory)
     loaded = time.perf_counter()
     engine = Engine(directory, args)
     result = dict(

@@ -237,12 +237,8 @@ class S2LlamaAttention(LlamaAttention):
                 f"{' and '.join(TESTED_VLLM)} do; s2attn's plugin cannot replace layer {name!r}"
             )
         del context[name]
-        settings = _s2_settings(config)
-        stripes = (
-            None
-            if _layer_pattern(config, layer_idx) is None
-            else _stripe_layout(pattern, self.num_kv_heads, settings)
-        )
+        # A dense pattern frees nothing, so it keeps no stripes apart (stripe_layout: None).
+        stripes = _stripe_layout(pattern, self.num_kv_heads, _s2_settings(config))
         self.attn = S2Attention(
             self.num_heads,
             self.head_dim,

@@ -251,11 +251,14 @@ def _check_length(request: int, length: int, pattern: BlockPattern) -> None:
 
 
 def kv_head_pages(block_table: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """vLLM's (requests, max_blocks) block table as s2attn's int32 (requests, kv_heads, blocks)
-    page table over ``key_cache.flatten(0, 1)``: a (vLLM block b, KV head h) pair is page
-    ``b * kv_heads + h`` (flattening is a view, since a block's heads are consecutive)."""
+    """vLLM's (requests, max_blocks) block table, or a (requests, kv_heads, max_blocks) table of
+    each KV head's vLLM blocks, as s2attn's int32 (requests, kv_heads, blocks) page table over
+    ``key_cache.flatten(0, 1)``: a (vLLM block b, KV head h) pair is page ``b * kv_heads + h``
+    (flattening is a view, since a block's heads are consecutive)."""
+    if block_table.dim() == 2:
+        block_table = block_table[:, None, :]
     heads = torch.arange(kv_heads, device=block_table.device, dtype=torch.int32)
-    table = block_table.to(torch.int32)[:, None, :] * kv_heads
+    table = block_table.to(torch.int32) * kv_heads
     return (table + heads[None, :, None]).contiguous()
 
 
@@ -276,8 +279,7 @@ def stripe_pages(
     blocks_of = torch.where(
         in_stripe[None], stripe_table[:, periods][:, None, :], window_table[:, None, :]
     )
-    heads = torch.arange(kv_heads, device=device, dtype=torch.int32)
-    return (blocks_of.to(torch.int32) * kv_heads + heads[None, :, None]).contiguous()
+    return kv_head_pages(blocks_of, kv_heads)
 
 
 def write_stripes(
