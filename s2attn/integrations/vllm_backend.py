@@ -35,14 +35,17 @@ from ..pattern import BlockPattern
 from . import vllm_kv
 from .vllm_paged import (
     DecodeBuffers,
+    MixedDecodes,
     PagedDecodeBatch,
     StripeLayout,
     decode_splits,
     kv_head_pages,
+    mixed_decodes,
     paged_attention_torch,
     paged_decode_triton,
     paged_prefill,
     stripe_pages,
+    write_decode_kv,
     write_kv,
     write_stripes,
 )
@@ -87,6 +90,10 @@ class S2AttentionMetadata:
     decode: PagedDecodeBatch | None = None
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    mixed: MixedDecodes | None = None  # a prefill step's single-token requests, on a GPU
+    # Per stripe offsets, the page table over those stripes: the group's layers share this
+    # metadata, and the first layer with a StripeLayout composes its table for the rest.
+    stripe_tables: dict[tuple[int, ...], torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def _decodes_in_place(vllm_config: VllmConfig, kv_cache_spec: KVCacheSpec) -> bool:
@@ -171,7 +178,23 @@ class S2AttentionMetadataBuilder(AttentionMetadataBuilder[S2AttentionMetadata]):
         if host_lengths is None or not self._exact_host_lengths:
             host_lengths = metadata.seq_lens.cpu()
         metadata.seq_lens_host = host_lengths[:requests].tolist()
+        if self._decodes_in_place:
+            metadata.mixed = mixed_decodes(
+                metadata.query_start_loc_host,
+                metadata.seq_lens_host,
+                self.kv_cache_spec.num_kv_heads,
+                self.device,
+            )
         return metadata
+
+
+def _metadata_of(layer: torch.nn.Module) -> S2AttentionMetadata | None:
+    """The step's metadata of an attention layer (None in vLLM's profiling runs, and under
+    speculative decoding's lists, which take the slot-mapping write)."""
+    metadata = get_forward_context().attn_metadata
+    if not isinstance(metadata, dict):
+        return None
+    return metadata.get(getattr(layer, "layer_name", None))
 
 
 class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
@@ -237,6 +260,10 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        batch = self._decode_batch(_metadata_of(layer))
+        if batch is not None:
+            write_decode_kv(key, value, kv_cache, batch)
+            return
         write_kv(key, value, kv_cache, slot_mapping)
         if self.stripes is not None:
             stripe_slots = get_forward_context().slot_mapping.get(self.stripe_layer)
@@ -266,9 +293,7 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         tokens = m.num_actual_tokens
         out = output.view(-1, self.num_heads, self.head_size)[:tokens]
         if m.decode is not None:
-            batch = m.decode
-            if self.stripes is not None:
-                batch = dataclasses.replace(batch, page_table=self._page_table(m))
+            batch = self._decode_batch(m)
             out.copy_(
                 paged_decode_triton(
                     query[:tokens],
@@ -279,11 +304,34 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
                     num_splits=self._decode_splits(tokens, query.device),
                 )
             )
-        else:
-            # The CPU's path reads kept pages in PyTorch; a GPU's runs the forward kernel.
-            step = paged_prefill if query.device.type == "cuda" else paged_attention_torch
+        elif query.device.type == "cuda":
+            table = self._page_table(m)
+            skip = frozenset()
+            if m.mixed is not None:
+                rows = m.mixed.tokens
+                out[rows] = paged_decode_triton(
+                    query[rows],
+                    kv_cache,
+                    m.mixed.batch(table),
+                    self.pattern,
+                    self.scale,
+                    num_splits=self._decode_splits(len(m.mixed.host), query.device),
+                )
+                skip = m.mixed.host
+            paged_prefill(
+                query[:tokens],
+                kv_cache,
+                table,
+                m.query_start_loc_host,
+                m.seq_lens_host,
+                self.pattern,
+                self.scale,
+                skip=skip,
+                out=out,
+            )
+        else:  # the CPU reads the kept pages in PyTorch
             out.copy_(
-                step(
+                paged_attention_torch(
                     query[:tokens],
                     kv_cache,
                     self._page_table(m),
@@ -295,13 +343,27 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
             )
         return output
 
+    def _decode_batch(self, m: S2AttentionMetadata | None) -> PagedDecodeBatch | None:
+        """A decode step's batch over this layer's pages: the builder's, or with stripes kept
+        apart, the same over their page table (composed once per step and stripe offsets)."""
+        if m is None or m.decode is None:
+            return None
+        if self.stripes is None:
+            return m.decode
+        return dataclasses.replace(m.decode, page_table=self._page_table(m))
+
     def _page_table(self, m: S2AttentionMetadata) -> torch.Tensor:
         """Per KV head, the flattened page of each block: the window group's, or for a head's own
         stripe blocks the stripe group's (both groups' pages share the layer's tensor)."""
         if self.stripes is None:
             return kv_head_pages(m.block_table, self.num_kv_heads)
-        stripe_table = get_forward_context().attn_metadata[self.stripe_layer].block_table
-        return stripe_pages(m.block_table, stripe_table, self.stripes.period, self._stripe_offsets)
+        offsets = self.stripes.offsets
+        if offsets not in m.stripe_tables:
+            stripe_table = get_forward_context().attn_metadata[self.stripe_layer].block_table
+            m.stripe_tables[offsets] = stripe_pages(
+                m.block_table, stripe_table, self.stripes.period, self._stripe_offsets
+            )
+        return m.stripe_tables[offsets]
 
     def _check_shared_pages(self, kv_cache: torch.Tensor) -> None:
         # vLLM lays the groups' pages out in tensors shared by one layer of each group; the

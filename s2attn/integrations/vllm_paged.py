@@ -18,12 +18,13 @@ Three functions serve the plugin (``s2attn.integrations.vllm``) and are tested s
   reading vLLM's pages in place (a (block, KV head) pair is one page of the kernel); needs the
   pattern's block to equal vLLM's page.
 * :func:`paged_prefill`: any step through :func:`s2attn.sparse_attention` (the forward kernel on a
-  GPU), each request's kept pages gathered into a contiguous prefix first. The GPU's prefill.
+  GPU), each request's pages gathered into one prefix per KV head first. The GPU's prefill.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +35,17 @@ from ..inference.decode_step import attend
 from ..inference.eviction import EvictionSchedule
 from ..ops.cpu import paged_attention as paged_attention_reference
 from ..ops.decode_layout import decode_layout, group_block_mask
+from ..ops.dispatch import write_pages
 from ..pattern import BlockPattern
 
 __all__ = [
     "DecodeBuffers",
+    "MixedDecodes",
     "PagedDecodeBatch",
     "StripeLayout",
     "decode_splits",
     "kv_head_pages",
+    "mixed_decodes",
     "paged_attention_torch",
     "paged_decode_triton",
     "paged_prefill",
@@ -49,6 +53,7 @@ __all__ = [
     "stripe_layout",
     "stripe_pages",
     "window_last_read",
+    "write_decode_kv",
     "write_kv",
     "write_stripes",
 ]
@@ -181,28 +186,69 @@ def paged_prefill(
     seq_lens: list[int],
     pattern: BlockPattern,
     softmax_scale: float,
+    *,
+    skip: frozenset[int] = frozenset(),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As :func:`paged_attention_torch`, through :func:`s2attn.sparse_attention`: per request, the
-    pages of the KV blocks its pattern keeps for its new queries are gathered into a contiguous
-    prefix (the other positions zero; the kernel never reads them), and the new queries, its last
-    positions, attend it. On a GPU this is the forward kernel; on the CPU the exact reference."""
+    """As :func:`paged_attention_torch`, through :func:`s2attn.sparse_attention`: per request, its
+    pages are gathered, per KV head, into one (length, kv_heads, dim) prefix (one indexing of the
+    pages for the keys, one for the values), the pages its pattern keeps for none of its new
+    queries zeroed, and the new queries, its last positions, attend it. On a GPU this is the
+    forward kernel; on the CPU the exact reference. Requests in ``skip`` are left out (their rows
+    of ``out``, when given, untouched: :func:`paged_decode_triton` computes them)."""
     key_cache, value_cache = split_kv_cache(kv_cache)
-    num_heads = query.shape[1]
-    kv_heads, page, dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
-    _, masks = _kv_head_masks(num_heads, kv_heads, pattern)
+    kv_heads, page = key_cache.shape[1], key_cache.shape[2]
+    _kv_head_masks(query.shape[1], kv_heads, pattern)  # checks the heads before any work
     k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
-    out = torch.empty_like(query)
-    for r, start, end, _, kept in _requests(masks, query_start_loc, seq_lens, pattern):
-        shape = (1, seq_lens[r], kv_heads, dim)
-        k = torch.zeros(shape, dtype=query.dtype, device=query.device)
-        v = torch.zeros(shape, dtype=query.dtype, device=query.device)
-        for h, pos in enumerate(kept):
-            pages, in_page = _slots(pos, page_table[r, h], page)
-            k[0, pos.to(k.device), h] = k_pages[pages, in_page].to(k.dtype)
-            v[0, pos.to(v.device), h] = v_pages[pages, in_page].to(v.dtype)
+    out = torch.empty_like(query) if out is None else out
+    for r, length in enumerate(seq_lens):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
+        if end == start or r in skip:
+            continue
+        _check_length(r, length, pattern)
+        table = page_table[r, :, : -(-length // page)].to(torch.int64)
+        kept = _kept_pages(pattern, kv_heads, length - (end - start), length, page, query.device)
+        k = _gathered(k_pages, table, kept, length, query.dtype)
+        v = _gathered(v_pages, table, kept, length, query.dtype)
         q = query[start:end][None]
         out[start:end] = sparse_attention(q, k, v, pattern, softmax_scale=softmax_scale)[0]
     return out
+
+
+def _gathered(pages, table, kept, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """A request's (1, length, kv_heads, dim) keys or values from ``pages`` through its (kv_heads,
+    pages) ``table``, a strided view of one gathered copy. Pages not ``kept`` are zeroed: they
+    may hold anything (vLLM's null block, another request's tokens), and a kernel tile wider than
+    a pattern block loads them beside a kept block, scoring them at weight zero, which a NaN there
+    would still turn into NaN."""
+    rows = pages[table].to(dtype)  # (kv_heads, pages, page, dim)
+    rows.masked_fill_(~kept[:, :, None, None], 0)
+    return rows.flatten(1, 2).transpose(0, 1)[None, :length]
+
+
+# Per pattern, the last few (queries, length) spans' kept pages: a step's S2 layers share their
+# pattern and ask for the same spans in turn.
+_KEPT: weakref.WeakKeyDictionary[BlockPattern, OrderedDict] = weakref.WeakKeyDictionary()
+_KEPT_SPANS = 16
+
+
+def _kept_pages(pattern, kv_heads: int, first_query: int, length: int, page: int, device):
+    """(kv_heads, pages) bool on ``device``: whether the pattern keeps each page's block for some
+    query at positions ``[first_query, length)``, per KV head."""
+    key = (kv_heads, first_query, length, page, str(device))
+    spans = _KEPT.setdefault(pattern, OrderedDict())
+    if key in spans:
+        spans.move_to_end(key)
+        return spans[key]
+    block = pattern.block_size
+    _, masks = _kv_head_masks(pattern.num_heads, kv_heads, pattern)
+    q_blocks = slice(first_query // block, (length - 1) // block + 1)
+    kept = masks[:, :, q_blocks, : q_blocks.stop].any(dim=2).any(dim=1)
+    kept = kept.repeat_interleave(block // page, dim=1)[:, : -(-length // page)].to(device)
+    spans[key] = kept
+    if len(spans) > _KEPT_SPANS:
+        spans.popitem(last=False)
+    return kept
 
 
 # Per pattern and KV head count, its group_block_mask: seconds to build at 128k, and a model's
@@ -220,26 +266,6 @@ def _kv_head_masks(num_heads: int, kv_heads: int, pattern: BlockPattern):
     if kv_heads not in masks:
         masks[kv_heads] = group_block_mask(pattern, kv_heads)
     return num_heads // kv_heads, masks[kv_heads]
-
-
-def _requests(masks, query_start_loc, seq_lens, pattern):
-    """For each request with new queries: (request, its first and past-last query rows, the
-    queries' positions, per KV head the positions of the KV blocks it keeps for some new query).
-    Refuses requests longer than the pattern."""
-    block = pattern.block_size
-    for r, length in enumerate(seq_lens):
-        start, end = query_start_loc[r], query_start_loc[r + 1]
-        if end == start:
-            continue
-        _check_length(r, length, pattern)
-        q_pos = torch.arange(length - (end - start), length)
-        first_q_block, last_q_block = int(q_pos[0]) // block, int(q_pos[-1]) // block
-        kept = []
-        for head_mask in masks[:, :, first_q_block : last_q_block + 1, : last_q_block + 1]:
-            blocks = head_mask.any(dim=1).any(dim=0).nonzero().flatten()
-            pos = (blocks[:, None] * block + torch.arange(block)).flatten()
-            kept.append(pos[pos < length])
-        yield r, start, end, q_pos, kept
 
 
 def _check_length(request: int, length: int, pattern: BlockPattern) -> None:
@@ -311,13 +337,6 @@ def write_stripes(
     value_cache[dest, heads, rows] = value[:tokens].to(value_cache.dtype)
 
 
-def _slots(pos: torch.Tensor, table: torch.Tensor, page: int):
-    """(flattened pages, rows in them) of a request's token positions ``pos``, given one KV
-    head's row of the page table."""
-    table = table.to(torch.int64)
-    return table[(pos // page).to(table.device)], (pos % page).to(table.device)
-
-
 class DecodeBuffers:
     """What the decode kernel reads besides vLLM's pages, in tensors allocated once: vLLM replays a
     CUDA graph of its decode steps, and a graph reads the addresses it captured, so each step's
@@ -338,6 +357,7 @@ class DecodeBuffers:
             max_requests, num_kv_heads, max_blocks, dtype=torch.int32, device=device
         )
         self.seq_lens = torch.ones(max_requests, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(max_requests, dtype=torch.int32, device=device)
         # The kernel's count of finished splits per (request, KV head), zero between launches: the
         # layers of a group launch one after another, so they share it.
         self.split_counters = torch.zeros(
@@ -367,8 +387,10 @@ class DecodeBuffers:
         )
         lengths = self.seq_lens[:requests]
         torch.clamp(seq_lens.to(torch.int32), min=1, out=lengths)
+        positions = self.positions[:requests]
+        torch.sub(lengths, 1, out=positions)
         counters = self.split_counters[: requests * self.num_kv_heads]
-        return PagedDecodeBatch(table, lengths, counters)
+        return PagedDecodeBatch(table, lengths, positions, counters)
 
 
 @dataclass(frozen=True)
@@ -379,12 +401,78 @@ class PagedDecodeBatch:
     Attributes:
         page_table: int32 (requests, kv_heads, max_blocks), pages of the flattened cache.
         seq_lens: int32 (requests,), each request's length with its new token (at least 1).
+        positions: int32 (requests,), its new token's position (``seq_lens - 1``).
         split_counters: int32 (requests * kv_heads,), zero between launches.
     """
 
     page_table: torch.Tensor
     seq_lens: torch.Tensor
+    positions: torch.Tensor
     split_counters: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MixedDecodes:
+    """The single-token requests of a step that also prefills: the decode kernel computes them
+    (:func:`mixed_decodes`), for the forward kernel over a gathered copy of their whole past
+    would read each request's every page, per layer and step.
+
+    Attributes:
+        requests: int64 (n,) their indices in the step, on the device; ``host`` the same set.
+        tokens: int64 (n,) their query rows.
+        seq_lens, positions, split_counters: as :class:`PagedDecodeBatch`'s for them.
+    """
+
+    requests: torch.Tensor
+    tokens: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    split_counters: torch.Tensor
+    host: frozenset[int]
+
+    def batch(self, page_table: torch.Tensor) -> PagedDecodeBatch:
+        """Their decode batch, given the step's (requests, kv_heads, blocks) page table."""
+        return PagedDecodeBatch(
+            page_table[self.requests], self.seq_lens, self.positions, self.split_counters
+        )
+
+
+def mixed_decodes(
+    query_start_loc: list[int], seq_lens: list[int], num_kv_heads: int, device
+) -> MixedDecodes | None:
+    """The step's requests of one new token, as :class:`MixedDecodes` (None if there are none)."""
+    rows = [r for r in range(len(seq_lens)) if query_start_loc[r + 1] - query_start_loc[r] == 1]
+    if not rows:
+        return None
+    lengths = torch.tensor([seq_lens[r] for r in rows], dtype=torch.int32)
+    return MixedDecodes(
+        requests=torch.tensor(rows, dtype=torch.int64).to(device),
+        tokens=torch.tensor([query_start_loc[r] for r in rows], dtype=torch.int64).to(device),
+        seq_lens=lengths.to(device),
+        positions=(lengths - 1).to(device),
+        split_counters=torch.zeros(len(rows) * num_kv_heads, dtype=torch.int32, device=device),
+        host=frozenset(rows),
+    )
+
+
+def write_decode_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, batch: PagedDecodeBatch
+) -> None:
+    """Store a decode step's new keys and values, (requests, kv_heads, dim), one token per
+    request, through the batch's per-KV-head page table: each (token, KV head) lands in the page
+    that the decode kernel reads it from (for :func:`stripe_pages`' table, a head's stripe block
+    in its stripe page alone), in one launch where :func:`write_kv` and :func:`write_stripes`
+    take a dozen small ones. Padding requests write their null block."""
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    requests = batch.positions.shape[0]
+    write_pages(
+        key[:requests, None],
+        value[:requests, None],
+        key_cache.flatten(0, 1),
+        value_cache.flatten(0, 1),
+        batch.page_table,
+        batch.positions,
+    )
 
 
 def decode_splits(pattern: BlockPattern, num_kv_heads: int, requests: int, device) -> int:

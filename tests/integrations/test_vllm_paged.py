@@ -17,12 +17,14 @@ from s2attn import attention_reference, local_stride_pattern
 from s2attn.integrations.vllm_paged import (
     DecodeBuffers,
     kv_head_pages,
+    mixed_decodes,
     paged_attention_torch,
     paged_decode_triton,
     paged_prefill,
     split_kv_cache,
     stripe_layout,
     stripe_pages,
+    write_decode_kv,
     write_kv,
     write_stripes,
 )
@@ -111,6 +113,35 @@ def test_paged_paths_match_reference(path, dtype, page):
     got = path(q, kv_cache, kv_head_pages(table, KV_HEADS), starts, lengths, pattern, scale)
     want = reference(q, keys, values, num_new, pattern, scale)
     assert_close(got, want.to(got.dtype), dtype, f"vLLM layout, {path.__name__}")
+
+
+@pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_sends_single_token_requests_to_the_decode_kernel(dtype):
+    """A GPU's prefill step: its requests of one new token through the decode kernel, the rest
+    through paged_prefill (which leaves their rows alone); together the reference, with the pages
+    no new query keeps poisoned."""
+    pattern = local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
+    )
+    lengths, num_new = [200, 300, 161, 97, 64], [200, 45, 1, 1, 33]
+    kv_cache, table, keys, values = make_cache(lengths, 32, dtype)
+    poison_unread_pages(kv_cache, table, lengths, num_new, pattern)
+    q = torch.randn(sum(num_new), HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    q = q.to(DEVICE, dtype)
+    starts = [0, *torch.tensor(num_new).cumsum(0).tolist()]
+    scale = 1 / math.sqrt(DIM)
+    pages = kv_head_pages(table, KV_HEADS)
+    mixed = mixed_decodes(starts, lengths, KV_HEADS, DEVICE)
+    assert mixed.host == {2, 3} and mixed.tokens.tolist() == [starts[2], starts[3]]
+    out = torch.full_like(q, float("nan"))
+    out[mixed.tokens] = paged_decode_triton(
+        q[mixed.tokens], kv_cache, mixed.batch(pages), pattern, scale
+    )
+    paged_prefill(q, kv_cache, pages, starts, lengths, pattern, scale, skip=mixed.host, out=out)
+    want = reference(q, keys, values, num_new, pattern, scale)
+    assert_close(out, want.to(out.dtype), dtype, "a mixed step")
+    assert mixed_decodes([0, 5, 9], [5, 9], KV_HEADS, DEVICE) is None
 
 
 @pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
@@ -250,6 +281,57 @@ def test_kv_heads_read_their_stripes_from_the_stripe_pages(dtype):
         batch = dataclasses.replace(batch, page_table=table)
         got = paged_decode_triton(q, kv_cache, batch, pattern, scale)
         assert_close(got, want.to(got.dtype), dtype, "stripe pages, Triton decode")
+
+
+@pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
+@pytest.mark.parametrize("stripes", [False, True], ids=["union", "stripes"])
+def test_decode_writes_land_where_the_decode_reads(stripes):
+    """write_decode_kv stores each request's newest token through the step's per-KV-head table
+    (with stripes apart, a head's stripe block in its stripe page): with those rows poisoned
+    first, attention through the same table matches the reference, and nothing but those rows
+    and the null block (the padding request's) changes."""
+    dtype = torch.float32
+    if stripes:
+        pattern, _, kv_cache, table, keys, values, lengths = stripe_cache(dtype)
+    else:
+        pattern = local_stride_pattern(
+            HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4,
+            num_kv_heads=KV_HEADS,
+        )  # fmt: skip
+        lengths = [300, 161]
+        kv_cache, window_table, keys, values = make_cache(lengths, 32, dtype)
+        table = kv_head_pages(window_table, KV_HEADS)
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    k_pages, v_pages = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    targets = set()
+    for r, n in enumerate(lengths):
+        for h in range(KV_HEADS):
+            page, row = int(table[r, h, (n - 1) // 32]), (n - 1) % 32
+            k_pages[page, row] = v_pages[page, row] = float("nan")
+            targets.add((page, row))
+    padded = torch.cat([table, kv_head_pages(torch.zeros_like(table[:1, 0]), KV_HEADS)])
+    seq_lens = torch.tensor([*lengths, 0], dtype=torch.int32, device=DEVICE)
+    batch = DecodeBuffers(3, KV_HEADS, table.shape[2], torch.device(DEVICE)).fill(
+        torch.zeros_like(padded[:, 0]), seq_lens
+    )
+    batch = dataclasses.replace(batch, page_table=padded)
+    assert batch.positions.tolist() == [lengths[0] - 1, lengths[1] - 1, 0]
+    before = kv_cache.clone()
+    junk = torch.randn(1, KV_HEADS, DIM, device=DEVICE)
+    new_k = torch.cat([torch.stack([k[-1] for k in keys]), junk])
+    new_v = torch.cat([torch.stack([v[-1] for v in values]), junk])
+    write_decode_kv(new_k, new_v, kv_cache, batch)
+
+    for now, then in zip(split_kv_cache(kv_cache), split_kv_cache(before)):
+        changed = (now.nan_to_num(7.0) != then.nan_to_num(7.0)).any(dim=-1)  # (block, h, row)
+        for block, h, row in changed.nonzero().tolist():
+            assert block == 0 or (block * KV_HEADS + h, row) in targets
+    q = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(3))
+    q = q.to(DEVICE, dtype)
+    scale = 1 / math.sqrt(DIM)
+    want = reference(q, keys, values, [1] * len(lengths), pattern, scale)
+    got = paged_attention_torch(q, kv_cache, table, [0, 1, 2], lengths, pattern, scale)
+    assert_close(got, want.to(got.dtype), dtype, "decode writes through the step's table")
 
 
 def test_prefill_builds_a_patterns_mask_once(monkeypatch):
