@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -140,9 +141,11 @@ class Engine:
         return ids
 
     def step(self) -> tuple[float, list]:
-        """One engine step: (its end time, the outputs it returned)."""
+        """One engine step: (the time it returned, the outputs it returned). No device sync of
+        its own: the outputs are tokens already on the host, and with vLLM's asynchronous
+        scheduling (its default) the engine has launched its next batch before returning them,
+        as it does when serving."""
         outputs = self.engine.step()
-        torch.cuda.synchronize()
         return time.perf_counter(), outputs
 
     def pages_held(self) -> list[int] | None:
@@ -154,11 +157,14 @@ class Engine:
         return [sum(b != 0 for b in blocks) for blocks in self.manager.get_block_ids(request_id)]
 
     def group_bytes(self, pages: list[int]) -> dict:
-        """Bytes of ``pages`` per group, summed over the dense groups and over the S2 groups."""
+        """Bytes of ``pages`` per group, summed over the dense groups and over the S2 layers'
+        groups (their windows and, each KV head's stripes kept apart, their stripe groups)."""
+        from s2attn.integrations.vllm_kv import S2AttentionSpec, S2StripeSpec
+
         held = {"dense": 0, "s2": 0}
         for group, n in zip(self.groups, pages):
             spec = group.kv_cache_spec
-            kind = "s2" if type(spec).__name__ == "S2AttentionSpec" else "dense"
+            kind = "s2" if isinstance(spec, (S2AttentionSpec, S2StripeSpec)) else "dense"
             held[kind] += n * spec.page_size_bytes * len(group.layer_names)
         return held
 
@@ -274,6 +280,7 @@ def worker(args) -> None:
         config=args.worker,
         startup_s=time.perf_counter() - loaded,
         cudagraph_mode=str(engine.config.compilation_config.cudagraph_mode),
+        async_scheduling=engine.config.scheduler_config.async_scheduling,
         pool_blocks=engine.manager.kv_cache_config.num_blocks,
         groups=[(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in engine.groups],
         rows=[],
@@ -294,6 +301,7 @@ def worker(args) -> None:
             tok_s=statistics.median(run["tok_s"] for run in runs),
             runs=runs,
             kv_bytes=runs[-1]["kv_bytes"],
+            pages=runs[-1]["pages"],
         )
         result["rows"].append(row)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -389,10 +397,13 @@ def markdown(results: list[dict], env: dict, args) -> str:
         )
     lines += ["", "Engines:", ""]
     for res in results:
+        sched = {True: "on", False: "off"}.get(res.get("async_scheduling"), "not recorded")
+        groups = Counter(tuple(g) for g in res["groups"])
         lines.append(
             f"- {res['config']}: start-up {res['startup_s']:.0f} s, CUDA graphs "
-            f"{res['cudagraph_mode']}, pool {res['pool_blocks']} blocks, groups "
-            + ", ".join(f"{name} x{n}" for name, n in res["groups"])
+            f"{res['cudagraph_mode']}, asynchronous scheduling {sched}, pool "
+            f"{res['pool_blocks']} blocks; KV-cache groups: "
+            + ", ".join(f"{k} {name} of {n} layers" for (name, n), k in groups.items())
         )
     load = load_text(env["host_load_start"])
     lines += ["", f"Host load per batch-1 request: see the JSON ({load} at the start)."]

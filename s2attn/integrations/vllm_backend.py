@@ -77,9 +77,10 @@ class S2AttentionMetadata:
     """One step's requests as the S2 layers read them.
 
     A step of one new token per request on a GPU, with vLLM's page equal to the pattern's block,
-    carries ``decode`` (the decode kernel's page table and lengths, in the builder's persistent
-    buffers: a CUDA graph of the step reads them) and no host copies. Any other step carries
-    host copies of the per-request offsets and lengths, which its paths loop over."""
+    carries ``decode`` (the group's :class:`DecodeBuffers`, from which its first layer composes
+    the step's batch on the device, inside a CUDA graph of the step) and no host copies. Any
+    other step carries host copies of the per-request offsets and lengths, which its paths loop
+    over."""
 
     num_actual_tokens: int
     max_query_len: int
@@ -87,13 +88,16 @@ class S2AttentionMetadata:
     seq_lens: torch.Tensor  # (requests,) int32
     block_table: torch.Tensor  # (requests, max_blocks) int32
     slot_mapping: torch.Tensor  # (tokens,) int64
-    decode: PagedDecodeBatch | None = None
+    decode: DecodeBuffers | None = None
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
     mixed: MixedDecodes | None = None  # a prefill step's single-token requests, on a GPU
-    # Per stripe offsets, the page table over those stripes: the group's layers share this
-    # metadata, and the first layer with a StripeLayout composes its table for the rest.
+    # Per stripe offsets (None: no stripes), the page table or decode batch over them: the
+    # group's layers share this metadata, and the first layer of each composes it for the rest.
     stripe_tables: dict[tuple[int, ...], torch.Tensor] = dataclasses.field(default_factory=dict)
+    decode_batches: dict[tuple[int, ...] | None, PagedDecodeBatch] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 def _decodes_in_place(vllm_config: VllmConfig, kv_cache_spec: KVCacheSpec) -> bool:
@@ -143,9 +147,11 @@ class S2AttentionMetadataBuilder(AttentionMetadataBuilder[S2AttentionMetadata]):
                 )
         # Speculative decoding's optimistic lengths would make the host's copy inexact.
         self._exact_host_lengths = vllm_config.speculative_config is None
-        self._decodes_in_place = _decodes_in_place(vllm_config, kv_cache_spec)
-        self._max_requests = vllm_config.scheduler_config.max_num_seqs
-        self._decode_buffers: DecodeBuffers | None = None
+        self._decode_buffers = None
+        if _decodes_in_place(vllm_config, kv_cache_spec):
+            self._decode_buffers = DecodeBuffers(
+                vllm_config.scheduler_config.max_num_seqs, kv_cache_spec.num_kv_heads, device
+            )
 
     def build(
         self,
@@ -163,22 +169,16 @@ class S2AttentionMetadataBuilder(AttentionMetadataBuilder[S2AttentionMetadata]):
             block_table=m.block_table_tensor[:requests],
             slot_mapping=m.slot_mapping,
         )
-        if self._decodes_in_place and m.max_query_len == 1 and m.num_actual_tokens == requests:
-            if self._decode_buffers is None:  # sized by vLLM's block table, fixed from here on
-                self._decode_buffers = DecodeBuffers(
-                    self._max_requests,
-                    self.kv_cache_spec.num_kv_heads,
-                    metadata.block_table.shape[1],
-                    self.device,
-                )
-            metadata.decode = self._decode_buffers.fill(metadata.block_table, metadata.seq_lens)
+        in_place = self._decode_buffers is not None
+        if in_place and m.max_query_len == 1 and m.num_actual_tokens == requests:
+            metadata.decode = self._decode_buffers
             return metadata
         metadata.query_start_loc_host = m.query_start_loc_cpu[: requests + 1].tolist()
         host_lengths = getattr(m, "seq_lens_cpu_upper_bound", None)
         if host_lengths is None or not self._exact_host_lengths:
             host_lengths = metadata.seq_lens.cpu()
         metadata.seq_lens_host = host_lengths[:requests].tolist()
-        if self._decodes_in_place:
+        if in_place:
             metadata.mixed = mixed_decodes(
                 metadata.query_start_loc_host,
                 metadata.seq_lens_host,
@@ -348,9 +348,20 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
         apart, the same over their page table (composed once per step and stripe offsets)."""
         if m is None or m.decode is None:
             return None
-        if self.stripes is None:
-            return m.decode
-        return dataclasses.replace(m.decode, page_table=self._page_table(m))
+        key = None if self.stripes is None else self.stripes.offsets
+        if key not in m.decode_batches:
+            if self.stripes is None:
+                batch = m.decode.batch(m.block_table, m.seq_lens)
+            else:
+                batch = m.decode.batch(
+                    m.block_table,
+                    m.seq_lens,
+                    self._stripe_table(),
+                    self.stripes,
+                    self._stripe_offsets,
+                )
+            m.decode_batches[key] = batch
+        return m.decode_batches[key]
 
     def _page_table(self, m: S2AttentionMetadata) -> torch.Tensor:
         """Per KV head, the flattened page of each block: the window group's, or for a head's own
@@ -359,11 +370,14 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
             return kv_head_pages(m.block_table, self.num_kv_heads)
         offsets = self.stripes.offsets
         if offsets not in m.stripe_tables:
-            stripe_table = get_forward_context().attn_metadata[self.stripe_layer].block_table
             m.stripe_tables[offsets] = stripe_pages(
-                m.block_table, stripe_table, self.stripes.period, self._stripe_offsets
+                m.block_table, self._stripe_table(), self.stripes.period, self._stripe_offsets
             )
         return m.stripe_tables[offsets]
+
+    def _stripe_table(self) -> torch.Tensor:
+        """This step's block table of the stripe layer's group."""
+        return get_forward_context().attn_metadata[self.stripe_layer].block_table
 
     def _check_shared_pages(self, kv_cache: torch.Tensor) -> None:
         # vLLM lays the groups' pages out in tensors shared by one layer of each group; the

@@ -35,7 +35,7 @@ from ..inference.decode_step import attend
 from ..inference.eviction import EvictionSchedule
 from ..ops.cpu import paged_attention as paged_attention_reference
 from ..ops.decode_layout import decode_layout, group_block_mask
-from ..ops.dispatch import write_pages
+from ..ops.dispatch import decode_page_tables, write_pages
 from ..pattern import BlockPattern
 
 __all__ = [
@@ -338,57 +338,59 @@ def write_stripes(
 
 
 class DecodeBuffers:
-    """What the decode kernel reads besides vLLM's pages, in tensors allocated once: vLLM replays a
-    CUDA graph of its decode steps, and a graph reads the addresses it captured, so each step's
-    page table and lengths are written into these same tensors (:meth:`fill`).
+    """A KV-cache group's decode steps: the decode kernel's split counters, allocated once, and
+    each step's batch composed on the device from vLLM's block tables and lengths.
+
+    vLLM replays CUDA graphs of its decode steps, and a graph reads the addresses it captured:
+    vLLM keeps its block tables and lengths in tensors of fixed addresses (its own attention
+    backends read them inside its graphs), :meth:`batch` composes from them with no host sync
+    (one launch), and the counters are these same tensors at every step.
 
     Args:
         max_requests: the most requests of one step (vLLM's ``max_num_seqs``).
         num_kv_heads: the layers' KV heads.
-        max_blocks: the block table's width (vLLM's blocks per request at ``max_model_len``).
         device: the pages' device.
     """
 
-    def __init__(
-        self, max_requests: int, num_kv_heads: int, max_blocks: int, device: torch.device
-    ) -> None:
+    def __init__(self, max_requests: int, num_kv_heads: int, device: torch.device) -> None:
         self.num_kv_heads = num_kv_heads
-        self.page_table = torch.zeros(
-            max_requests, num_kv_heads, max_blocks, dtype=torch.int32, device=device
-        )
-        self.seq_lens = torch.ones(max_requests, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(max_requests, dtype=torch.int32, device=device)
         # The kernel's count of finished splits per (request, KV head), zero between launches: the
         # layers of a group launch one after another, so they share it.
         self.split_counters = torch.zeros(
             max_requests * num_kv_heads, dtype=torch.int32, device=device
         )
-        self._heads = torch.arange(num_kv_heads, dtype=torch.int32, device=device)
 
-    def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> PagedDecodeBatch:
-        """This step's batch: ``block_table`` (requests, width) and ``seq_lens`` (requests,), each
-        request's length with its new token, both on the buffers' device. No host sync.
+    def batch(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        stripe_table: torch.Tensor | None = None,
+        stripes: StripeLayout | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> PagedDecodeBatch:
+        """This step's batch: ``block_table`` int32 (requests, width) and ``seq_lens``
+        (requests,), each request's length with its new token; with ``stripes``, the stripe
+        group's ``stripe_table`` and the layer's ``offsets`` (:meth:`StripeLayout.offsets_on`) as
+        :func:`stripe_pages` composes them. All on the buffers' device.
 
         vLLM pads a graph's batch with requests of length 0 whose table rows hold its null block
         (block 0, which no request owns): their length is raised to 1, so the kernel reads one
         position of a real page for them, and vLLM drops their outputs."""
-        requests, width = block_table.shape
-        if requests > self.page_table.shape[0] or width > self.page_table.shape[2]:
+        requests = block_table.shape[0]
+        if requests * self.num_kv_heads > self.split_counters.shape[0]:
             raise ValueError(
-                f"a step of {requests} requests and {width} blocks each exceeds the decode "
-                f"buffers' {self.page_table.shape[0]} x {self.page_table.shape[2]}"
+                f"a step of {requests} requests exceeds the decode buffers' "
+                f"{self.split_counters.shape[0] // self.num_kv_heads}"
             )
-        # A (vLLM block b, KV head h) pair is page b * kv_heads + h of the flattened pages.
-        table = self.page_table[:requests, :, :width]
-        torch.add(
-            block_table[:, None, :].to(torch.int32) * self.num_kv_heads,
-            self._heads[None, :, None],
-            out=table,
+        period = 0 if stripes is None else stripes.period
+        table, lengths, positions = decode_page_tables(
+            block_table,
+            seq_lens,
+            self.num_kv_heads,
+            stripe_table if stripes is not None else None,
+            period,
+            offsets,
         )
-        lengths = self.seq_lens[:requests]
-        torch.clamp(seq_lens.to(torch.int32), min=1, out=lengths)
-        positions = self.positions[:requests]
-        torch.sub(lengths, 1, out=positions)
         counters = self.split_counters[: requests * self.num_kv_heads]
         return PagedDecodeBatch(table, lengths, positions, counters)
 
@@ -396,7 +398,7 @@ class DecodeBuffers:
 @dataclass(frozen=True)
 class PagedDecodeBatch:
     """One decode step of vLLM's requests as the decode kernel reads it
-    (:meth:`DecodeBuffers.fill`).
+    (:meth:`DecodeBuffers.batch`).
 
     Attributes:
         page_table: int32 (requests, kv_heads, max_blocks), pages of the flattened cache.
@@ -505,7 +507,7 @@ def paged_decode_triton(
         query: (requests, heads, dim): each request's newest token, already written to the cache.
         kv_cache: vLLM's (num_blocks, kv_heads, page, 2 * dim) cache with ``page ==
             pattern.block_size``.
-        batch: the step's page table, lengths and split counters (:meth:`DecodeBuffers.fill`).
+        batch: the step's page table, lengths and split counters (:meth:`DecodeBuffers.batch`).
         pattern, softmax_scale: as :func:`paged_attention_torch`.
         num_splits: the kernel's split count (default :func:`decode_splits`'s).
 

@@ -40,6 +40,7 @@ from .layout import TileLayout
 from .options import KernelOptions
 from .shapes import Varlen, lse_dtype, sequence_lengths
 from .triton import decode as triton_decode
+from .triton import page_tables as triton_page_tables
 from .triton import page_write as triton_page_write
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "backward_tile_sizes",
     "decode",
     "decode_num_splits",
+    "decode_page_tables",
     "forward",
     "forward_kernel",
     "forward_tile_sizes",
@@ -468,3 +470,8 @@ def write_pages(
     """A decode step's page write, and with ``advance`` its length update in the same launch:
     :func:`s2attn.ops.triton.page_write.write_pages`."""
     triton_page_write.write_pages(k, v, k_pages, v_pages, page_table, seq_lens, advance=advance)
+
+
+# A decode step's per-KV-head page table, lengths and new positions over pages of whole blocks, in
+# one launch (no other backend composes them).
+decode_page_tables = triton_page_tables.decode_page_tables

@@ -16,6 +16,7 @@ from helpers import DEVICE, DTYPES, assert_close
 from s2attn import attention_reference, local_stride_pattern
 from s2attn.integrations.vllm_paged import (
     DecodeBuffers,
+    StripeLayout,
     kv_head_pages,
     mixed_decodes,
     paged_attention_torch,
@@ -147,9 +148,9 @@ def test_mixed_step_sends_single_token_requests_to_the_decode_kernel(dtype):
 @pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_over_vllm_pages_matches_reference(dtype):
-    """A batch padded as vLLM pads a CUDA graph's (requests of length 0 on the null block), filled
-    into buffers twice: the real requests match the reference, and the buffers keep their
-    addresses (a captured graph reads them)."""
+    """A batch padded as vLLM pads a CUDA graph's (requests of length 0 on the null block): the
+    real requests match the reference, and every batch reads the buffers' own counters (a
+    captured graph reads their address)."""
     pattern = local_stride_pattern(
         HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=3, num_kv_heads=KV_HEADS
     )
@@ -158,11 +159,12 @@ def test_triton_decode_over_vllm_pages_matches_reference(dtype):
     assert poison_unread_pages(kv_cache, table, lengths, [1] * len(lengths), pattern) > 0
     padded = torch.cat([table, torch.zeros_like(table[:2])])
     seq_lens = torch.tensor([*lengths, 0, 0], dtype=torch.int32, device=DEVICE)
-    buffers = DecodeBuffers(8, KV_HEADS, table.shape[1] + 3, torch.device(DEVICE))
-    addresses = (buffers.page_table.data_ptr(), buffers.seq_lens.data_ptr())
-    buffers.fill(padded.flip(0), seq_lens.flip(0))  # an earlier step's batch, other values
-    batch = buffers.fill(padded, seq_lens)
-    assert (buffers.page_table.data_ptr(), buffers.seq_lens.data_ptr()) == addresses
+    buffers = DecodeBuffers(8, KV_HEADS, torch.device(DEVICE))
+    earlier = buffers.batch(padded.flip(0), seq_lens.flip(0))
+    batch = buffers.batch(padded, seq_lens)
+    assert batch.split_counters.data_ptr() == earlier.split_counters.data_ptr()
+    assert batch.split_counters.data_ptr() == buffers.split_counters.data_ptr()
+    assert torch.equal(batch.page_table, kv_head_pages(padded, KV_HEADS))
     assert batch.seq_lens.tolist() == [*lengths, 1, 1]
     q = torch.randn(len(lengths) + 2, HEADS, DIM, generator=torch.Generator().manual_seed(1))
     q = q.to(DEVICE, dtype)
@@ -173,12 +175,34 @@ def test_triton_decode_over_vllm_pages_matches_reference(dtype):
 
 
 def test_decode_buffers_refuse_a_batch_past_their_size():
-    buffers = DecodeBuffers(2, KV_HEADS, 4, torch.device(DEVICE))
+    buffers = DecodeBuffers(2, KV_HEADS, torch.device(DEVICE))
     lengths = torch.ones(3, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="3 requests and 4 blocks each exceeds .* 2 x 4"):
-        buffers.fill(torch.zeros(3, 4, dtype=torch.int32, device=DEVICE), lengths)
-    with pytest.raises(ValueError, match="1 requests and 5 blocks each exceeds"):
-        buffers.fill(torch.zeros(1, 5, dtype=torch.int32, device=DEVICE), lengths[:1])
+    with pytest.raises(ValueError, match="a step of 3 requests exceeds the decode buffers' 2"):
+        buffers.batch(torch.zeros(3, 4, dtype=torch.int32, device=DEVICE), lengths)
+
+
+@pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
+@pytest.mark.parametrize("width", [7, 300, 600], ids=["narrow", "two-programs", "three-programs"])
+def test_decode_batches_compose_the_tables_stripe_pages_does(width):
+    """DecodeBuffers.batch's one launch against the torch composition, on random tables wider and
+    narrower than one program's blocks, with stripes apart and without; lengths of 0 (padding)
+    read as 1."""
+    gen = torch.Generator().manual_seed(width)
+    requests, period = 5, 4
+    window = torch.randint(0, 10_000, (requests, width), generator=gen, dtype=torch.int32)
+    stripe_table = torch.randint(0, 10_000, (requests, -(-width // period)), generator=gen)
+    stripe_table = stripe_table.to(torch.int32)
+    seq_lens = torch.tensor([0, 1, 64, 900, 5], dtype=torch.int32)
+    window, stripe_table, seq_lens = (t.to(DEVICE) for t in (window, stripe_table, seq_lens))
+    stripes = StripeLayout(period, (3, 0))
+    offsets = stripes.offsets_on(DEVICE)
+    buffers = DecodeBuffers(8, KV_HEADS, torch.device(DEVICE))
+    batch = buffers.batch(window, seq_lens, stripe_table, stripes, offsets)
+    assert torch.equal(batch.page_table, stripe_pages(window, stripe_table, period, offsets))
+    assert batch.seq_lens.tolist() == [1, 1, 64, 900, 5]
+    assert batch.positions.tolist() == [0, 0, 63, 899, 4]
+    union = buffers.batch(window, seq_lens)
+    assert torch.equal(union.page_table, kv_head_pages(window, KV_HEADS))
 
 
 def test_padding_slots_write_only_the_null_block():
@@ -199,7 +223,7 @@ def test_triton_decode_needs_page_equal_to_block():
     kv_cache, table, _, _ = make_cache([40], 16, torch.float32)
     q = torch.zeros(1, HEADS, DIM, device=DEVICE)
     seq_lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
-    batch = DecodeBuffers(1, KV_HEADS, table.shape[1], torch.device(DEVICE)).fill(table, seq_lens)
+    batch = DecodeBuffers(1, KV_HEADS, torch.device(DEVICE)).batch(table, seq_lens)
     with pytest.raises(ValueError, match="page .16 tokens. to equal the pattern's block .32."):
         paged_decode_triton(q, kv_cache, batch, pattern, 1.0)
 
@@ -275,7 +299,7 @@ def test_kv_heads_read_their_stripes_from_the_stripe_pages(dtype):
     assert_close(got, want.to(got.dtype), dtype, "stripe pages, PyTorch path")
     if supports_triton(torch.device(DEVICE)):
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-        batch = DecodeBuffers(2, KV_HEADS, table.shape[2], torch.device(DEVICE)).fill(
+        batch = DecodeBuffers(2, KV_HEADS, torch.device(DEVICE)).batch(
             torch.zeros(2, table.shape[2], dtype=torch.int32, device=DEVICE), seq_lens
         )
         batch = dataclasses.replace(batch, page_table=table)
@@ -311,7 +335,7 @@ def test_decode_writes_land_where_the_decode_reads(stripes):
             targets.add((page, row))
     padded = torch.cat([table, kv_head_pages(torch.zeros_like(table[:1, 0]), KV_HEADS)])
     seq_lens = torch.tensor([*lengths, 0], dtype=torch.int32, device=DEVICE)
-    batch = DecodeBuffers(3, KV_HEADS, table.shape[2], torch.device(DEVICE)).fill(
+    batch = DecodeBuffers(3, KV_HEADS, torch.device(DEVICE)).batch(
         torch.zeros_like(padded[:, 0]), seq_lens
     )
     batch = dataclasses.replace(batch, page_table=padded)
