@@ -22,8 +22,11 @@ For each engine and prompt length:
   (vLLM's pool blocks over the blocks one request needs in every group), all submitted at once
   with enough new tokens that every request is still decoding once the last prefill is done;
   throughput is the tokens per second of the steps in which all of them decode together.
+- **transformers' generate** (``--generate``): ``bench_serving.py``'s rows at the same prompts and
+  stride, on the same GPU after the vLLM engines, for reference.
 
     python benchmarks/bench_vllm.py                          # 32k and 128k, dense and HHST
+    python benchmarks/bench_vllm.py --generate               # and transformers' generate
     python benchmarks/bench_vllm.py --prompts 131072 --configs hhst
 
 Needs a CUDA GPU and vLLM (0.26.x or 0.32.x) with s2attn's plugin (``pip install
@@ -437,6 +440,11 @@ def main() -> int:
         help="keep each engine's results here; engines not in --configs are read from it, so "
         "that runs split across calls make one table",
     )
+    ap.add_argument(
+        "--generate",
+        action="store_true",
+        help="also transformers' generate at the same prompts (bench_serving.py), for reference",
+    )
     ap.add_argument("--worker", choices=["dense", "hhst"], help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.set_defaults(repeats=3)
@@ -474,6 +482,7 @@ def main() -> int:
                 print(f"{name}: the worker exited with {code}", file=sys.stderr)
         if out.exists() and (name in args.configs or args.workers_dir):
             results.append(json.loads(out.read_text()))
+    generate = generate_rows(workers, args)
     finish(env)
     payload = dict(
         env=env,
@@ -481,11 +490,49 @@ def main() -> int:
         args={k: str(v) for k, v in vars(args).items()},
         results=results,
         rows=[r for res in results for r in res["rows"]],
+        generate_rows=generate,
     )
-    write_results(
-        args.out_dir, result_stem(env, "vllm" + args.tag), markdown(results, env, args), payload
-    )
+    text = markdown(results, env, args) + generate_markdown(generate)
+    write_results(args.out_dir, result_stem(env, "vllm" + args.tag), text, payload)
     return 0
+
+
+def generate_rows(workers: Path, args) -> list[dict]:
+    """transformers' ``generate`` on the same GPU, for reference: ``bench_serving.py`` (eager and
+    compiled decode, dense SDPA against HHST through ``S2Cache``) at the same prompts and stride,
+    after the vLLM engines, with ``--generate``; else the rows a run kept in ``--workers-dir``."""
+    out = workers / "generate"
+    if args.generate:
+        prompts = ",".join(map(str, args.prompts))
+        command = [sys.executable, str(Path(__file__).with_name("bench_serving.py")),
+                   "--prompts", prompts, "--compiled", "--compiled-prompts", prompts,
+                   "--stride", str(args.stride), "--repeats", str(args.repeats),
+                   "--out-dir", str(out)]  # fmt: skip
+        code = subprocess.call(command)
+        if code:
+            print(f"generate: bench_serving.py exited with {code}", file=sys.stderr)
+    found = sorted(out.glob("*_serving*.json")) if out.is_dir() else []
+    return json.loads(found[-1].read_text())["rows"] if found else []
+
+
+def generate_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "transformers `generate` on the same GPU in the same run (`bench_serving.py`: eager "
+        "DynamicCache / S2Cache, and static caches with a compiled decode step; batch-1 and "
+        "largest-batch decode from caches filled with random keys and values):",
+        "",
+    ]
+    lines += table(
+        ["config", "prompt", "TTFT s", "batch-1 tok/s", "largest batch", "tok/s there",
+         "KV GiB / seq"],
+        ([r["config"], r["prompt"], cell(r["ttft_s"], "{:.2f}"), f"{r['one']['tok_s']:.1f}",
+          r["max"]["batch"], f"{r['max']['tok_s']:.0f}", f"{r['max']['per_seq_gib']:.3f}"]
+         for r in rows),
+    )  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -340,6 +340,10 @@ class PagedKVCache:
         the longest list the step's query blocks walk; else (``num_new`` None) from the longest
         list of all, so that one launch, captured or compiled, serves every length. Host data
         alone: no sync."""
+        return self._decode_plan(num_new, num_splits)
+
+    def _decode_plan(self, num_new: int | None, num_splits: int | None) -> DecodePlan:
+        # The eager step's host half calls this after its own catch-up: one per step.
         if num_splits is None:
             num_splits = self._num_splits(num_new)
         plan = self._plans.get(num_splits)
@@ -440,7 +444,7 @@ class PagedKVCache:
                 f"a decode step holds at most {MAX_DECODE_TOKENS} new tokens, got {k.shape[1]}"
             )
         _, self._lengths, self._keep_block = self._plan_append(k, v, None, None)
-        return self.decode_plan(k.shape[1], num_splits=num_splits)
+        return self._decode_plan(k.shape[1], num_splits)
 
     @_host_synced
     def _plan_checked_decode_step(
@@ -451,7 +455,7 @@ class PagedKVCache:
         of a step replayed from a CUDA graph, whose split count serves every length."""
         counts = [num_new] * self.batch_size
         _, self._lengths, self._keep_block = self._plan(counts, None)
-        return self.decode_plan(None if whole_run else num_new, num_splits=num_splits)
+        return self._decode_plan(None if whole_run else num_new, num_splits)
 
     def _plan_append(
         self,
