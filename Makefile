@@ -39,8 +39,8 @@ lint: setup
 # for are CUDA builds that fail to load against these torches (and transformers imports
 # torchvision when present): serving a text model needs none of them. matplotlib: `s2attn train`
 # plots its curves.
-VLLM_TESTS := tests/integrations/test_vllm.py tests/integrations/test_vllm_paged.py \
-	tests/integrations/test_vllm_kv.py
+# (tests/integrations/test_vllm_paged.py needs no vLLM: `make test` runs it.)
+VLLM_TESTS := tests/integrations/test_vllm.py tests/integrations/test_vllm_kv.py
 VLLM_UNUSED := torch torchvision torchaudio torchcodec
 VLLM026_VENV ?= .venv-vllm026
 VLLM026_PY := $(VLLM026_VENV)/bin/python

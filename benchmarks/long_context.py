@@ -394,6 +394,14 @@ def eval_estimate(job: Job) -> float:
     return 30.0 + job.eval_tokens / (3 * speed)
 
 
+def _default_sigint() -> None:
+    """In a job's process before it runs: SIGINT back to its default. A scheduler started in the
+    background (``cmd &`` in a script) or by a test runner's worker ignores SIGINT, and a job
+    would inherit that until it installs its own handler: a deadline's stop sent in that window
+    would be lost and the job would run on past the deadline."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Scheduler:
     """Runs the ready jobs, one per slot (GPU), within the deadline.
 
@@ -455,7 +463,9 @@ class Scheduler:
             f.flush()
             # In this process's group (no session of its own): whatever ends this process
             # from outside ends the jobs too, so none trains on unwatched.
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
+            )
         self.running[job.name] = (proc, slot, self.clock())
         what = "resuming" if "--resume" in cmd else "starting"
         limit = "" if time_limit is None else f", time limit {time_limit:.0f} s"
