@@ -292,7 +292,8 @@ def worker(args) -> None:
     served_s2 = any("S2" in name for name, _ in result["groups"])
     if served_s2 != (args.worker == "hhst"):
         raise RuntimeError(f"the {args.worker} engine's KV-cache groups are {result['groups']}")
-    single_request(engine, 512, 8, seed=1)  # warm-up: every kernel compiled and tuned
+    # Warm-up: every kernel compiled and tuned, prefill chunks of full length and a partial one.
+    single_request(engine, 2 * args.chunk + BLOCK + 1, 8, seed=1)
     for length in args.prompts:
         runs = []
         for r in range(args.repeats):
