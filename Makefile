@@ -40,7 +40,8 @@ lint: setup
 # torchvision when present): serving a text model needs none of them. matplotlib: `s2attn train`
 # plots its curves.
 # (tests/integrations/test_vllm_paged.py needs no vLLM: `make test` runs it.)
-VLLM_TESTS := tests/integrations/test_vllm.py tests/integrations/test_vllm_kv.py
+VLLM_TESTS := tests/integrations/test_vllm.py tests/integrations/test_vllm_kv.py \
+	tests/integrations/test_vllm_backend.py
 VLLM_UNUSED := torch torchvision torchaudio torchcodec
 VLLM026_VENV ?= .venv-vllm026
 VLLM026_PY := $(VLLM026_VENV)/bin/python

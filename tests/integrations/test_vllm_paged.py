@@ -244,8 +244,9 @@ def test_split_kv_cache_checks_the_shape():
         split_kv_cache(torch.zeros(4, 2, 16, 33))
 
 
-def stripe_cache(dtype):
-    """Two requests as a layer whose KV heads keep their stripes apart stores them: every token
+def stripe_cache(dtype, lengths=(300, 161)):
+    """Two requests of ``lengths`` as a layer whose KV heads keep their stripes apart stores
+    them (KV heads 0 and 1 keep blocks 0 and 3 of every 4 apart): every token
     in the window group's pages, each head's stripe blocks also in the stripe group's pages (one
     per period of 4 blocks, from the spare blocks), then NaN in the window pages of every head's
     stripe blocks, which that head must read from its stripe pages."""
@@ -254,7 +255,7 @@ def stripe_cache(dtype):
     )
     stripes = stripe_layout(pattern, KV_HEADS, 4)
     offsets = stripes.offsets_on(DEVICE)
-    lengths = [300, 161]
+    lengths = list(lengths)
     kv_cache, window_table, keys, values = make_cache(lengths, 32, dtype)
     spare = sorted(set(range(1, kv_cache.shape[0])) - set(window_table.flatten().tolist()))
     stripe_table = torch.tensor(spare[:6], dtype=torch.int32, device=DEVICE).view(2, 3)
@@ -269,7 +270,7 @@ def stripe_cache(dtype):
                 key_cache[window_table[r, j], h] = float("nan")
                 value_cache[window_table[r, j], h] = float("nan")
     table = stripe_pages(window_table, stripe_table, 4, offsets)
-    return pattern, stripes, kv_cache, table, keys, values, lengths
+    return pattern, stripes, kv_cache, table, keys, values, lengths, window_table, stripe_table
 
 
 def test_stripe_offsets_are_each_kv_heads_stripe_residue():
@@ -290,7 +291,7 @@ def test_kv_heads_read_their_stripes_from_the_stripe_pages(dtype):
     """Per KV head page tables (stripe_pages) over a cache written by write_kv and write_stripes:
     the PyTorch path, and the Triton decode kernel where it runs, match the reference though
     every head's stripe blocks are NaN in the window pages."""
-    pattern, _, kv_cache, table, keys, values, lengths = stripe_cache(dtype)
+    pattern, _, kv_cache, table, keys, values, lengths, *_ = stripe_cache(dtype)
     q = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(3))
     q = q.to(DEVICE, dtype)
     scale = 1 / math.sqrt(DIM)
@@ -316,7 +317,7 @@ def test_decode_writes_land_where_the_decode_reads(stripes):
     and the null block (the padding request's) changes."""
     dtype = torch.float32
     if stripes:
-        pattern, _, kv_cache, table, keys, values, lengths = stripe_cache(dtype)
+        pattern, _, kv_cache, table, keys, values, lengths, *_ = stripe_cache(dtype)
     else:
         pattern = local_stride_pattern(
             HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4,
