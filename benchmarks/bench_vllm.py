@@ -68,13 +68,15 @@ GIB = 2**30
 BLOCK, LOCAL = 64, 16
 DENSE_LAYERS = 2
 VOCAB = MODEL["vocab_size"]
+CONFIGS = ("dense", "hhst", "hhst-union")
+KV_PAGES_ENV = "S2ATTN_VLLM_KV_PAGES"  # s2attn.integrations.vllm_backend's, read without vLLM
 # The most new tokens of any request: the engine's length is the longest prompt plus this.
 MAX_NEW = 2048
 
 
 # --------------------------------------------------------------------------- the worker process
 def model_config(name: str, max_len: int, stride: int):
-    """The 7B shape's transformers config, HHST when ``name`` is ``hhst``."""
+    """The 7B shape's transformers config, HHST when ``name`` is ``hhst`` or ``hhst-union``."""
     import transformers
 
     from s2attn.integrations.transformers import configure
@@ -88,7 +90,7 @@ def model_config(name: str, max_len: int, stride: int):
         head_dim=128,
         architectures=["LlamaForCausalLM"],
     )
-    if name == "hhst":
+    if name.startswith("hhst"):
         configure(
             config,
             block_size=BLOCK,
@@ -290,7 +292,7 @@ def worker(args) -> None:
     )
     Path(args.json).write_text(json.dumps(result, indent=1))
     served_s2 = any("S2" in name for name, _ in result["groups"])
-    if served_s2 != (args.worker == "hhst"):
+    if served_s2 != (args.worker != "dense"):
         raise RuntimeError(f"the {args.worker} engine's KV-cache groups are {result['groups']}")
     # Warm-up: every kernel compiled and tuned, prefill chunks of full length and a partial one.
     single_request(engine, 2 * args.chunk + BLOCK + 1, 8, seed=1)
@@ -309,7 +311,7 @@ def worker(args) -> None:
         )
         result["rows"].append(row)
         Path(args.json).write_text(json.dumps(result, indent=1))
-        if args.worker == "hhst":
+        if args.worker != "dense":
             row["s2_bounds"] = s2_bounds(length + args.new - 1, args.stride)
         if args.concurrency_prompts is None or length in args.concurrency_prompts:
             row["most"] = concurrency_row(engine, length, args)
@@ -330,6 +332,11 @@ def markdown(results: list[dict], env: dict, args) -> str:
         f"of {args.new} new tokens. Largest batch: the most requests the pool holds at their "
         f"peak, throughput over the steps where all decode. `{' '.join(sys.argv)}`."
     )
+    if any(res["config"] == "hhst-union" for res in results):
+        description += (
+            " hhst-union: the same HHST, each S2 layer's KV-cache group holding the union over "
+            f"KV heads ({KV_PAGES_ENV}=union) instead of each KV head's stripes apart."
+        )
     lines = heading("vLLM serving", env, description)
     lines += [host_line(env), ""]
     header = [
@@ -373,7 +380,7 @@ def markdown(results: list[dict], env: dict, args) -> str:
             )
     lines += table(header, rows)
     bounds = [
-        (r["prompt"], r)
+        (res["config"], r["prompt"], r)
         for res in results
         for r in res["rows"]
         if "s2_bounds" in r and r["kv_bytes"]
@@ -382,6 +389,7 @@ def markdown(results: list[dict], env: dict, args) -> str:
         lines += ["", "KV held in the S2 layers per sequence, at its last token:", ""]
         lines += table(
             [
+                "config",
                 "prompt",
                 "vLLM holds GiB",
                 "union over KV heads GiB",
@@ -390,13 +398,14 @@ def markdown(results: list[dict], env: dict, args) -> str:
             ],
             [
                 [
+                    config,
                     p,
                     f"{r['kv_bytes']['s2'] / GIB:.3f}",
                     f"{r['s2_bounds']['union'] / GIB:.3f}",
                     f"{r['s2_bounds']['s2cache'] / GIB:.3f}",
                     cell(r["kv_bytes"]["s2"] / r["s2_bounds"]["s2cache"], "{:.2f}"),
                 ]
-                for p, r in bounds
+                for config, p, r in bounds
             ],
         )
     lines += ["", "Engines:", ""]
@@ -417,7 +426,14 @@ def markdown(results: list[dict], env: dict, args) -> str:
 def main() -> int:
     ap = repeats_argument(parser(__doc__))
     ap.add_argument("--prompts", type=int, nargs="+", default=[32768, 131072])
-    ap.add_argument("--configs", nargs="+", default=["dense", "hhst"], choices=["dense", "hhst"])
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["dense", "hhst"],
+        choices=CONFIGS,
+        help="hhst-union: HHST with one KV-cache group per S2 layer pair, the union over KV heads "
+        f"({KV_PAGES_ENV}=union)",
+    )
     ap.add_argument("--stride", type=int, default=64)
     ap.add_argument("--new", type=int, default=128, help="new tokens of a batch-1 request")
     ap.add_argument("--chunk", type=int, default=8192, help="vLLM's max_num_batched_tokens")
@@ -446,7 +462,7 @@ def main() -> int:
         action="store_true",
         help="also transformers' generate at the same prompts (bench_serving.py), for reference",
     )
-    ap.add_argument("--worker", choices=["dense", "hhst"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.set_defaults(repeats=3)
     args = ap.parse_args()
@@ -465,7 +481,7 @@ def main() -> int:
     results = []
     workers = args.workers_dir or Path(tempfile.mkdtemp())
     workers.mkdir(parents=True, exist_ok=True)
-    for name in ("dense", "hhst"):
+    for name in CONFIGS:
         out = workers / f"{name}.json"
         if name in args.configs:
             command = [
@@ -478,6 +494,8 @@ def main() -> int:
                 str(out),
             ]
             environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            if name == "hhst-union":
+                environ[KV_PAGES_ENV] = "union"
             code = subprocess.call(command, env=environ)
             if code:
                 print(f"{name}: the worker exited with {code}", file=sys.stderr)
