@@ -373,9 +373,10 @@ class DecodeBuffers:
         group's ``stripe_table`` and the layer's ``offsets`` (:meth:`StripeLayout.offsets_on`) as
         :func:`stripe_pages` composes them. All on the buffers' device.
 
-        vLLM pads a graph's batch with requests of length 0 whose table rows hold its null block
-        (block 0, which no request owns): their length is raised to 1, so the kernel reads one
-        position of a real page for them, and vLLM drops their outputs."""
+        vLLM pads a graph's batch with requests of length 0: their rows of the batch's table
+        read its null block (block 0, which no request owns) whatever their rows of vLLM's
+        tables hold, and their length is raised to 1, so the kernel reads one position of a real
+        page for them and their token is written there; vLLM drops their outputs."""
         requests = block_table.shape[0]
         if requests * self.num_kv_heads > self.split_counters.shape[0]:
             raise ValueError(

@@ -43,9 +43,10 @@ def impl_for(pattern, stripes, monkeypatch):
 
 @pytest.mark.parametrize("striped", [False, True], ids=["union", "stripes"])
 def test_decode_steps_write_and_read_through_the_steps_page_table(striped, monkeypatch):
-    """Three decode steps of two requests plus a padding request (length 0 on the null block):
-    each step's new token written by do_kv_cache_update, then attended by forward, equals the
-    reference over every token so far."""
+    """Three decode steps of two requests plus a padding request (length 0) whose rows of the
+    block tables are request 0's, as stale rows could be: each step's new token written by
+    do_kv_cache_update, then attended by forward, equals the reference over every token so far
+    (the padding request's token, written into request 0's pages, would change it)."""
     if striped:
         pattern, stripes, kv_cache, _, keys, values, lengths, window_table, stripe_table = (
             # Each request's new tokens in a stripe block of one KV head (head 0: block 8; head
@@ -72,7 +73,7 @@ def test_decode_steps_write_and_read_through_the_steps_page_table(striped, monke
         values = [torch.cat([v, nv[None]]) for v, nv in zip(values, new_v)]
         lengths = [n + 1 for n in lengths]
         seq_lens = torch.tensor([*lengths, 0], dtype=torch.int32, device=DEVICE)
-        table = torch.cat([window_table, torch.zeros_like(window_table[:1])])
+        table = torch.cat([window_table, window_table[:1]])
         metadata = backend.S2AttentionMetadata(
             num_actual_tokens=3,
             max_query_len=1,
@@ -84,7 +85,7 @@ def test_decode_steps_write_and_read_through_the_steps_page_table(striped, monke
         )
         context = SimpleNamespace(attn_metadata={"layer": metadata}, slot_mapping={})
         if striped:
-            stripes_of = torch.cat([stripe_table, torch.zeros_like(stripe_table[:1])])
+            stripes_of = torch.cat([stripe_table, stripe_table[:1]])
             context.attn_metadata["layer.stripes"] = SimpleNamespace(block_table=stripes_of)
         monkeypatch.setattr(backend, "get_forward_context", lambda context=context: context)
         pad = torch.zeros(1, KV_HEADS, DIM, device=DEVICE)
@@ -96,5 +97,7 @@ def test_decode_steps_write_and_read_through_the_steps_page_table(striped, monke
         want = reference(q[:2], keys, values, [1, 1], pattern, 1 / math.sqrt(DIM))
         assert_close(got, want.to(got.dtype), torch.float32, f"backend decode, step {step}")
         assert len(metadata.decode_batches) == 1  # composed once for the group's layers
+    page_table = next(iter(metadata.decode_batches.values())).page_table
+    assert torch.equal(page_table[2], kv_head_pages(torch.zeros_like(table[:1]), KV_HEADS)[0])
     if not striped:
-        assert torch.equal(metadata.decode_batches[None].page_table, kv_head_pages(table, KV_HEADS))
+        assert torch.equal(page_table[:2], kv_head_pages(table[:2], KV_HEADS))

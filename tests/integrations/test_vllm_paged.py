@@ -185,8 +185,8 @@ def test_decode_buffers_refuse_a_batch_past_their_size():
 @pytest.mark.parametrize("width", [7, 300, 600], ids=["narrow", "two-programs", "three-programs"])
 def test_decode_batches_compose_the_tables_stripe_pages_does(width):
     """DecodeBuffers.batch's one launch against the torch composition, on random tables wider and
-    narrower than one program's blocks, with stripes apart and without; lengths of 0 (padding)
-    read as 1."""
+    narrower than one program's blocks, with stripes apart and without; a padding request
+    (length 0) reads as length 1 from vLLM's null block, whatever its row of the tables holds."""
     gen = torch.Generator().manual_seed(width)
     requests, period = 5, 4
     window = torch.randint(0, 10_000, (requests, width), generator=gen, dtype=torch.int32)
@@ -198,11 +198,15 @@ def test_decode_batches_compose_the_tables_stripe_pages_does(width):
     offsets = stripes.offsets_on(DEVICE)
     buffers = DecodeBuffers(8, KV_HEADS, torch.device(DEVICE))
     batch = buffers.batch(window, seq_lens, stripe_table, stripes, offsets)
-    assert torch.equal(batch.page_table, stripe_pages(window, stripe_table, period, offsets))
+    null = kv_head_pages(torch.zeros_like(window[:1]), KV_HEADS)
+    want = stripe_pages(window, stripe_table, period, offsets)
+    assert torch.equal(batch.page_table[1:], want[1:])
+    assert torch.equal(batch.page_table[:1], null)
     assert batch.seq_lens.tolist() == [1, 1, 64, 900, 5]
     assert batch.positions.tolist() == [0, 0, 63, 899, 4]
     union = buffers.batch(window, seq_lens)
-    assert torch.equal(union.page_table, kv_head_pages(window, KV_HEADS))
+    assert torch.equal(union.page_table[1:], kv_head_pages(window[1:], KV_HEADS))
+    assert torch.equal(union.page_table[:1], null)
 
 
 def test_padding_slots_write_only_the_null_block():

@@ -47,12 +47,14 @@ def _tables_kernel(
     BLOCK_J: tl.constexpr,
 ):
     """Program (request r, chunk c of its blocks): the table's entries of those blocks for every
-    KV head; chunk 0 also writes r's length (at least 1: a padding request of length 0 reads one
-    position of its null block) and its new token's position."""
+    KV head; chunk 0 also writes r's length (at least 1) and its new token's position. A padding
+    request (length 0) gets block 0, vLLM's null block, everywhere, whatever its table row holds:
+    its one position read and its token written land there."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     j = c * BLOCK_J + tl.arange(0, BLOCK_J)
-    live = j < width
+    n = tl.load(seq_lens + r)
+    live = j < tl.where(n > 0, width, 0)  # a padding request reads no table entry
     r64 = r.to(tl.int64)
     block = tl.load(window + r64 * stride_wr + j * stride_wj, mask=live, other=0)
     if STRIPES:
@@ -63,9 +65,9 @@ def _tables_kernel(
         if STRIPES:
             page = tl.where(j % period == tl.load(offsets + h), stripe, block)
         dst = table + r64 * stride_tr + h * stride_th + j * stride_tj
-        tl.store(dst, page * NUM_KV_HEADS + h, mask=live)
+        tl.store(dst, page * NUM_KV_HEADS + h, mask=j < width)
     if c == 0:
-        n = tl.maximum(tl.load(seq_lens + r), 1)
+        n = tl.maximum(n, 1)
         tl.store(lengths + r, n)
         tl.store(positions + r, n - 1)
 
@@ -87,7 +89,8 @@ def decode_page_tables(
 
     Args:
         window_table: int32 (requests, width), each request's block of each position block.
-        seq_lens: (requests,) lengths with the new token (0 for padding requests).
+        seq_lens: (requests,) lengths with the new token (0 for padding requests, whose rows
+            of the table read vLLM's null block 0).
         num_kv_heads: KV heads per block.
         stripe_table: int32 (requests, periods), the block of each period of each KV head's
             stripes; with ``period`` (in blocks) and ``offsets`` (int64 (num_kv_heads,), each
