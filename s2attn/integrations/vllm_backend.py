@@ -262,6 +262,8 @@ class S2AttentionImpl(AttentionImpl[S2AttentionMetadata]):
     ) -> None:
         batch = self._decode_batch(_metadata_of(layer))
         if batch is not None:
+            if self.stripes is not None:  # the table's stripe pages index this same tensor
+                self._check_shared_pages(kv_cache)
             write_decode_kv(key, value, kv_cache, batch)
             return
         write_kv(key, value, kv_cache, slot_mapping)

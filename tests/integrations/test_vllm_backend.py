@@ -84,6 +84,8 @@ def test_decode_steps_write_and_read_through_the_steps_page_table(striped, monke
             decode=buffers,
         )
         context = SimpleNamespace(attn_metadata={"layer": metadata}, slot_mapping={})
+        # vLLM lays a layer's and its stripe layer's pages out in one tensor.
+        context.no_compile_layers = {"layer.stripes": SimpleNamespace(kv_cache=kv_cache)}
         if striped:
             stripes_of = torch.cat([stripe_table, stripe_table[:1]])
             context.attn_metadata["layer.stripes"] = SimpleNamespace(block_table=stripes_of)
@@ -97,6 +99,11 @@ def test_decode_steps_write_and_read_through_the_steps_page_table(striped, monke
         want = reference(q[:2], keys, values, [1, 1], pattern, 1 / math.sqrt(DIM))
         assert_close(got, want.to(got.dtype), torch.float32, f"backend decode, step {step}")
         assert len(metadata.decode_batches) == 1  # composed once for the group's layers
+    if striped:  # stripe pages in another tensor than the layer's are refused
+        impl._shares_pages = False
+        context.no_compile_layers["layer.stripes"].kv_cache = kv_cache.clone()
+        with pytest.raises(RuntimeError, match="another tensor than its layer's"):
+            impl.do_kv_cache_update(layer, k_step, v_step, kv_cache, metadata.slot_mapping)
     page_table = next(iter(metadata.decode_batches.values())).page_table
     assert torch.equal(page_table[2], kv_head_pages(torch.zeros_like(table[:1]), KV_HEADS)[0])
     if not striped:
