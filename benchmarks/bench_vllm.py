@@ -428,11 +428,12 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument(
         "--configs",
-        nargs="+",
+        nargs="*",
         default=["dense", "hhst"],
         choices=CONFIGS,
         help="hhst-union: HHST with one KV-cache group per S2 layer pair, the union over KV heads "
-        f"({KV_PAGES_ENV}=union)",
+        f"({KV_PAGES_ENV}=union); none: no engine, the table from --workers-dir's results (with "
+        "--generate, to add generate's rows in a call of their own)",
     )
     ap.add_argument("--stride", type=int, default=64)
     ap.add_argument("--new", type=int, default=128, help="new tokens of a batch-1 request")
