@@ -443,19 +443,35 @@ class MixedDecodes:
 def mixed_decodes(
     query_start_loc: list[int], seq_lens: list[int], num_kv_heads: int, device
 ) -> MixedDecodes | None:
-    """The step's requests of one new token, as :class:`MixedDecodes` (None if there are none)."""
+    """The step's requests of one new token, as :class:`MixedDecodes` (None if there are none).
+
+    Every S2 group's builder asks with the same step's lists: the last answer is kept and given
+    again for equal lists (the split counters too: every layer of every group launches in turn on
+    one stream, and the kernel leaves them zero), and one copy to the device carries the four
+    index tensors."""
+    key = (tuple(query_start_loc), tuple(seq_lens), num_kv_heads, str(device))
+    if _LAST_MIXED and _LAST_MIXED[0] == key:
+        return _LAST_MIXED[1]
     rows = [r for r in range(len(seq_lens)) if query_start_loc[r + 1] - query_start_loc[r] == 1]
-    if not rows:
-        return None
-    lengths = torch.tensor([seq_lens[r] for r in rows], dtype=torch.int32)
-    return MixedDecodes(
-        requests=torch.tensor(rows, dtype=torch.int64).to(device),
-        tokens=torch.tensor([query_start_loc[r] for r in rows], dtype=torch.int64).to(device),
-        seq_lens=lengths.to(device),
-        positions=(lengths - 1).to(device),
-        split_counters=torch.zeros(len(rows) * num_kv_heads, dtype=torch.int32, device=device),
-        host=frozenset(rows),
-    )
+    mixed = None
+    if rows:
+        lengths = [seq_lens[r] for r in rows]
+        starts = [query_start_loc[r] for r in rows]
+        host = torch.tensor([rows, starts, lengths, [n - 1 for n in lengths]], dtype=torch.int64)
+        requests, tokens, lengths_on, positions = host.to(device)
+        mixed = MixedDecodes(
+            requests=requests,
+            tokens=tokens,
+            seq_lens=lengths_on.to(torch.int32),
+            positions=positions.to(torch.int32),
+            split_counters=torch.zeros(len(rows) * num_kv_heads, dtype=torch.int32, device=device),
+            host=frozenset(rows),
+        )
+    _LAST_MIXED[:] = [key, mixed]
+    return mixed
+
+
+_LAST_MIXED: list = []  # [key, MixedDecodes | None] of mixed_decodes' last step
 
 
 def write_decode_kv(

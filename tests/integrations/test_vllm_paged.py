@@ -135,6 +135,9 @@ def test_mixed_step_sends_single_token_requests_to_the_decode_kernel(dtype):
     pages = kv_head_pages(table, KV_HEADS)
     mixed = mixed_decodes(starts, lengths, KV_HEADS, DEVICE)
     assert mixed.host == {2, 3} and mixed.tokens.tolist() == [starts[2], starts[3]]
+    assert mixed.seq_lens.tolist() == [161, 97] and mixed.positions.tolist() == [160, 96]
+    assert mixed.requests.tolist() == [2, 3] and mixed.seq_lens.dtype == torch.int32
+    assert mixed_decodes(list(starts), list(lengths), KV_HEADS, DEVICE) is mixed  # other groups
     out = torch.full_like(q, float("nan"))
     out[mixed.tokens] = paged_decode_triton(
         q[mixed.tokens], kv_cache, mixed.batch(pages), pattern, scale
@@ -143,6 +146,8 @@ def test_mixed_step_sends_single_token_requests_to_the_decode_kernel(dtype):
     want = reference(q, keys, values, num_new, pattern, scale)
     assert_close(out, want.to(out.dtype), dtype, "a mixed step")
     assert mixed_decodes([0, 5, 9], [5, 9], KV_HEADS, DEVICE) is None
+    again = mixed_decodes(starts, [n + 1 for n in lengths], KV_HEADS, DEVICE)
+    assert again is not mixed and again.seq_lens.tolist() == [162, 98]
 
 
 @pytest.mark.skipif(not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels")
