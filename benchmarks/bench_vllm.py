@@ -64,12 +64,13 @@ from run_info import (
     write_results,
 )
 
+from s2attn.integrations.vllm_paged import KV_PAGES_ENV
+
 GIB = 2**30
 BLOCK, LOCAL = 64, 16
 DENSE_LAYERS = 2
 VOCAB = MODEL["vocab_size"]
 CONFIGS = ("dense", "hhst", "hhst-union")
-KV_PAGES_ENV = "S2ATTN_VLLM_KV_PAGES"  # s2attn.integrations.vllm_backend's, read without vLLM
 # The most new tokens of any request: the engine's length is the longest prompt plus this.
 MAX_NEW = 2048
 

@@ -30,8 +30,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench_vllm import CONFIGS, KV_PAGES_ENV, Engine, model_config, prompt
+from bench_vllm import BLOCK, CONFIGS, Engine, model_config, prompt, single_request
 from run_info import finish, heading, host_line, parser, result_stem, start, table, write_results
+
+from s2attn.integrations.vllm_paged import KV_PAGES_ENV
 
 
 def decode_steps(engine: Engine, n: int) -> float:
@@ -121,9 +123,8 @@ def main() -> int:
         max_len=max_len, chunk=8192, max_seqs=256, gpu_memory_utilization=0.9
     )
     engine = Engine(directory, engine_args)
-    engine.submit([prompt(2 * 8192 + 65, 1)], 8)  # warm-up: full prefill chunks, a decode
-    while engine.engine.has_unfinished_requests():
-        engine.step()
+    # Warm-up as bench_vllm's: full prefill chunks and a partial one, a few decode steps.
+    single_request(engine, 2 * engine_args.chunk + BLOCK + 1, 8, seed=1)
     # Enough new tokens for every measured step; stepped until the prefill is done.
     engine.submit([prompt(args.prompt, 2)], 6 * args.steps + 16)
     while not engine.scheduler.running or (

@@ -58,13 +58,11 @@ from ..pattern import BlockPattern, shared_dense_pattern
 from . import vllm_kv
 from .vllm_backend import (
     BACKEND_NAME,
-    KV_PAGES,
-    KV_PAGES_ENV,
     S2AttentionBackend,
     S2AttentionImpl,
     stripe_backend,
 )
-from .vllm_paged import StripeLayout, stripe_layout
+from .vllm_paged import KV_PAGES, KV_PAGES_ENV, StripeLayout, stripe_layout
 
 __all__ = [
     "KV_PAGES_ENV",

@@ -34,6 +34,7 @@ except ImportError:
 from ..pattern import BlockPattern
 from . import vllm_kv
 from .vllm_paged import (
+    KV_PAGES_ENV,
     DecodeBuffers,
     MixedDecodes,
     PagedDecodeBatch,
@@ -52,8 +53,6 @@ from .vllm_paged import (
 
 __all__ = [
     "BACKEND_NAME",
-    "KV_PAGES",
-    "KV_PAGES_ENV",
     "S2AttentionBackend",
     "S2AttentionImpl",
     "S2AttentionMetadata",
@@ -64,11 +63,6 @@ __all__ = [
 
 # vLLM's enum member for out-of-tree backends (0.26 takes no new names; 0.32 would).
 BACKEND_NAME = "CUSTOM"
-# How S2 layers keep their KV pages in vLLM: "per-head" (the default where it applies: each KV
-# head keeps its own stripes, in a stripe group beside the window group) or "union" (one group
-# per layer, freeing the blocks no KV head reads). For comparisons; read when the model is built.
-KV_PAGES_ENV = "S2ATTN_VLLM_KV_PAGES"
-KV_PAGES = ("per-head", "union")
 
 
 # ------------------------------------------------------------------------------ backend

@@ -39,6 +39,8 @@ from ..ops.dispatch import decode_page_tables, write_pages
 from ..pattern import BlockPattern
 
 __all__ = [
+    "KV_PAGES",
+    "KV_PAGES_ENV",
     "DecodeBuffers",
     "MixedDecodes",
     "PagedDecodeBatch",
@@ -57,6 +59,13 @@ __all__ = [
     "write_kv",
     "write_stripes",
 ]
+
+
+# How S2 layers keep their KV pages in vLLM: "per-head" (the default where it applies: each KV
+# head keeps its own stripes, in a stripe group beside the window group) or "union" (one group
+# per layer, freeing the blocks no KV head reads). For comparisons; read when the model is built.
+KV_PAGES_ENV = "S2ATTN_VLLM_KV_PAGES"
+KV_PAGES = ("per-head", "union")
 
 
 @dataclass(frozen=True)

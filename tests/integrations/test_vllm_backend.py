@@ -18,16 +18,23 @@ from helpers import DEVICE, assert_close
 pytest.importorskip("vllm")
 backend = pytest.importorskip("s2attn.integrations.vllm_backend")
 
-from test_vllm_paged import DIM, HEADS, KV_HEADS, make_cache, reference, stripe_cache  # noqa: E402
+from test_vllm_paged import (  # noqa: E402
+    DIM,
+    HEADS,
+    KV_HEADS,
+    make_cache,
+    reference,
+    stripe_cache,
+    striped_pattern,
+)
 
-from s2attn import local_stride_pattern  # noqa: E402
 from s2attn.integrations.vllm_paged import DecodeBuffers, kv_head_pages  # noqa: E402
 from s2attn.ops.dispatch import supports_triton  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not supports_triton(torch.device(DEVICE)), reason="needs the Triton kernels"
 )
-PAGE, PERIOD = 32, 4
+PAGE = 32  # striped_pattern's block, vLLM's page
 
 
 def impl_for(pattern, stripes, monkeypatch):
@@ -54,10 +61,7 @@ def test_decode_steps_write_and_read_through_the_steps_page_table(striped, monke
             stripe_cache(torch.float32, lengths=(258, 228))
         )
     else:
-        pattern = local_stride_pattern(
-            HEADS, max_seq_len=512, block_size=PAGE, local_blocks=2, vert_stride=PERIOD,
-            num_kv_heads=KV_HEADS,
-        )  # fmt: skip
+        pattern = striped_pattern()
         stripes, lengths = None, [300, 161]
         kv_cache, window_table, keys, values = make_cache(lengths, PAGE, torch.float32)
     impl = impl_for(pattern, stripes, monkeypatch)

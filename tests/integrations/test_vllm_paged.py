@@ -253,15 +253,20 @@ def test_split_kv_cache_checks_the_shape():
         split_kv_cache(torch.zeros(4, 2, 16, 33))
 
 
+def striped_pattern():
+    """Blocks of 32, a local window of 2, stride 4 over 2 KV heads: stripe_cache's pattern."""
+    return local_stride_pattern(
+        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4, num_kv_heads=KV_HEADS
+    )
+
+
 def stripe_cache(dtype, lengths=(300, 161)):
     """Two requests of ``lengths`` as a layer whose KV heads keep their stripes apart stores
     them (KV heads 0 and 1 keep blocks 0 and 3 of every 4 apart): every token
     in the window group's pages, each head's stripe blocks also in the stripe group's pages (one
     per period of 4 blocks, from the spare blocks), then NaN in the window pages of every head's
     stripe blocks, which that head must read from its stripe pages."""
-    pattern = local_stride_pattern(
-        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4, num_kv_heads=KV_HEADS
-    )
+    pattern = striped_pattern()
     stripes = stripe_layout(pattern, KV_HEADS, 4)
     offsets = stripes.offsets_on(DEVICE)
     lengths = list(lengths)
@@ -283,9 +288,7 @@ def stripe_cache(dtype, lengths=(300, 161)):
 
 
 def test_stripe_offsets_are_each_kv_heads_stripe_residue():
-    pattern = local_stride_pattern(
-        HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4, num_kv_heads=KV_HEADS
-    )
+    pattern = striped_pattern()
     stripes = stripe_layout(pattern, KV_HEADS, 4)
     masks = group_block_mask(pattern, KV_HEADS)
     last = pattern.num_q_blocks - 1
@@ -328,10 +331,7 @@ def test_decode_writes_land_where_the_decode_reads(stripes):
     if stripes:
         pattern, _, kv_cache, table, keys, values, lengths, *_ = stripe_cache(dtype)
     else:
-        pattern = local_stride_pattern(
-            HEADS, max_seq_len=512, block_size=32, local_blocks=2, vert_stride=4,
-            num_kv_heads=KV_HEADS,
-        )  # fmt: skip
+        pattern = striped_pattern()
         lengths = [300, 161]
         kv_cache, window_table, keys, values = make_cache(lengths, 32, dtype)
         table = kv_head_pages(window_table, KV_HEADS)
