@@ -30,12 +30,14 @@ def args(**overrides):
 
 def test_the_report_of_a_run_names_each_engine_and_bound():
     run = json.loads(RUN.read_text())
-    # The same HHST engine again as hhst-union, with the async-scheduling field recorded.
-    union = {**run["results"][1], "config": "hhst-union", "async_scheduling": True}
+    # The same HHST engine again as hhst-union, from a run that did not record asynchronous
+    # scheduling.
+    union = {**run["results"][1], "config": "hhst-union"}
+    union.pop("async_scheduling")
     text = bench_vllm.markdown([*run["results"], union], run["env"], args())
     rows = [line for line in text.splitlines() if line.startswith("| hhst-union | 131072 |")]
     assert len(rows) == 2  # the main table and the KV bounds table
-    assert "| hhst | 131072 | 3.49 | 2.79 | 92.9 | 0.91 | 34 | 1302 | 8.39 |" in text
+    assert "| hhst | 131072 | 3.35 | 2.85 | 163.2 | 1.33 | 34 | 2045 | 12.30 |" in text
     assert "S2ATTN_VLLM_KV_PAGES=union" in text
     assert "asynchronous scheduling on" in text and "asynchronous scheduling not recorded" in text
     assert "15 S2AttentionSpec of 2 layers, 15 S2StripeSpec of 2 layers" in text
@@ -65,3 +67,45 @@ def test_the_profile_report_lists_kernels_and_host_functions():
     assert "Wall 9.20 ms a step" in text and "KV-cache groups 31" in text
     assert "| _decode_kernel | 30.0 | 11.2 | 0.336 |" in text
     assert "| vllm_paged.py:368(fill) | 15.0 | 1740 |" in text
+
+
+class ScriptedEngine:
+    """An engine whose one request gives a token a step, each step 1 ms on a clock of its own,
+    and whose page reading costs 5 ms: a batch-1 rate that counted it would show."""
+
+    def __init__(self, new: int) -> None:
+        self.new, self.tokens, self.clock, self.reads = new, 0, 0.0, []
+        self.engine = SimpleNamespace(has_unfinished_requests=lambda: self.tokens < self.new)
+
+    def submit(self, prompts, new):
+        assert new == self.new
+
+    def pages_held(self):
+        self.clock += 5e-3
+        self.reads.append(self.tokens)
+        return [self.tokens]
+
+    def step(self):
+        self.clock += 1e-3
+        self.tokens += 1
+        out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(self.tokens)))])
+        return self.clock, [out]
+
+    def group_bytes(self, pages):
+        return {"s2": pages[0]}
+
+
+def test_batch_1_decode_leaves_out_the_steps_that_read_the_pages(monkeypatch):
+    engine = ScriptedEngine(new=20)
+    monkeypatch.setattr(bench_vllm.time, "perf_counter", lambda: engine.clock)
+    monkeypatch.setattr(bench_vllm, "prompt", lambda length, seed: {})
+    row = bench_vllm.single_request(engine, 64, 20, seed=0)
+    # Pages read only in the last ACCOUNTING_STEPS steps, the last reading kept.
+    steps = bench_vllm.ACCOUNTING_STEPS
+    assert engine.reads == list(range(20 - steps, 20))
+    assert row["pages"] == [19] and row["kv_bytes"] == {"s2": 19}
+    # One token a millisecond over the untimed steps' predecessors: 1,000 tokens/s exactly.
+    assert row["tok_s"] == pytest.approx(1000.0)
+    assert row["ttft_s"] == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="no decode step to time"):
+        bench_vllm.single_request(ScriptedEngine(new=steps + 1), 64, steps + 1, seed=0)
