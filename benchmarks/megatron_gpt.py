@@ -88,7 +88,7 @@ BASELINE_FACTOR = 2.0
 WARMUP_STEPS = 5
 INIT_STD = 0.02  # Megatron's init_method_std
 
-SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, seq=96, batch=2, steps=10, lr=3e-3)
+SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, seq=96, batch=1, steps=10, lr=3e-3)
 SMOKE.update(block_size=16, local_blocks=2, vert_stride=2)
 
 
