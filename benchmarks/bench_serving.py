@@ -196,6 +196,11 @@ def fitting_batch(model, ctx: int, new: int, fill, batch: int) -> dict:
         try:
             return decode(model, batch, ctx, new, fill)
         except torch.OutOfMemoryError:
+            # An allocation that fails inside a compiled step leaves Inductor's CUDA-graph tree
+            # mid-recording (its next call fails an assertion); the smaller batch starts a new one.
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
             torch.cuda.empty_cache()
             if batch == 1:
                 raise

@@ -24,7 +24,7 @@ For each engine and prompt length:
   with enough new tokens that every request is still decoding once the last prefill is done;
   throughput is the tokens per second of the steps in which all of them decode together.
 - **transformers' generate** (``--generate``): ``bench_serving.py``'s rows at the same prompts and
-  stride, on the same GPU after the vLLM engines, for reference.
+  stride (its compiled rows at the longest), on the same GPU after the vLLM engines, for reference.
 
     python benchmarks/bench_vllm.py                          # 32k and 128k, dense and HHST
     python benchmarks/bench_vllm.py --generate               # and transformers' generate
@@ -533,14 +533,15 @@ def main() -> int:
 
 
 def generate_rows(workers: Path, args) -> list[dict]:
-    """transformers' ``generate`` on the same GPU, for reference: ``bench_serving.py`` (eager and
-    compiled decode, dense SDPA against HHST through ``S2Cache``) at the same prompts and stride,
-    after the vLLM engines, with ``--generate``; else the rows a run kept in ``--workers-dir``."""
+    """transformers' ``generate`` on the same GPU, for reference: ``bench_serving.py`` (eager
+    decode at the same prompts and stride, and static caches with a compiled decode step at the
+    longest; dense SDPA against HHST through ``S2Cache``) after the vLLM engines, with
+    ``--generate``; else the rows a run kept in ``--workers-dir``."""
     out = workers / "generate"
     if args.generate:
         prompts = ",".join(map(str, args.prompts))
         command = [sys.executable, str(Path(__file__).with_name("bench_serving.py")),
-                   "--prompts", prompts, "--compiled", "--compiled-prompts", prompts,
+                   "--prompts", prompts, "--compiled", "--compiled-prompts", str(max(args.prompts)),
                    "--stride", str(args.stride), "--repeats", str(args.repeats),
                    "--out-dir", str(out)]  # fmt: skip
         code = subprocess.call(command)

@@ -37,7 +37,7 @@ def test_the_report_of_a_run_names_each_engine_and_bound():
     text = bench_vllm.markdown([*run["results"], union], run["env"], args())
     rows = [line for line in text.splitlines() if line.startswith("| hhst-union | 131072 |")]
     assert len(rows) == 2  # the main table and the KV bounds table
-    assert "| hhst | 131072 | 3.35 | 2.85 | 163.2 | 1.33 | 34 | 2045 | 12.30 |" in text
+    assert "| hhst | 131072 | 3.39 | 2.87 | 223.6 | 1.82 | 34 | 2056 | 12.38 |" in text
     assert "S2ATTN_VLLM_KV_PAGES=union" in text
     assert "asynchronous scheduling on" in text and "asynchronous scheduling not recorded" in text
     assert "15 S2AttentionSpec of 2 layers, 15 S2StripeSpec of 2 layers" in text
@@ -109,3 +109,39 @@ def test_batch_1_decode_leaves_out_the_steps_that_read_the_pages(monkeypatch):
     assert row["ttft_s"] == pytest.approx(1e-3)
     with pytest.raises(ValueError, match="no decode step to time"):
         bench_vllm.single_request(ScriptedEngine(new=steps + 1), 64, steps + 1, seed=0)
+
+
+def test_generate_compiles_the_longest_prompt_only(monkeypatch, tmp_path):
+    commands = []
+    monkeypatch.setattr(bench_vllm.subprocess, "call", lambda command: commands.append(command))
+    assert bench_vllm.generate_rows(tmp_path, args(generate=True, prompts=[32768, 131072])) == []
+    (command,) = commands
+    assert command[command.index("--prompts") + 1] == "32768,131072"
+    assert command[command.index("--compiled-prompts") + 1] == "131072"
+
+
+def test_the_largest_batch_retries_after_a_compiled_step_ran_out_of_memory(monkeypatch):
+    import bench_serving
+    import torch
+    from torch._inductor import cudagraph_trees
+
+    resets, tried = [], []
+
+    def decode(model, batch, ctx, new, fill):
+        tried.append(batch)
+        # A retry before the CUDA-graph trees were reset would fail inside Inductor.
+        assert len(resets) == len(tried) - 1
+        if batch > 22 or batch == 1:
+            raise torch.OutOfMemoryError(f"batch {batch}")
+        return dict(batch=batch)
+
+    monkeypatch.setattr(bench_serving, "decode", decode)
+    monkeypatch.setattr(cudagraph_trees, "reset_cudagraph_trees", lambda: resets.append(1))
+    assert bench_serving.fitting_batch(None, 131072, 16, None, 25) == dict(batch=21)
+    assert tried == [25, 23, 21] and len(resets) == 2
+
+    tried.clear()
+    resets.clear()
+    with pytest.raises(torch.OutOfMemoryError):  # nothing smaller to try
+        bench_serving.fitting_batch(None, 131072, 16, None, 1)
+    assert tried == [1]
